@@ -1,0 +1,61 @@
+# tpflex — development tasks. `make help` lists them.
+SHELL := /bin/bash
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip
+STAMP := $(VENV)/.tpflex-installed
+PROTO_SRC := $(wildcard proto/tpflex_proto/*.proto)
+PROTO_OUT := proto/tpflex_proto/types_pb2.py
+PYPROJECTS := proto/pyproject.toml controller/pyproject.toml agent/pyproject.toml trainer_hooks/pyproject.toml tests/requirements.txt
+FAKE_NVML := agent/fake_nvml/build/libnvidia-ml.so.1
+PYTEST_ARGS ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install proto test demo bench lint fake-nvml clean
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+install: $(STAMP) $(PROTO_OUT) ## install etcd-server (apt), the venv and every component (idempotent)
+
+$(STAMP): $(PYPROJECTS)
+	@command -v etcd >/dev/null || { echo "installing Debian's etcd-server"; \
+	  SUDO=$$( [ $$(id -u) -eq 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq etcd-server >/dev/null; }
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -r tests/requirements.txt \
+	  -e 'proto[etcd,dev]' -e 'controller[sim]' -e agent -e trainer_hooks
+	@touch $@
+
+proto: $(PROTO_OUT) ## generate protobuf/gRPC code from proto/tpflex_proto/*.proto
+
+$(PROTO_OUT): $(PROTO_SRC) | $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto \
+	  --grpc_python_out=proto $(PROTO_SRC)
+	@touch $@
+
+fake-nvml: $(FAKE_NVML) ## build the fake libnvidia-ml.so.1 used by the NVML backend tests
+
+$(FAKE_NVML): $(wildcard agent/fake_nvml/*.c agent/fake_nvml/*.h)
+	@mkdir -p $(dir $@)
+	gcc -shared -fPIC -O2 -Wall -Wextra -o $@ agent/fake_nvml/fake_nvml.c -lpthread
+
+test: install fake-nvml ## run the whole test suite (real etcd, gRPC, uvicorn, gloo)
+	$(BIN)/pytest -c tests/pytest.ini tests $(PYTEST_ARGS)
+
+demo: install ## run the end-to-end demo: fail a GPU, re-plan, reshard, repair
+	$(BIN)/tpflex-demo
+
+bench: install fake-nvml ## run every benchmark in bench/ (one JSON line each)
+	@for b in bench/*.py; do echo "# $$b" >&2; PYTHONPATH=. $(BIN)/python $$b || exit 1; done
+
+lint: install ## ruff
+	$(BIN)/ruff check --line-length 100 --target-version py311 \
+	  --select E,F,W,I,B,UP --ignore E501,B008 --exclude '*_pb2*.py' \
+	  proto controller agent trainer_hooks tests bench
+
+clean: ## remove the venv, generated code and build outputs
+	rm -rf $(VENV) proto/tpflex_proto/*_pb2*.py proto/tpflex_proto/*_pb2.pyi agent/fake_nvml/build

@@ -1,0 +1,153 @@
+"""Domain types of the planner: plain, immutable, no I/O.
+
+The planner (``tpflex_controller.planner.plan``), the reconcile loop (which converts etcd
+protobufs into these at the edge) and the simulator (``tpflex-sim``) all speak these types.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+# A GPU is addressed by (node name, NVML index on that node).
+GpuKey = tuple[str, int]
+
+
+class Policy(str, enum.Enum):
+    NTP_PW = "ntp-pw"
+    NTP = "ntp"
+    DP_DROP = "dp-drop"
+    SPARE = "spare"
+
+    @classmethod
+    def parse(cls, value: str) -> Policy:
+        try:
+            return cls(value)
+        except ValueError:
+            names = ", ".join(p.value for p in cls)
+            raise ValueError(f"unknown policy {value!r}; expected one of: {names}") from None
+
+
+class GpuStatus(enum.Enum):
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"  # usable, possibly slow (relative speed < 1)
+    FAILED = "failed"  # not usable (XID 79, double-bit ECC, lost, node lease lapsed)
+    DRAINED = "drained"  # taken out by an operator
+
+
+class ReplicaState(enum.Enum):
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"  # runs at reduced TP in at least one stage
+    DROPPED = "dropped"  # out of the job until repaired
+    ON_SPARE = "on-spare"  # a spare domain stands in for at least one stage
+
+
+@dataclass(frozen=True, slots=True)
+class RackInfo:
+    name: str
+    domain_size: int
+    power_budget_w: float
+    tdp_w: float
+    min_w: float
+    max_w: float
+    gpus: tuple[GpuKey, ...]  # rack order
+
+
+@dataclass(frozen=True)
+class ClusterState:
+    """What the controller observes. Only non-healthy GPUs are listed, so that a state of
+    73,728 GPUs stays cheap to build and to copy."""
+
+    racks: Mapping[str, RackInfo]
+    # GPUs that are not HEALTHY; a GPU not listed here is HEALTHY (if its node is live)
+    gpu_status: Mapping[GpuKey, GpuStatus] = field(default_factory=dict)
+    # relative speed of slow GPUs (1.0 when absent)
+    gpu_speed: Mapping[GpuKey, float] = field(default_factory=dict)
+    # nodes with a live lease; None = every node is live (used by the simulator)
+    live_nodes: frozenset[str] | None = None
+    # operator power-cap pins (watts)
+    power_pins: Mapping[GpuKey, float] = field(default_factory=dict)
+
+    def status(self, gpu: GpuKey) -> GpuStatus:
+        if self.live_nodes is not None and gpu[0] not in self.live_nodes:
+            return GpuStatus.FAILED
+        return self.gpu_status.get(gpu, GpuStatus.HEALTHY)
+
+    def usable(self, gpu: GpuKey) -> bool:
+        return self.status(gpu) in (GpuStatus.HEALTHY, GpuStatus.DEGRADED)
+
+
+@dataclass(frozen=True, slots=True)
+class StageSpec:
+    rack: str
+    gpus: tuple[GpuKey, ...]  # TP ranks of this stage, in order (len == base_tp)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    stages: tuple[StageSpec, ...]  # one per pipeline stage
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    name: str
+    base_tp: int
+    replicas: tuple[ReplicaSpec, ...]
+    # unit counts of the sharded weight families, e.g. {"heads": 32, "ffn": 128, "vocab": 64}
+    units: Mapping[str, int]
+    min_tp: int = 1
+    policy: Policy = Policy.NTP_PW
+    spare_racks: tuple[str, ...] = ()
+    local_batch: int = 1  # samples per step of a healthy replica
+
+
+@dataclass(frozen=True)
+class JobOverrides:
+    pins: Mapping[int, int] = field(default_factory=dict)  # replica index -> TP degree
+    policy: Policy | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StageAssignment:
+    rack: str
+    tp_degree: int
+    gpus: tuple[GpuKey, ...]  # GPUs used, in TP-rank order
+    spec_stage: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaAssignment:
+    index: int
+    state: ReplicaState
+    stages: tuple[StageAssignment, ...]  # empty when DROPPED
+    tp_degree: int  # min over stages; 0 when DROPPED
+    local_batch: int  # 0 when DROPPED
+    relative_throughput: float  # samples/s vs a healthy replica (0 when DROPPED)
+    reason: str
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    job: str
+    policy: Policy
+    replicas: tuple[ReplicaAssignment, ...]
+    # per-GPU caps (watts) for every GPU whose cap differs from its rack's TDP
+    power_caps: Mapping[GpuKey, float]
+    # planned job throughput vs the failure-free job (samples/s ratio, 0..1)
+    expected_throughput_ratio: float
+    # human-readable reasons, one per change from the failure-free identity plan
+    reasons: tuple[str, ...]
+
+    def same_decision(self, other: PlanResult | None) -> bool:
+        """Whether two results decide the same thing (reasons and wording aside)."""
+        return (
+            other is not None
+            and self.policy == other.policy
+            and self.replicas == other.replicas
+            and dict(self.power_caps) == dict(other.power_caps)
+        )
+
+
+class PlanningError(ValueError):
+    """The request cannot be planned (bad spec or impossible pin); the message says why."""

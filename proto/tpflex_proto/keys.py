@@ -1,0 +1,78 @@
+"""The etcd key layout (DESIGN.md): every key tpflex reads or writes is built here."""
+
+from __future__ import annotations
+
+PREFIX = "/tpflex/v1/"
+
+NODES = PREFIX + "nodes/"
+HEALTH = PREFIX + "health/"
+RACKS = PREFIX + "racks/"
+JOBS = PREFIX + "jobs/"
+OVERRIDES = PREFIX + "overrides/"
+GPU_OVERRIDES = OVERRIDES + "gpus/"
+JOB_OVERRIDES = OVERRIDES + "jobs/"
+POWER = PREFIX + "power/"
+LEADER = PREFIX + "leader"
+EVENTS = PREFIX + "events/"
+STEPS = PREFIX + "steps/"
+
+
+def node(name: str) -> str:
+    return NODES + name
+
+
+def health(node_name: str) -> str:
+    return HEALTH + node_name
+
+
+def rack(name: str) -> str:
+    return RACKS + name
+
+
+def job_prefix(job: str) -> str:
+    return f"{JOBS}{job}/"
+
+
+def job_spec(job: str) -> str:
+    return f"{JOBS}{job}/spec"
+
+
+def job_plan(job: str) -> str:
+    return f"{JOBS}{job}/plan"
+
+
+def job_plan_history(job: str, generation: int) -> str:
+    # zero-padded so that a prefix read returns generations in order
+    return f"{JOBS}{job}/history/{generation:012d}"
+
+
+def job_acks(job: str) -> str:
+    return f"{JOBS}{job}/acks/"
+
+
+def job_ack(job: str, rank: int) -> str:
+    return f"{JOBS}{job}/acks/{rank}"
+
+
+def gpu_override(node_name: str, index: int) -> str:
+    return f"{GPU_OVERRIDES}{node_name}/{index}"
+
+
+def job_override(job: str) -> str:
+    return JOB_OVERRIDES + job
+
+
+def power(node_name: str) -> str:
+    return POWER + node_name
+
+
+def event(seq: int) -> str:
+    return f"{EVENTS}{seq:012d}"
+
+
+def split_job_key(key: str) -> tuple[str, str] | None:
+    """``/tpflex/v1/jobs/<job>/<rest>`` -> (job, rest); None for other keys."""
+    if not key.startswith(JOBS):
+        return None
+    job, sep, rest = key[len(JOBS):].partition("/")
+    return (job, rest) if sep and job else None

@@ -1,0 +1,1 @@
+"""Test support: real servers on loopback for the test suite and benchmarks."""
