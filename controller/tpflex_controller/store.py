@@ -1,0 +1,187 @@
+"""Typed access to the controller's state in etcd (key layout in ``tpflex_proto.keys``).
+
+Reads decode with the shared codec; a malformed value written by something else is logged
+and skipped, never raised from a prefix read. Leader-only writes (plans, power, events)
+are *not* here: they go through the fenced transactions of ``election.LeaderSession``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from google.protobuf.message import Message
+from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.etcd import Etcd, KeyValue
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=Message)
+
+
+def decode_or_skip(cls: type[M], kv: KeyValue) -> M | None:
+    try:
+        return codec.decode(cls, kv.value, kv.key)
+    except codec.MalformedValue as exc:
+        log.warning("skipping malformed etcd value key=%s error=%s", kv.key, exc)
+        return None
+
+
+def _decode_all(cls: type[M], kvs: Iterable[KeyValue], prefix: str) -> dict[str, M]:
+    out: dict[str, M] = {}
+    for kv in kvs:
+        msg = decode_or_skip(cls, kv)
+        if msg is not None:
+            out[kv.key[len(prefix):]] = msg
+    return out
+
+
+@dataclass
+class Snapshot:
+    """Everything the planner needs, read at one etcd revision."""
+
+    revision: int = 0
+    racks: dict[str, types_pb2.Rack] = field(default_factory=dict)
+    nodes: dict[str, types_pb2.Node] = field(default_factory=dict)
+    health: dict[str, types_pb2.NodeHealth] = field(default_factory=dict)
+    jobs: dict[str, types_pb2.JobSpec] = field(default_factory=dict)
+    plans: dict[str, types_pb2.Plan] = field(default_factory=dict)
+    gpu_overrides: dict[tuple[str, int], types_pb2.GpuOverride] = field(default_factory=dict)
+    job_overrides: dict[str, types_pb2.JobOverride] = field(default_factory=dict)
+
+
+class Store:
+    def __init__(self, etcd: Etcd) -> None:
+        self.etcd = etcd
+
+    # ---- whole-state read ----
+
+    def snapshot(self) -> Snapshot:
+        """Read the whole ``/tpflex/v1/`` tree once (one range read, one revision)."""
+        kvs, rev = self.etcd.get_prefix(keys.PREFIX)
+        snap = Snapshot(revision=rev)
+        for kv in kvs:
+            apply_kv(snap, kv)
+        return snap
+
+    # ---- single reads ----
+
+    def _get(self, cls: type[M], key: str) -> M | None:
+        kv = self.etcd.get(key)
+        return decode_or_skip(cls, kv) if kv is not None else None
+
+    def rack(self, name: str) -> types_pb2.Rack | None:
+        return self._get(types_pb2.Rack, keys.rack(name))
+
+    def racks(self) -> dict[str, types_pb2.Rack]:
+        kvs, _ = self.etcd.get_prefix(keys.RACKS)
+        return _decode_all(types_pb2.Rack, kvs, keys.RACKS)
+
+    def nodes(self) -> dict[str, types_pb2.Node]:
+        kvs, _ = self.etcd.get_prefix(keys.NODES)
+        return _decode_all(types_pb2.Node, kvs, keys.NODES)
+
+    def health(self) -> dict[str, types_pb2.NodeHealth]:
+        kvs, _ = self.etcd.get_prefix(keys.HEALTH)
+        return _decode_all(types_pb2.NodeHealth, kvs, keys.HEALTH)
+
+    def job(self, name: str) -> types_pb2.JobSpec | None:
+        return self._get(types_pb2.JobSpec, keys.job_spec(name))
+
+    def jobs(self) -> dict[str, types_pb2.JobSpec]:
+        kvs, _ = self.etcd.get_prefix(keys.JOBS)
+        return {
+            k[: -len("/spec")]: v
+            for k, v in _decode_all(types_pb2.JobSpec, (kv for kv in kvs if kv.key.endswith("/spec")), keys.JOBS).items()
+        }
+
+    def plan(self, job: str) -> types_pb2.Plan | None:
+        return self._get(types_pb2.Plan, keys.job_plan(job))
+
+    def plan_history(self, job: str) -> list[types_pb2.Plan]:
+        prefix = keys.job_plan_history(job, 0)[: -12]
+        kvs, _ = self.etcd.get_prefix(prefix)
+        return list(_decode_all(types_pb2.Plan, kvs, prefix).values())
+
+    def acks(self, job: str) -> dict[int, types_pb2.Ack]:
+        prefix = keys.job_acks(job)
+        kvs, _ = self.etcd.get_prefix(prefix)
+        return {int(k): v for k, v in _decode_all(types_pb2.Ack, kvs, prefix).items() if k.isdigit()}
+
+    def gpu_overrides(self) -> dict[tuple[str, int], types_pb2.GpuOverride]:
+        kvs, _ = self.etcd.get_prefix(keys.GPU_OVERRIDES)
+        return {
+            (o.gpu.node, o.gpu.index): o
+            for o in _decode_all(types_pb2.GpuOverride, kvs, keys.GPU_OVERRIDES).values()
+        }
+
+    def job_override(self, job: str) -> types_pb2.JobOverride | None:
+        return self._get(types_pb2.JobOverride, keys.job_override(job))
+
+    def node_power(self, node: str) -> types_pb2.NodePowerPlan | None:
+        return self._get(types_pb2.NodePowerPlan, keys.power(node))
+
+    def events(self, limit: int = 100) -> list[types_pb2.Event]:
+        kvs, _ = self.etcd.get_prefix(keys.EVENTS)
+        return list(_decode_all(types_pb2.Event, kvs[-limit:], keys.EVENTS).values())
+
+    # ---- operator / registration writes (any controller replica) ----
+
+    def put_rack(self, rack: types_pb2.Rack) -> int:
+        return self.etcd.put(keys.rack(rack.name), codec.encode(rack))
+
+    def put_job(self, spec: types_pb2.JobSpec) -> int:
+        return self.etcd.put(keys.job_spec(spec.name), codec.encode(spec))
+
+    def put_gpu_override(self, override: types_pb2.GpuOverride) -> int:
+        key = keys.gpu_override(override.gpu.node, override.gpu.index)
+        return self.etcd.put(key, codec.encode(override))
+
+    def delete_gpu_override(self, node: str, index: int) -> bool:
+        return self.etcd.delete(keys.gpu_override(node, index))
+
+    def put_job_override(self, override: types_pb2.JobOverride) -> int:
+        return self.etcd.put(keys.job_override(override.job), codec.encode(override))
+
+    def delete_job_override(self, job: str) -> bool:
+        return self.etcd.delete(keys.job_override(job))
+
+
+def apply_kv(snap: Snapshot, kv: KeyValue, deleted: bool = False) -> bool:
+    """Fold one key-value (or its deletion) into a snapshot; returns whether the key is
+    one the planner cares about. Used for the initial read and for every watch event."""
+    key = kv.key
+    if key.startswith(keys.RACKS):
+        return _fold(snap.racks, key[len(keys.RACKS):], types_pb2.Rack, kv, deleted)
+    if key.startswith(keys.NODES):
+        return _fold(snap.nodes, key[len(keys.NODES):], types_pb2.Node, kv, deleted)
+    if key.startswith(keys.HEALTH):
+        return _fold(snap.health, key[len(keys.HEALTH):], types_pb2.NodeHealth, kv, deleted)
+    if key.startswith(keys.GPU_OVERRIDES):
+        node, _, idx = key[len(keys.GPU_OVERRIDES):].rpartition("/")
+        if not idx.isdigit():
+            log.warning("skipping malformed etcd key key=%s", key)
+            return False
+        return _fold(snap.gpu_overrides, (node, int(idx)), types_pb2.GpuOverride, kv, deleted)
+    if key.startswith(keys.JOB_OVERRIDES):
+        return _fold(snap.job_overrides, key[len(keys.JOB_OVERRIDES):], types_pb2.JobOverride, kv, deleted)
+    split = keys.split_job_key(key)
+    if split is not None:
+        job, rest = split
+        if rest == "spec":
+            return _fold(snap.jobs, job, types_pb2.JobSpec, kv, deleted)
+        if rest == "plan":
+            return _fold(snap.plans, job, types_pb2.Plan, kv, deleted)
+    return False
+
+
+def _fold(table: dict, name, cls, kv: KeyValue, deleted: bool) -> bool:
+    if deleted:
+        return table.pop(name, None) is not None
+    msg = decode_or_skip(cls, kv)
+    if msg is None:
+        return False
+    table[name] = msg
+    return True
