@@ -1,0 +1,1 @@
+"""The hooks a training script imports to follow the tpflex controller's plans."""

@@ -1,0 +1,251 @@
+"""The trainer's side of the control plane: plan stream, acks, step reports.
+
+``ControlClient`` streams a job's plans from any of the configured controller endpoints
+on a background thread, reconnecting with backoff and resuming after the last generation
+seen. Acks and step reports are queued and sent by a sender thread with per-call
+timeouts and bounded retries, so nothing here blocks a training step: if the controller
+is unreachable, training goes on with the last plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from tpflex_proto import controller_pb2, controller_pb2_grpc, types_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    endpoints: tuple[str, ...]  # controller gRPC host:port, tried in order
+    job: str
+    rank: int
+    call_timeout_s: float = 2.0
+    backoff_initial_s: float = 0.05
+    backoff_max_s: float = 2.0
+    queue_size: int = 1024
+    tls_ca_file: str | None = None
+
+
+class PlanRejected(ValueError):
+    """A plan that does not match this job/rank or is older than the one applied."""
+
+
+def check_plan(plan: types_pb2.Plan, job: str, applied_generation: int) -> None:
+    """Refuse a plan for another job or one not newer than what is applied."""
+    if plan.job != job:
+        raise PlanRejected(f"plan is for job {plan.job!r}, this is job {job!r}")
+    if plan.generation <= applied_generation:
+        raise PlanRejected(
+            f"plan generation {plan.generation} is not newer than applied {applied_generation}"
+        )
+
+
+class ControlClient:
+    def __init__(self, config: ControlConfig) -> None:
+        if not config.endpoints:
+            raise ValueError("at least one controller endpoint is required")
+        self.config = config
+        self._lock = threading.Condition()
+        self._latest: types_pb2.Plan | None = None
+        self._seen_generation = 0
+        self._stop = threading.Event()
+        self._outbox: queue.Queue = queue.Queue(maxsize=config.queue_size)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stream_call = None
+        self.connected = threading.Event()
+        self.dropped_reports = 0
+        self._threads = [
+            threading.Thread(target=self._watch_loop, name="tpflex-plan-stream", daemon=True),
+            threading.Thread(target=self._send_loop, name="tpflex-control-sender", daemon=True),
+        ]
+
+    # ---- lifecycle ----
+
+    def start(self) -> ControlClient:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        call = self._stream_call
+        if call is not None:
+            call.cancel()
+        self._outbox.put(None)
+        for t in self._threads:
+            t.join(timeout=5)
+        for ch in self._channels.values():
+            ch.close()
+
+    def _channel(self, endpoint: str) -> grpc.Channel:
+        ch = self._channels.get(endpoint)
+        if ch is None:
+            if self.config.tls_ca_file:
+                with open(self.config.tls_ca_file, "rb") as f:
+                    creds = grpc.ssl_channel_credentials(root_certificates=f.read())
+                ch = grpc.secure_channel(endpoint, creds)
+            else:
+                ch = grpc.insecure_channel(endpoint)
+            self._channels[endpoint] = ch
+        return ch
+
+    def _stub(self, endpoint: str) -> controller_pb2_grpc.TrainerStub:
+        return controller_pb2_grpc.TrainerStub(self._channel(endpoint))
+
+    # ---- unary calls with timeouts, trying each endpoint once ----
+
+    def _call(self, method: str, request):
+        last: grpc.RpcError | None = None
+        for endpoint in self.config.endpoints:
+            try:
+                return getattr(self._stub(endpoint), method)(
+                    request, timeout=self.config.call_timeout_s
+                )
+            except grpc.RpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                last = exc
+        assert last is not None
+        raise last
+
+    def register_job(self, spec: types_pb2.JobSpec) -> types_pb2.Plan | None:
+        """Register the job (idempotent); returns the current plan if there is one."""
+        resp = self._call("RegisterJob", controller_pb2.RegisterJobRequest(spec=spec))
+        if resp.HasField("plan") and resp.plan.generation:
+            self._offer(resp.plan)
+            return resp.plan
+        return None
+
+    # ---- plans ----
+
+    def latest_plan(self) -> types_pb2.Plan | None:
+        with self._lock:
+            return self._latest
+
+    def wait_for_generation(self, generation: int, timeout: float) -> types_pb2.Plan | None:
+        """Block until a plan of at least ``generation`` has arrived (or the timeout)."""
+        with self._lock:
+            self._lock.wait_for(
+                lambda: self._latest is not None and self._latest.generation >= generation,
+                timeout,
+            )
+            return self._latest
+
+    def wait_for_newer(self, generation: int, timeout: float) -> types_pb2.Plan | None:
+        return self.wait_for_generation(generation + 1, timeout)
+
+    def _offer(self, plan: types_pb2.Plan) -> None:
+        with self._lock:
+            if plan.job != self.config.job:
+                log.warning("plan refused job=%s plan_job=%s", self.config.job, plan.job)
+                return
+            if plan.generation <= self._seen_generation:
+                return
+            self._seen_generation = plan.generation
+            self._latest = plan
+            self._lock.notify_all()
+
+    def _watch_loop(self) -> None:
+        backoff = self.config.backoff_initial_s
+        attempt = 0
+        while not self._stop.is_set():
+            endpoint = self.config.endpoints[attempt % len(self.config.endpoints)]
+            attempt += 1
+            req = controller_pb2.WatchPlanRequest(
+                job=self.config.job, after_generation=self._seen_generation, rank=self.config.rank
+            )
+            try:
+                self._stream_call = self._stub(endpoint).WatchPlan(req)
+                for plan in self._stream_call:
+                    if not self.connected.is_set():
+                        log.info("plan stream connected endpoint=%s rank=%d", endpoint, self.config.rank)
+                    self.connected.set()
+                    backoff = self.config.backoff_initial_s
+                    self._offer(plan)
+            except grpc.RpcError as exc:
+                if self._stop.is_set():
+                    return
+                log.info(
+                    "plan stream interrupted endpoint=%s code=%s retry_in=%.2fs",
+                    endpoint, exc.code().name, backoff,
+                )
+            self.connected.clear()
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, self.config.backoff_max_s)
+
+    # ---- acks and step reports (queued, never blocking the caller) ----
+
+    def ack(self, generation: int, reshard_seconds: float = 0.0) -> None:
+        ack = types_pb2.Ack(
+            job=self.config.job,
+            rank=self.config.rank,
+            generation=generation,
+            acked_at=time.time(),
+            reshard_seconds=reshard_seconds,
+        )
+        self._enqueue(("AckPlan", ack, 20))
+
+    def report_step(self, report: controller_pb2.StepReport) -> None:
+        self._enqueue(("ReportStep", report, 1))
+
+    def _enqueue(self, item) -> None:
+        try:
+            self._outbox.put_nowait(item)
+        except queue.Full:
+            self.dropped_reports += 1
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until everything queued has been sent or given up on."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._outbox.unfinished_tasks == 0:
+                return True
+            self._stop.wait(0.01)
+        return False
+
+    def _send_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            try:
+                if item is None:
+                    return
+                method, msg, tries = item
+                self._send(method, msg, tries)
+            finally:
+                self._outbox.task_done()
+
+    def _send(self, method: str, msg, tries: int) -> None:
+        backoff = self.config.backoff_initial_s
+        for attempt in range(tries):
+            if self._stop.is_set():
+                return
+            try:
+                self._call(method, msg)
+                return
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    if attempt + 1 < tries:
+                        self._stop.wait(backoff)
+                        backoff = min(backoff * 2, self.config.backoff_max_s)
+                    continue
+                log.warning("control call refused method=%s code=%s detail=%s",
+                            method, exc.code().name, exc.details())
+                return
+        log.info("control call given up method=%s tries=%d", method, tries)
+
+
+PlanListener = Callable[[types_pb2.Plan], None]
+
+
+def endpoints_from(value: str | Sequence[str]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return tuple(e.strip() for e in value.split(",") if e.strip())
+    return tuple(value)
