@@ -1,0 +1,35 @@
+"""The REST API factory: ``create_app(deps)`` -> a FastAPI app; nothing at import time."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, FastAPI
+
+from tpflex_controller import __version__
+from tpflex_controller.api import schemas as s
+from tpflex_controller.api.deps import ApiDeps, require_reader
+from tpflex_controller.api.errors import install_error_handlers
+from tpflex_controller.api.routes import events, jobs, nodes, racks, system
+
+_ERRORS = {
+    401: {"model": s.ErrorBody, "description": "no or unknown bearer token"},
+    403: {"model": s.ErrorBody, "description": "read-only token on a mutating call"},
+    404: {"model": s.ErrorBody, "description": "unknown rack, node, GPU or job"},
+    422: {"model": s.ErrorBody, "description": "impossible or malformed request"},
+    503: {"model": s.ErrorBody, "description": "etcd unreachable"},
+}
+
+DESCRIPTION = """tpflex controller API: inspect racks, nodes, GPUs, jobs, plans and events;
+drain/undrain GPUs, force a job's reconfiguration, dry-run a plan. Mutating calls need
+`Authorization: Bearer <admin token>`. Errors: `{"error": {"code": ..., "message": ...}}`."""
+
+
+def create_app(deps: ApiDeps) -> FastAPI:
+    app = FastAPI(title="tpflex controller", version=__version__, description=DESCRIPTION)
+    app.state.deps = deps
+    install_error_handlers(app)
+    app.include_router(system.probes)
+    v1 = APIRouter(prefix="/v1", responses=_ERRORS, dependencies=[Depends(require_reader)])
+    for router in (system.status_router, racks.router, nodes.router, jobs.router, events.router):
+        v1.include_router(router)
+    app.include_router(v1)
+    return app

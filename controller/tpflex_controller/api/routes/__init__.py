@@ -1,0 +1,1 @@
+"""One module per resource; ``app.create_app`` includes their routers."""

@@ -1,0 +1,25 @@
+"""The bounded event log of controller decisions."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from tpflex_controller.api import schemas as s
+from tpflex_controller.api import views
+from tpflex_controller.api.deps import Deps
+
+router = APIRouter(tags=["events"])
+
+
+@router.get("/events", response_model=s.EventList, summary="Latest events, oldest first")
+def list_events(
+    deps: Deps,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    job: Annotated[str | None, Query(max_length=253)] = None,
+) -> s.EventList:
+    events = deps.store.events(limit if job is None else 1000)
+    if job is not None:
+        events = [e for e in events if e.job == job][-limit:]
+    return s.EventList(events=[views.event_view(e) for e in events])

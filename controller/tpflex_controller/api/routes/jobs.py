@@ -1,0 +1,123 @@
+"""Jobs: spec + current plan + acks, plan history, forced reconfiguration, dry-run."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+from tpflex_proto import types_pb2
+
+from tpflex_controller import convert
+from tpflex_controller.api import schemas as s
+from tpflex_controller.api import views
+from tpflex_controller.api.checks import check_gpus_exist, check_pins
+from tpflex_controller.api.deps import Admin, ApiDeps, Deps
+from tpflex_controller.api.errors import invalid, not_found
+from tpflex_controller.api.state import job_spec, planner_job, read_cluster
+from tpflex_controller.planner.model import GpuStatus, JobOverrides
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+
+
+@router.get("", response_model=list[s.JobView], summary="List jobs with their current plan")
+def list_jobs(deps: Deps) -> list[s.JobView]:
+    store = deps.store
+    return [
+        views.job_view(spec, store.plan(name), store.job_override(name), store.acks(name))
+        for name, spec in sorted(store.jobs().items())
+    ]
+
+
+@router.get("/{job}", response_model=s.JobView, summary="One job: spec, plan summary, acks")
+def get_job(job: str, deps: Deps) -> s.JobView:
+    spec = job_spec(deps.store, job)
+    store = deps.store
+    return views.job_view(spec, store.plan(job), store.job_override(job), store.acks(job))
+
+
+@router.get("/{job}/plan", response_model=s.PlanView, summary="The job's current plan")
+def get_plan(job: str, deps: Deps) -> s.PlanView:
+    job_spec(deps.store, job)
+    plan = deps.store.plan(job)
+    if plan is None:
+        raise not_found(f"job {job!r} has no committed plan yet")
+    return views.plan_view(plan)
+
+
+@router.get("/{job}/plans", response_model=s.PlanHistory, summary="Plan history, oldest first")
+def plan_history(
+    job: str, deps: Deps, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+) -> s.PlanHistory:
+    job_spec(deps.store, job)
+    plans = deps.store.plan_history(job)[-limit:]
+    return s.PlanHistory(job=job, plans=[views.plan_view(p) for p in plans])
+
+
+@router.post(
+    "/{job}/reconfigure", response_model=s.ReconfigureResult, status_code=202,
+    summary="Pin replicas' TP degrees and/or switch the policy (writes the job override)",
+)
+def reconfigure(job: str, body: s.ReconfigureRequest, deps: Deps, _: Admin) -> s.ReconfigureResult:
+    spec = job_spec(deps.store, job)
+    if not body.pins and body.policy is None and not body.clear:
+        raise invalid("nothing to do: give pins, a policy, or clear=true")
+    snap = read_cluster(deps.store)
+    model = planner_job(spec, snap)
+    pins = check_pins(model, ((p.replica, p.tp_degree) for p in body.pins), convert.cluster_state(snap))
+    old = None if body.clear else deps.store.job_override(job)
+    merged = {p.replica: p.tp_degree for p in old.pins} if old else {}
+    merged.update(pins)
+    policy = body.policy.value if body.policy is not None else (old.policy if old else "")
+    if not merged and not policy:
+        deps.store.delete_job_override(job)
+        return s.ReconfigureResult(override=None)
+    override = types_pb2.JobOverride(
+        job=job, policy=policy, reason=body.reason or (old.reason if old else ""), at=deps.clock(),
+        pins=[types_pb2.ReplicaPin(replica=r, tp_degree=t) for r, t in sorted(merged.items())],
+    )
+    deps.store.put_job_override(override)
+    return s.ReconfigureResult(override=views.override_view(override))
+
+
+@router.post(
+    "/{job}/dry-run", response_model=s.DryRunResult,
+    summary="Plan the job as if these GPUs failed; commits nothing",
+)
+def dry_run(job: str, body: s.DryRunRequest, deps: Deps) -> s.DryRunResult:
+    spec = job_spec(deps.store, job)
+    snap = read_cluster(deps.store)
+    model = planner_job(spec, snap)
+    failed = check_gpus_exist(((g.node, g.index) for g in body.fail), views.gpu_locations(snap))
+    state = convert.cluster_state(snap)
+    status = dict(state.gpu_status)
+    status.update({g: GpuStatus.FAILED for g in failed})
+    state = dataclasses.replace(state, gpu_status=status)
+    overrides = JobOverrides() if body.ignore_overrides else _job_overrides(deps, job)
+    result = _planner(deps)(
+        state, model, policy=body.policy, power_model=deps.power_model, overrides=overrides,
+        now=deps.clock(),
+    )
+    current = deps.store.plan(job)
+    return s.DryRunResult(
+        job=job,
+        failed_gpus=[s.GpuRefView(node=n, index=i) for n, i in failed],
+        current_generation=current.generation if current else None,
+        current_expected_throughput_ratio=current.expected_throughput_ratio if current else None,
+        plan=views.plan_decision(convert.plan_to_proto(result, 0, cause="dry-run")),
+    )
+
+
+def _job_overrides(deps: ApiDeps, job: str) -> JobOverrides:
+    try:
+        return convert.job_overrides(deps.store.job_override(job))
+    except ValueError:  # an unknown stored policy: plan as if there were no override
+        return JobOverrides()
+
+
+def _planner(deps: ApiDeps):
+    if deps.planner is not None:
+        return deps.planner
+    from tpflex_controller.planner.planner import plan
+
+    return plan

@@ -1,0 +1,97 @@
+"""Nodes and their GPUs (registration + health + overrides merged); drain / undrain."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query
+from tpflex_proto import types_pb2
+
+from tpflex_controller.api import schemas as s
+from tpflex_controller.api import views
+from tpflex_controller.api.checks import unknown_gpu
+from tpflex_controller.api.deps import Admin, Deps
+from tpflex_controller.api.errors import not_found
+from tpflex_controller.api.state import read_cluster
+
+router = APIRouter(tags=["nodes"])
+
+GpuIndex = Annotated[int, Path(ge=0, le=1_000_000, description="NVML index on the node")]
+
+
+@router.get("/nodes", response_model=list[s.NodeView], summary="List nodes")
+def list_nodes(deps: Deps) -> list[s.NodeView]:
+    snap = read_cluster(deps.store)
+    gpus = views.gpu_views(snap)
+    return [
+        views.node_view(name, rack, snap, [g for g in gpus if g.node == name])
+        for name, rack in sorted(views.node_names(snap).items())
+    ]
+
+
+@router.get("/nodes/{node}", response_model=s.NodeDetail, summary="One node with its GPUs")
+def get_node(node: str, deps: Deps) -> s.NodeDetail:
+    snap = read_cluster(deps.store)
+    rack = views.node_names(snap).get(node)
+    if rack is None:
+        raise not_found(f"node {node!r} not found")
+    gpus = [g for g in views.gpu_views(snap) if g.node == node]
+    return s.NodeDetail(**views.node_view(node, rack, snap, gpus).model_dump(), gpu_list=gpus)
+
+
+@router.get("/gpus", response_model=list[s.GpuView], summary="List GPUs with health")
+def list_gpus(
+    deps: Deps,
+    state: Annotated[str | None, Query(pattern="^(healthy|degraded|failed|drained)$")] = None,
+    rack: Annotated[str | None, Query(max_length=253)] = None,
+) -> list[s.GpuView]:
+    gpus = views.gpu_views(read_cluster(deps.store))
+    return [g for g in gpus if (state is None or g.state == state) and (rack is None or g.rack == rack)]
+
+
+@router.get("/nodes/{node}/gpus/{index}", response_model=s.GpuView, summary="One GPU")
+def get_gpu(node: str, index: GpuIndex, deps: Deps) -> s.GpuView:
+    for g in views.gpu_views(read_cluster(deps.store)):
+        if (g.node, g.index) == (node, index):
+            return g
+    raise not_found(f"GPU {node}:{index} not found")
+
+
+@router.post(
+    "/nodes/{node}/gpus/{index}/drain", response_model=s.DrainResult, status_code=202,
+    summary="Drain a GPU (the leader re-plans without it)",
+)
+def drain_gpu(node: str, index: GpuIndex, body: s.DrainRequest, deps: Deps, _: Admin) -> s.DrainResult:
+    snap = _existing_gpu(deps, node, index)
+    old = snap.gpu_overrides.get((node, index))
+    override = types_pb2.GpuOverride(
+        gpu=types_pb2.GpuRef(node=node, index=index), drained=True, reason=body.reason,
+        power_cap_w=old.power_cap_w if old else 0.0, at=deps.clock(),
+    )
+    deps.store.put_gpu_override(override)
+    changed = not (old and old.drained)
+    return s.DrainResult(node=node, index=index, drained=True, changed=changed, reason=body.reason)
+
+
+@router.post(
+    "/nodes/{node}/gpus/{index}/undrain", response_model=s.DrainResult, status_code=202,
+    summary="Undrain a GPU (removes the drain override)",
+)
+def undrain_gpu(node: str, index: GpuIndex, deps: Deps, _: Admin) -> s.DrainResult:
+    snap = _existing_gpu(deps, node, index)
+    old = snap.gpu_overrides.get((node, index))
+    if old is not None and old.power_cap_w > 0:  # keep an operator power pin
+        kept = types_pb2.GpuOverride(gpu=old.gpu, power_cap_w=old.power_cap_w, at=deps.clock())
+        deps.store.put_gpu_override(kept)
+    elif old is not None:
+        deps.store.delete_gpu_override(node, index)
+    changed = bool(old and old.drained)
+    return s.DrainResult(node=node, index=index, drained=False, changed=changed)
+
+
+def _existing_gpu(deps, node: str, index: int):
+    snap = read_cluster(deps.store)
+    known = views.gpu_locations(snap)
+    if (node, index) not in known:
+        raise unknown_gpu((node, index), known)
+    return snap

@@ -1,0 +1,65 @@
+"""Liveness, readiness, metrics and the one-call cluster status."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from tpflex_proto.etcd import EtcdError
+
+from tpflex_controller.api import schemas as s
+from tpflex_controller.api import views
+from tpflex_controller.api.deps import Deps
+from tpflex_controller.api.errors import ErrorCode, error_response
+from tpflex_controller.api.state import leader, read_cluster
+
+probes = APIRouter(tags=["system"])
+status_router = APIRouter(tags=["system"])
+
+_NOT_READY = {503: {"model": s.ErrorBody, "description": "etcd unreachable or no leader"}}
+
+
+@probes.get("/healthz", response_model=s.Health, summary="Liveness: the process serves")
+def healthz() -> s.Health:
+    return s.Health(status="ok")
+
+
+@probes.get("/readyz", response_model=s.Health, responses=_NOT_READY, summary="Readiness")
+def readyz(deps: Deps) -> s.Health | JSONResponse:
+    try:
+        record = leader(deps.store)
+    except EtcdError as exc:
+        return error_response(ErrorCode.ETCD_UNAVAILABLE, f"not ready: etcd unreachable ({exc})")
+    if record is None:
+        return error_response(ErrorCode.NOT_READY, "not ready: no controller leader is elected")
+    return s.Health(status="ready", leader=record.id)
+
+
+@probes.get(
+    "/metrics", response_class=Response, summary="Prometheus metrics",
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
+)
+def metrics(deps: Deps) -> Response:
+    return Response(generate_latest(deps.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@status_router.get("/status", response_model=s.StatusView, summary="Cluster summary")
+def status(deps: Deps) -> s.StatusView:
+    store = deps.store
+    snap = read_cluster(store)
+    record = leader(store)
+    jobs = []
+    for name, spec in sorted(store.jobs().items()):
+        plan = store.plan(name)
+        jobs.append(s.JobStatus(
+            name=name, generation=plan.generation if plan else None,
+            policy=plan.policy if plan else (spec.policy or "ntp-pw"),
+            expected_throughput_ratio=plan.expected_throughput_ratio if plan else None,
+            replica_tp_degrees=[r.tp_degree for r in plan.replicas] if plan else [],
+        ))
+    return s.StatusView(
+        leader=s.LeaderView(id=record.id, address=record.address, since=record.since) if record else None,
+        etcd_revision=store.etcd.status().header.revision,
+        racks=len(snap.racks), nodes=len(views.node_names(snap)), live_nodes=len(snap.nodes),
+        gpus=views.count_states(views.gpu_views(snap)), jobs=jobs,
+    )

@@ -1,0 +1,294 @@
+"""Request and response models of the REST API (separate from the stored protobufs)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tpflex_controller.planner.model import Policy
+
+# ---- errors ----
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(examples=["not_found"])
+    message: str = Field(examples=["job 'llama' not found"])
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+# ---- requests ----
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DrainRequest(_Request):
+    reason: str = Field(min_length=1, max_length=500, examples=["flaky NVLink, RMA ticket 123"])
+
+
+class ReplicaPinRequest(_Request):
+    replica: int = Field(ge=0, le=1_000_000, description="replica index in the job spec")
+    tp_degree: int = Field(ge=0, le=1_000_000, description="TP degree to pin the replica at")
+
+
+class ReconfigureRequest(_Request):
+    pins: list[ReplicaPinRequest] = Field(default_factory=list, max_length=4096)
+    policy: Policy | None = Field(default=None, description="switch the job's policy")
+    reason: str = Field(default="", max_length=500)
+    clear: bool = Field(default=False, description="drop existing pins and policy override first")
+
+
+class GpuRefModel(_Request):
+    node: str = Field(min_length=1, max_length=253)
+    index: int = Field(ge=0, le=1_000_000)
+
+
+class DryRunRequest(_Request):
+    fail: list[GpuRefModel] = Field(default_factory=list, max_length=100_000)
+    policy: Policy | None = None
+    ignore_overrides: bool = Field(default=False, description="plan without the job's pins/policy override")
+
+
+# ---- cluster views ----
+
+
+class GpuStateCounts(BaseModel):
+    total: int = 0
+    healthy: int = 0
+    degraded: int = 0
+    failed: int = 0
+    drained: int = 0
+
+
+class GpuView(BaseModel):
+    node: str
+    index: int
+    rack: str
+    state: str = Field(description="healthy | degraded | failed | drained")
+    reason: str = ""
+    node_live: bool
+    drained: bool = False
+    drain_reason: str = ""
+    uuid: str = ""
+    name: str = ""
+    power_limit_w: float = 0.0
+    power_draw_w: float = 0.0
+    temperature_c: float = 0.0
+    relative_speed: float = 1.0
+    xids: list[int] = Field(default_factory=list)
+    health_updated_at: float = 0.0
+
+
+class RackView(BaseModel):
+    name: str
+    domain_size: int
+    power_budget_w: float
+    gpu_tdp_w: float
+    gpu_min_w: float
+    gpu_max_w: float
+    gpus_per_node: int
+    nodes: list[str]
+    gpus: GpuStateCounts
+
+
+class RackDetail(RackView):
+    gpu_list: list[GpuView]
+
+
+class NodeView(BaseModel):
+    name: str
+    rack: str
+    live: bool = Field(description="registered with a live etcd lease")
+    agent_address: str = ""
+    backend: str = ""
+    registered_at: float = 0.0
+    gpus: GpuStateCounts
+
+
+class NodeDetail(NodeView):
+    gpu_list: list[GpuView]
+
+
+# ---- plans and jobs ----
+
+
+class GpuRefView(BaseModel):
+    node: str
+    index: int
+
+
+class StagePlanView(BaseModel):
+    rack: str
+    tp_degree: int
+    spec_stage: int
+    gpus: list[GpuRefView]
+
+
+class ReplicaPlanView(BaseModel):
+    index: int
+    state: str
+    tp_degree: int
+    local_batch: int
+    relative_throughput: float
+    reason: str
+    stages: list[StagePlanView]
+
+
+class PowerCapView(BaseModel):
+    node: str
+    index: int
+    cap_w: float
+
+
+class PlanDecision(BaseModel):
+    policy: str
+    expected_throughput_ratio: float
+    reasons: list[str]
+    replicas: list[ReplicaPlanView]
+    power_caps: list[PowerCapView]
+
+
+class PlanView(PlanDecision):
+    job: str
+    generation: int
+    created_at: float
+    cause: str
+
+
+class PlanSummary(BaseModel):
+    generation: int
+    policy: str
+    expected_throughput_ratio: float
+    created_at: float
+    cause: str
+    replica_tp_degrees: list[int]
+    degraded_replicas: int
+    dropped_replicas: int
+
+
+class AckView(BaseModel):
+    rank: int
+    generation: int
+    acked_at: float
+    reshard_seconds: float
+
+
+class PinView(BaseModel):
+    replica: int
+    tp_degree: int
+
+
+class JobOverrideView(BaseModel):
+    job: str
+    pins: list[PinView]
+    policy: str
+    reason: str
+    at: float
+
+
+class UnitFamilyView(BaseModel):
+    name: str
+    count: int
+
+
+class JobView(BaseModel):
+    name: str
+    base_tp: int
+    min_tp: int
+    replicas: int
+    policy: str
+    effective_policy: str
+    units: list[UnitFamilyView]
+    spare_racks: list[str]
+    global_batch: int
+    local_batch: int
+    plan: PlanSummary | None
+    override: JobOverrideView | None
+    acks: list[AckView]
+    acked_current: int = Field(description="ranks that acked the current plan generation")
+
+
+class PlanHistory(BaseModel):
+    job: str
+    plans: list[PlanView]
+
+
+class DryRunResult(BaseModel):
+    job: str
+    committed: bool = Field(False, description="always false: a dry run writes nothing")
+    failed_gpus: list[GpuRefView]
+    current_generation: int | None
+    current_expected_throughput_ratio: float | None
+    plan: PlanDecision
+
+
+# ---- operations ----
+
+
+class DrainResult(BaseModel):
+    node: str
+    index: int
+    drained: bool
+    changed: bool
+    reason: str = ""
+
+
+class ReconfigureResult(BaseModel):
+    override: JobOverrideView | None
+    note: str = "the controller leader re-plans the job asynchronously"
+
+
+# ---- events and status ----
+
+
+class PhaseView(BaseModel):
+    phase: str
+    at: float
+
+
+class EventView(BaseModel):
+    seq: int
+    at: float
+    kind: str
+    job: str
+    generation: int
+    cause: str
+    reasons: list[str]
+    phases: list[PhaseView]
+
+
+class EventList(BaseModel):
+    events: list[EventView]
+
+
+class LeaderView(BaseModel):
+    id: str
+    address: str
+    since: float
+
+
+class JobStatus(BaseModel):
+    name: str
+    generation: int | None
+    policy: str
+    expected_throughput_ratio: float | None
+    replica_tp_degrees: list[int]
+
+
+class StatusView(BaseModel):
+    leader: LeaderView | None
+    etcd_revision: int
+    racks: int
+    nodes: int
+    live_nodes: int
+    gpus: GpuStateCounts
+    jobs: list[JobStatus]
+
+
+class Health(BaseModel):
+    status: str
+    detail: str = ""
+    leader: str | None = None
