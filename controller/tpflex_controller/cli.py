@@ -1,0 +1,345 @@
+"""``tpflexctl``: a command-line client of the controller's REST API.
+
+Human tables by default, ``--json`` for the raw response. Exit codes: 0 ok; 2 usage
+errors and HTTP 4xx (the server's message is printed); 1 connection failures and 5xx.
+Stdlib only (urllib), so it starts fast and needs nothing beyond the controller package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Sequence
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+
+
+class CliError(Exception):
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# ---- HTTP ----
+
+
+class Client:
+    def __init__(self, url: str, token: str | None, timeout: float) -> None:
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise CliError(f"invalid --url {url!r}: expected http(s)://host:port", 2)
+        self.base = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+
+    def call(self, method: str, path: str, body: dict | None = None, query: dict | None = None):
+        url = self.base + path
+        if query:
+            url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(url, data=data, method=method)
+        req.add_header("Accept", "application/json")
+        if data is not None:
+            req.add_header("Content-Type", "application/json")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+                return json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            raise _http_error(exc) from None
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise CliError(f"cannot reach the tpflex controller at {self.base}: {reason}", 1) from None
+        except ValueError as exc:
+            raise CliError(f"the server at {self.base} sent a response that is not JSON: {exc}", 1) from None
+
+
+def _http_error(exc: urllib.error.HTTPError) -> CliError:
+    raw = exc.read() or b""
+    try:
+        err = json.loads(raw)["error"]
+        message = f"{err['message']} (HTTP {exc.code} {err['code']})"
+    except (ValueError, KeyError, TypeError):
+        message = f"HTTP {exc.code}: {raw[:200].decode(errors='replace') or exc.reason}"
+    return CliError(message, 2 if 400 <= exc.code < 500 else 1)
+
+
+def _read_token(path: str | None) -> str | None:
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            lines = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
+    except OSError as exc:
+        raise CliError(f"cannot read token file {path}: {exc.strerror or exc}", 2) from None
+    if not lines:
+        raise CliError(f"token file {path} is empty", 2)
+    return lines[0]
+
+
+# ---- output ----
+
+
+def _ts(at: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at)) if at else "-"
+
+
+def _ratio(x: float | None) -> str:
+    return f"{x:.3f}" if x is not None else "-"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    cells = [[str(c) for c in r] for r in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+    return "\n".join(lines)
+
+
+def _counts(g: dict) -> list:
+    return [g["total"], g["healthy"], g["degraded"], g["failed"], g["drained"]]
+
+
+_COUNT_HEADERS = ["GPUS", "HEALTHY", "DEGRADED", "FAILED", "DRAINED"]
+
+
+def show_status(d: dict) -> str:
+    leader = d["leader"]
+    out = [
+        f"leader:   {leader['id'] + ' at ' + leader['address'] if leader else 'none'}",
+        f"etcd revision: {d['etcd_revision']}",
+        f"racks: {d['racks']}  nodes: {d['nodes']} ({d['live_nodes']} live)",
+        "gpus: " + "  ".join(f"{k}={v}" for k, v in d["gpus"].items()),
+        "",
+    ]
+    rows = [
+        [j["name"], j["generation"] if j["generation"] is not None else "-", j["policy"],
+         _ratio(j["expected_throughput_ratio"]), ",".join(map(str, j["replica_tp_degrees"])) or "-"]
+        for j in d["jobs"]
+    ]
+    return "\n".join(out) + table(["JOB", "GEN", "POLICY", "THROUGHPUT", "TP DEGREES"], rows)
+
+
+def show_racks(d: list) -> str:
+    rows = [[r["name"], r["domain_size"], len(r["nodes"]), *_counts(r["gpus"]), r["power_budget_w"], r["gpu_tdp_w"]] for r in d]
+    return table(["RACK", "DOMAIN", "NODES", *_COUNT_HEADERS, "BUDGET_W", "TDP_W"], rows)
+
+
+def show_nodes(d: list) -> str:
+    rows = [[n["name"], n["rack"], "yes" if n["live"] else "no", n["backend"] or "-", *_counts(n["gpus"]), n["agent_address"] or "-"] for n in d]
+    return table(["NODE", "RACK", "LIVE", "BACKEND", *_COUNT_HEADERS, "AGENT"], rows)
+
+
+def show_gpus(d: list) -> str:
+    rows = [[g["node"], g["index"], g["rack"], g["state"], g["reason"] or "-"] for g in d]
+    return table(["NODE", "GPU", "RACK", "STATE", "REASON"], rows)
+
+
+def show_jobs(d: list) -> str:
+    rows = []
+    for j in d:
+        p = j["plan"] or {}
+        rows.append([
+            j["name"], j["base_tp"], j["replicas"], j["effective_policy"], p.get("generation", "-"),
+            ",".join(map(str, p.get("replica_tp_degrees", []))) or "-",
+            _ratio(p.get("expected_throughput_ratio")), j["acked_current"],
+        ])
+    return table(["JOB", "T", "REPLICAS", "POLICY", "GEN", "TP DEGREES", "THROUGHPUT", "ACKED"], rows)
+
+
+def _replicas(plan: dict) -> str:
+    rows = [
+        [r["index"], r["state"], r["tp_degree"], r["local_batch"], f"{r['relative_throughput']:.3f}",
+         " ".join(f"{st['rack']}:{st['tp_degree']}" for st in r["stages"]) or "-", r["reason"] or "-"]
+        for r in plan["replicas"]
+    ]
+    out = [table(["REPLICA", "STATE", "TP", "BATCH", "THROUGHPUT", "STAGES", "REASON"], rows)]
+    if plan["power_caps"]:
+        out.append("power caps: " + ", ".join(f"{c['node']}:{c['index']}={c['cap_w']:.0f}W" for c in plan["power_caps"]))
+    out += [f"- {reason}" for reason in plan["reasons"]]
+    return "\n".join(out)
+
+
+def show_plan(d: dict) -> str:
+    head = (
+        f"job {d['job']}  generation {d['generation']}  policy {d['policy']}  "
+        f"expected throughput {_ratio(d['expected_throughput_ratio'])}  created {_ts(d['created_at'])}"
+        + (f"  cause: {d['cause']}" if d["cause"] else "")
+    )
+    return head + "\n" + _replicas(d)
+
+
+def show_history(d: dict) -> str:
+    rows = [
+        [p["generation"], _ts(p["created_at"]), p["policy"], _ratio(p["expected_throughput_ratio"]),
+         ",".join(str(r["tp_degree"]) for r in p["replicas"]), p["cause"] or "-"]
+        for p in d["plans"]
+    ]
+    return table(["GEN", "CREATED", "POLICY", "THROUGHPUT", "TP DEGREES", "CAUSE"], rows)
+
+
+def show_events(d: dict) -> str:
+    rows = [[e["seq"], _ts(e["at"]), e["kind"], e["job"] or "-", e["generation"] or "-", e["cause"] or "-"] for e in d["events"]]
+    return table(["SEQ", "AT", "KIND", "JOB", "GEN", "CAUSE"], rows)
+
+
+def show_drain(d: dict) -> str:
+    what = "drained" if d["drained"] else "undrained"
+    note = "" if d["changed"] else " (no change)"
+    return f"{what} GPU {d['node']}:{d['index']}{note}" + (f": {d['reason']}" if d["reason"] else "")
+
+
+def show_reconfigure(d: dict) -> str:
+    o = d["override"]
+    if o is None:
+        return "override cleared; the job follows its spec. " + d["note"]
+    pins = ", ".join(f"replica {p['replica']} -> TP {p['tp_degree']}" for p in o["pins"]) or "none"
+    return f"job {o['job']}: pins: {pins}; policy: {o['policy'] or '(spec)'}. {d['note']}"
+
+
+def show_dry_run(d: dict) -> str:
+    failed = ", ".join(f"{g['node']}:{g['index']}" for g in d["failed_gpus"]) or "none"
+    plan = d["plan"]
+    head = (
+        f"dry run for job {d['job']} (nothing committed); hypothetical failures: {failed}\n"
+        f"policy {plan['policy']}  expected throughput {_ratio(plan['expected_throughput_ratio'])} "
+        f"(current plan: {_ratio(d['current_expected_throughput_ratio'])})"
+    )
+    return head + "\n" + _replicas(plan)
+
+
+# ---- commands ----
+
+
+def _pin(text: str) -> dict:
+    replica, sep, degree = text.partition("=")
+    if not sep or not replica.strip().isdigit() or not degree.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected REPLICA=TP (e.g. 1=7), got {text!r}")
+    return {"replica": int(replica), "tp_degree": int(degree)}
+
+
+def _gpu(text: str) -> dict:
+    node, sep, index = text.rpartition(":")
+    if not sep or not node or not index.isdigit():
+        raise argparse.ArgumentTypeError(f"expected NODE:GPU (e.g. node-3:5), got {text!r}")
+    return {"node": node, "index": int(index)}
+
+
+def _q(part: str) -> str:
+    return urllib.parse.quote(part, safe="")
+
+
+Command = Callable[[Client, argparse.Namespace], tuple[object, Callable[[object], str]]]
+
+
+def _run_plan(c: Client, a: argparse.Namespace):
+    if a.history:
+        return c.call("GET", f"/v1/jobs/{_q(a.job)}/plans", query={"limit": a.limit}), show_history
+    return c.call("GET", f"/v1/jobs/{_q(a.job)}/plan"), show_plan
+
+
+def _gpu_path(a: argparse.Namespace, action: str) -> str:
+    return f"/v1/nodes/{_q(a.node)}/gpus/{a.gpu}/{action}"
+
+
+def _run_reconfigure(c: Client, a: argparse.Namespace):
+    body = {"pins": a.pin, "policy": a.policy, "reason": a.reason, "clear": a.clear}
+    return c.call("POST", f"/v1/jobs/{_q(a.job)}/reconfigure", body), show_reconfigure
+
+
+def _run_dry_run(c: Client, a: argparse.Namespace):
+    body = {"fail": a.fail, "policy": a.policy, "ignore_overrides": a.ignore_overrides}
+    return c.call("POST", f"/v1/jobs/{_q(a.job)}/dry-run", body), show_dry_run
+
+
+COMMANDS: dict[str, Command] = {
+    "status": lambda c, a: (c.call("GET", "/v1/status"), show_status),
+    "racks": lambda c, a: (c.call("GET", "/v1/racks"), show_racks),
+    "nodes": lambda c, a: (c.call("GET", "/v1/nodes"), show_nodes),
+    "gpus": lambda c, a: (c.call("GET", "/v1/gpus", query={"state": a.state, "rack": a.rack}), show_gpus),
+    "jobs": lambda c, a: (c.call("GET", "/v1/jobs"), show_jobs),
+    "plan": _run_plan,
+    "events": lambda c, a: (c.call("GET", "/v1/events", query={"limit": a.limit, "job": a.job}), show_events),
+    "drain": lambda c, a: (c.call("POST", _gpu_path(a, "drain"), {"reason": a.reason}), show_drain),
+    "undrain": lambda c, a: (c.call("POST", _gpu_path(a, "undrain")), show_drain),
+    "reconfigure": _run_reconfigure,
+    "dry-run": _run_dry_run,
+}
+
+_POLICIES = ["ntp-pw", "ntp", "dp-drop", "spare"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tpflexctl", description="Inspect and steer the tpflex controller.")
+    p.add_argument("--url", default=os.environ.get("TPFLEX_URL", DEFAULT_URL),
+                   help=f"controller REST URL (env TPFLEX_URL; default {DEFAULT_URL})")
+    p.add_argument("--token-file", default=os.environ.get("TPFLEX_TOKEN_FILE"),
+                   help="file holding the bearer token (env TPFLEX_TOKEN_FILE)")
+    p.add_argument("--json", action="store_true", help="print the raw JSON response")
+    p.add_argument("--timeout", type=float, default=10.0, help="request timeout in seconds")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("status", help="leader, GPU counts, jobs")
+    sub.add_parser("racks", help="list racks")
+    sub.add_parser("nodes", help="list nodes")
+    g = sub.add_parser("gpus", help="list GPUs with health")
+    g.add_argument("--state", choices=["healthy", "degraded", "failed", "drained"])
+    g.add_argument("--rack")
+    sub.add_parser("jobs", help="list jobs with their current plan")
+    pl = sub.add_parser("plan", help="a job's current plan (or its history)")
+    pl.add_argument("job")
+    pl.add_argument("--history", action="store_true")
+    pl.add_argument("--limit", type=int, default=100)
+    ev = sub.add_parser("events", help="latest controller decisions")
+    ev.add_argument("--limit", type=int, default=50)
+    ev.add_argument("--job")
+    d = sub.add_parser("drain", help="take a GPU out of every plan")
+    d.add_argument("node")
+    d.add_argument("gpu", type=int)
+    d.add_argument("--reason", required=True)
+    u = sub.add_parser("undrain", help="give a drained GPU back")
+    u.add_argument("node")
+    u.add_argument("gpu", type=int)
+    r = sub.add_parser("reconfigure", help="pin replicas' TP degrees and/or switch policy")
+    r.add_argument("job")
+    r.add_argument("--pin", type=_pin, action="append", default=[], metavar="REPLICA=TP")
+    r.add_argument("--policy", choices=_POLICIES)
+    r.add_argument("--reason", default="")
+    r.add_argument("--clear", action="store_true", help="drop earlier pins and policy first")
+    dr = sub.add_parser("dry-run", help="plan as if GPUs failed; commits nothing")
+    dr.add_argument("job")
+    dr.add_argument("--fail", type=_gpu, action="append", default=[], metavar="NODE:GPU")
+    dr.add_argument("--policy", choices=_POLICIES)
+    dr.add_argument("--ignore-overrides", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse printed the usage error (or --help)
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        client = Client(args.url, _read_token(args.token_file), args.timeout)
+        data, render = COMMANDS[args.command](client, args)
+    except CliError as exc:
+        print(f"tpflexctl: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    try:
+        print(json.dumps(data, indent=2) if args.json else render(data))
+    except (KeyError, TypeError, AttributeError) as exc:
+        print(f"tpflexctl: error: unexpected response shape ({exc!r}); try --json", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
