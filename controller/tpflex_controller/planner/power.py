@@ -1,0 +1,111 @@
+"""Power caps of a plan (pure): boosts for reduced stages (ntp-pw), operator pins, and the
+speed each stage reaches with them.
+
+Rules (DESIGN.md "Power"):
+- A stage running at degree t < T (or with slow GPUs of relative speed v < 1) needs
+  T / (t * v) x speed. Its used GPUs get one uniform cap: the smallest power the model says
+  reaches that speed, rounded up to a whole watt, limited by the GPU's max limit and by
+  TDP * (1 + max_boost) (both rounded down to a whole watt).
+- The rack budget bounds the sum of the caps of the rack's usable GPUs. GPUs of the rack
+  that this plan does not boost count at TDP (or at their operator pin); failed and
+  drained GPUs count at 0. When several boosted stages share a rack and the budget runs
+  short, they are water-filled: every stage gets min(its wish, L) for the largest L that
+  fits.
+- A cap never goes below TDP: a rack whose budget cannot fund TDP is not "un-boosted";
+  such a stage simply stays at TDP and shrinks its batch like plain NTP.
+- Healthy stages are not boosted. Operator power pins replace the computed cap of the
+  pinned GPU, clamped to [min_w, max_w].
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+from tpflex_proto.powermodel import PowerModel
+
+from tpflex_controller.planner.model import ClusterState, GpuKey, RackInfo
+from tpflex_controller.planner.stages import StageDraft
+
+_EPS = 1e-9
+
+
+def pinned_w(rack: RackInfo, pin_w: float) -> float:
+    return min(max(pin_w, rack.min_w), rack.max_w)
+
+
+def stage_speed_need(stage: StageDraft, base_tp: int, speeds: Mapping[GpuKey, float]) -> float:
+    slowest = min((speeds.get(g, 1.0) for g in stage.used), default=1.0)
+    return base_tp / (stage.degree * slowest)
+
+
+def plan_boosts(
+    stages: Iterable[StageDraft], cluster: ClusterState, base_tp: int, model: PowerModel
+) -> None:
+    """Set ``cap_w`` and ``needed_speed`` on every stage (of running replicas) that needs
+    more than 1x speed."""
+    by_rack: dict[str, list[StageDraft]] = {}
+    for s in stages:
+        need = stage_speed_need(s, base_tp, cluster.gpu_speed)
+        if need > 1.0 + _EPS:
+            s.needed_speed = need
+            by_rack.setdefault(s.rack.name, []).append(s)
+    for group in by_rack.values():
+        _fill_rack(group, cluster, model)
+
+
+def _fill_rack(group: list[StageDraft], cluster: ClusterState, model: PowerModel) -> None:
+    rack = group[0].rack
+    tdp = rack.tdp_w
+    limit_w = math.floor(min(rack.max_w, tdp * model.max_power_ratio) + 1e-6)
+    pins = cluster.power_pins
+    wants, counts = [], []
+    boosted: set[GpuKey] = set()
+    for s in group:
+        ratio = model.power_for(s.needed_speed)
+        want = limit_w if ratio is None else min(math.ceil(ratio * tdp - 1e-6), limit_w)
+        wants.append(max(want, tdp))
+        own = [g for g in s.used if g not in pins]
+        counts.append(len(own))
+        boosted.update(own)
+    fixed_w = sum(
+        pinned_w(rack, pins[g]) if g in pins else tdp
+        for g in rack.gpus
+        if g not in boosted and cluster.usable(g)
+    )
+    level = water_level(wants, counts, rack.power_budget_w - fixed_w)
+    for s, want in zip(group, wants, strict=True):
+        cap = max(tdp, min(want, level))
+        s.cap_w = None if cap == tdp else float(cap)
+
+
+def water_level(wants: list[float], counts: list[int], available_w: float) -> float:
+    """The largest whole-watt level L with sum(n * min(want, L)) <= available (inf when
+    every wish fits)."""
+    remaining_n = sum(counts)
+    remaining_w = available_w
+    for want, n in sorted(zip(wants, counts, strict=True)):
+        if want * remaining_n <= remaining_w + 1e-6:
+            remaining_w -= want * n
+            remaining_n -= n
+        else:
+            return math.floor(remaining_w / remaining_n + 1e-9)
+    return math.inf
+
+
+def gpu_caps(stage: StageDraft, pins: Mapping[GpuKey, float]) -> dict[GpuKey, float]:
+    """Cap of every used GPU of the stage (TDP unless boosted or pinned)."""
+    rack = stage.rack
+    base = stage.cap_w if stage.cap_w is not None else rack.tdp_w
+    caps = dict.fromkeys(stage.used, base)
+    for g in pins.keys() & caps.keys():
+        caps[g] = pinned_w(rack, pins[g])
+    return caps
+
+
+def stage_speed(
+    caps: Mapping[GpuKey, float], rack: RackInfo, speeds: Mapping[GpuKey, float], model: PowerModel
+) -> float:
+    """Relative speed of the stage's slowest GPU (TP is synchronous)."""
+    tdp = rack.tdp_w
+    return min(speeds.get(g, 1.0) * model.throughput(w / tdp) for g, w in caps.items())

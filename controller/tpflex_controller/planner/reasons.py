@@ -1,0 +1,88 @@
+"""Human-readable reasons: one line per change from the failure-free identity plan (pure)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from tpflex_proto.powermodel import PowerModel
+
+from tpflex_controller.planner.model import (
+    GpuKey,
+    JobSpec,
+    Policy,
+    ReplicaAssignment,
+    ReplicaState,
+)
+from tpflex_controller.planner.stages import ReplicaDraft, StageDraft, describe_lost
+
+
+def _health(s: StageDraft) -> str:
+    return (
+        f"rack {s.rack.name} has {len(s.usable)}/{len(s.spec_gpus)} usable GPUs "
+        f"({describe_lost(s.lost)})"
+    )
+
+
+def _batch(a: ReplicaAssignment, job: JobSpec) -> str:
+    return f"local batch {a.local_batch}/{job.local_batch} ({a.relative_throughput:.3f}x throughput)"
+
+
+def replica_reasons(
+    d: ReplicaDraft,
+    a: ReplicaAssignment,
+    job: JobSpec,
+    policy: Policy,
+    caps: Mapping[GpuKey, float],
+    speeds: Mapping[GpuKey, float],
+    model: PowerModel,
+) -> list[str]:
+    head = f"replica {d.index}:"
+    if a.state is ReplicaState.DROPPED:
+        lost = [_health(s) for s in d.stages if s.lost]
+        return [f"{head} {'; '.join(lost) + ' -> ' if lost else ''}dropped ({d.why})"]
+    lines = [f"{head} {note}" for note in d.notes]
+    if d.pin is not None and d.pin < job.base_tp:
+        lines.append(f"{head} operator pin -> TP {d.pin}")
+    if policy is Policy.NTP_PW:
+        lines += [_ntp_pw_line(head, s, job, model) for s in d.stages if _changed(s, job)]
+    elif a.tp_degree < job.base_tp:
+        worst = min(d.stages, key=lambda s: len(s.usable))
+        lines.append(
+            f"{head} {_health(worst)} -> all {len(d.stages)} stage(s) at TP {a.tp_degree}, "
+            f"{_batch(a, job)}"
+        )
+    lines += _slow_and_pinned(head, d, caps, speeds)
+    if a.relative_throughput < 1.0 - 1e-12 and policy is Policy.NTP_PW:
+        lines.append(f"{head} boost falls short -> {_batch(a, job)}")
+    return lines
+
+
+def _changed(s: StageDraft, job: JobSpec) -> bool:
+    return s.degree < job.base_tp or s.cap_w is not None or s.needed_speed > 1.0
+
+
+def _ntp_pw_line(head: str, s: StageDraft, job: JobSpec, model: PowerModel) -> str:
+    what = f"{head} {_health(s)} -> TP {s.degree}"
+    if s.cap_w is None:
+        if s.needed_speed > 1.0:
+            return f"{what}, not boosted (no power headroom), needs {s.needed_speed:.3f}x speed"
+        return what
+    ratio = s.cap_w / s.rack.tdp_w
+    got = model.throughput(ratio)
+    line = f"{what}, boosted to {ratio:.2f}x TDP ({s.cap_w:.0f} W) for {got:.3f}x speed"
+    if got + 1e-9 < s.needed_speed:
+        line += f" (needs {s.needed_speed:.3f}x)"
+    return line
+
+
+def _slow_and_pinned(
+    head: str, d: ReplicaDraft, caps: Mapping[GpuKey, float], speeds: Mapping[GpuKey, float]
+) -> list[str]:
+    lines = []
+    for s in d.stages:
+        for g in s.used:
+            if speeds.get(g, 1.0) < 1.0:
+                lines.append(f"{head} GPU {g[0]}:{g[1]} on rack {s.rack.name} runs at {speeds[g]:.2f}x speed")
+            if g in caps and s.cap_w != caps[g]:
+                lines.append(f"{head} GPU {g[0]}:{g[1]} on rack {s.rack.name} power pinned to {caps[g]:.0f} W")
+    return lines

@@ -1,0 +1,223 @@
+"""Per-replica drafts: which GPUs of each pipeline stage are usable, and the degree each
+stage runs at under each policy (pure).
+
+A draft is the planner's working copy of one replica; ``planner.plan`` turns drafts into
+``ReplicaAssignment``s once power caps are known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from operator import itemgetter
+
+from tpflex_controller.planner.memo import IdentityMemo
+from tpflex_controller.planner.model import (
+    ClusterState,
+    GpuKey,
+    GpuStatus,
+    JobSpec,
+    RackInfo,
+    ReplicaSpec,
+    ReplicaState,
+)
+
+_node_of = itemgetter(0)
+_STAGE_SETS: IdentityMemo[tuple[frozenset[GpuKey], frozenset[str]]] = IdentityMemo()
+
+
+def _stage_sets(gpus: tuple[GpuKey, ...]) -> tuple[frozenset[GpuKey], frozenset[str]]:
+    return frozenset(gpus), frozenset(map(_node_of, gpus))
+
+
+def stage_clean(gpus: tuple[GpuKey, ...], touched: set[GpuKey], live: frozenset[str] | None) -> bool:
+    """No GPU of the stage is touched and all its nodes are live. Set-to-set checks cost
+    O(min size): O(touched) and O(nodes), not O(GPUs)."""
+    gpu_set, nodes = _STAGE_SETS.get(gpus, _stage_sets)
+    return gpu_set.isdisjoint(touched) and (live is None or live.issuperset(nodes))
+
+
+def replica_clean(
+    spec: ReplicaSpec, touched: set[GpuKey], live: frozenset[str] | None
+) -> bool:
+    return all(stage_clean(st.gpus, touched, live) for st in spec.stages)
+
+
+@dataclass(slots=True)
+class StageDraft:
+    spec_index: int
+    rack: RackInfo
+    spec_gpus: tuple[GpuKey, ...]
+    usable: tuple[GpuKey, ...]  # usable GPUs of the stage, spec (= TP-rank) order
+    lost: tuple[tuple[GpuKey, GpuStatus], ...]  # the others, with their status
+    degree: int = 0
+    cap_w: float | None = None  # uniform boost cap of the used GPUs; None = TDP
+    needed_speed: float = 1.0  # speed the stage needs to keep pace (ntp-pw)
+    spare_for: str | None = None  # the spec rack this spare stage stands in for
+
+    @property
+    def used(self) -> tuple[GpuKey, ...]:
+        return self.usable[: self.degree]
+
+
+@dataclass(slots=True)
+class ReplicaDraft:
+    index: int
+    stages: list[StageDraft]
+    clean: bool  # every GPU healthy and live, no pin, no power pin, no slow GPU
+    pin: int | None
+    state: ReplicaState = ReplicaState.HEALTHY
+    why: str = ""  # why a replica is dropped
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def lost_any(self) -> bool:
+        return any(s.lost for s in self.stages)
+
+
+def touched_gpus(cluster: ClusterState) -> set[GpuKey]:
+    """GPUs that need a per-GPU look: non-healthy, slow or power-pinned."""
+    touched = set(cluster.gpu_status)
+    touched.update(cluster.gpu_speed)
+    touched.update(cluster.power_pins)
+    return touched
+
+
+def replica_draft(
+    cluster: ClusterState,
+    job: JobSpec,
+    index: int,
+    spec: ReplicaSpec,
+    touched: set[GpuKey],
+    pin: int | None,
+    full_degree: int,
+) -> ReplicaDraft:
+    """The draft of one replica with every stage at its full usable degree.
+
+    Fast path: a stage none of whose GPUs is touched and whose nodes are all live needs
+    no per-GPU Python work."""
+    live = cluster.live_nodes
+    stages: list[StageDraft] = []
+    clean = pin is None and full_degree == job.base_tp
+    for s_idx, stage in enumerate(spec.stages):
+        rack = cluster.racks[stage.rack]
+        gpus = stage.gpus
+        if stage_clean(gpus, touched, live):
+            stages.append(StageDraft(s_idx, rack, gpus, gpus, (), full_degree))
+            continue
+        clean = False
+        usable = tuple(g for g in gpus if cluster.usable(g))
+        lost = tuple((g, cluster.status(g)) for g in gpus if not cluster.usable(g))
+        stages.append(StageDraft(s_idx, rack, gpus, usable, lost, min(len(usable), full_degree)))
+    return ReplicaDraft(index, stages, clean, pin)
+
+
+def cap_degrees(draft: ReplicaDraft) -> None:
+    """Apply the operator's pin (validated by the caller) to every stage."""
+    if draft.pin is not None:
+        for s in draft.stages:
+            s.degree = min(s.degree, draft.pin)
+
+
+def drop_if_too_small(draft: ReplicaDraft, min_tp: int) -> bool:
+    """Drop a replica with a stage that has no usable GPU or runs below ``min_tp``."""
+    for s in draft.stages:
+        if s.degree == 0:
+            return _drop(draft, f"rack {s.rack.name} has no usable GPU")
+        if s.degree < min_tp:
+            return _drop(draft, f"TP {s.degree} on rack {s.rack.name} is below min_tp {min_tp}")
+    return False
+
+
+def _drop(draft: ReplicaDraft, why: str) -> bool:
+    draft.state = ReplicaState.DROPPED
+    draft.why = why
+    return True
+
+
+def decide_ntp_pw(draft: ReplicaDraft, job: JobSpec) -> None:
+    """ntp-pw: each stage runs at its own usable degree; only reduced stages are boosted
+    (the power step sets their caps)."""
+    cap_degrees(draft)
+    if drop_if_too_small(draft, job.min_tp):
+        return
+    if any(s.degree < job.base_tp for s in draft.stages):
+        draft.state = ReplicaState.DEGRADED
+
+
+def decide_ntp(draft: ReplicaDraft, job: JobSpec) -> None:
+    """ntp: every stage of a degraded replica runs at the replica's smallest degree t_r
+    (plain NTP with PP: the idle GPUs of healthier stages could be lent out)."""
+    cap_degrees(draft)
+    if drop_if_too_small(draft, job.min_tp):
+        return
+    t_r = min(s.degree for s in draft.stages)
+    for s in draft.stages:
+        s.degree = t_r
+    if t_r < job.base_tp:
+        draft.state = ReplicaState.DEGRADED
+
+
+def decide_dp_drop(draft: ReplicaDraft, job: JobSpec) -> None:
+    """dp-drop: a replica with any unusable GPU leaves the job until repaired. A pinned
+    replica without failures runs at its pin like under ntp (no boost)."""
+    if draft.lost_any:
+        lost = next(s for s in draft.stages if s.lost)
+        _drop(draft, f"rack {lost.rack.name} lost {len(lost.lost)} GPU(s) (dp-drop)")
+        return
+    decide_ntp(draft, job)
+
+
+def decide_spare(
+    draft: ReplicaDraft, job: JobSpec, cluster: ClusterState, pool: list[RackInfo]
+) -> None:
+    """spare: every stage with an unusable GPU moves, whole, to the next fully healthy spare
+    rack of ``job.spare_racks`` (in that order, not used by another replica) and runs at
+    full TP there. With too few spares left the replica is DROPPED and takes none."""
+    degraded = [i for i, s in enumerate(draft.stages) if s.lost]
+    if not degraded:
+        decide_ntp(draft, job)
+        return
+    if len(degraded) > len(pool):
+        _drop(draft, f"{len(degraded)} stage(s) degraded and {len(pool)} spare rack(s) left")
+        return
+    for i in degraded:
+        old, rack = draft.stages[i], pool.pop(0)
+        gpus = rack.gpus[: job.base_tp]
+        degree = min(job.base_tp, *job.units.values())
+        draft.stages[i] = StageDraft(
+            old.spec_index, rack, gpus, gpus, (), degree, spare_for=old.rack.name
+        )
+        draft.notes.append(_spare_note(old, rack.name, degree))
+    decide_ntp(draft, job)
+    if draft.state is not ReplicaState.DROPPED:
+        draft.state = ReplicaState.ON_SPARE
+
+
+def _spare_note(old: StageDraft, spare: str, tp: int) -> str:
+    return (
+        f"rack {old.rack.name} has {len(old.usable)}/{len(old.spec_gpus)} usable GPUs "
+        f"({describe_lost(old.lost)}) -> stage {old.spec_index} moved to spare rack {spare} "
+        f"at TP {tp}"
+    )
+
+
+def spare_pool(cluster: ClusterState, job: JobSpec) -> list[RackInfo]:
+    """Spare racks usable now: in ``job.spare_racks`` order, not a stage of any replica,
+    with their first ``base_tp`` GPUs all healthy, live and at full speed."""
+    in_use = {st.rack for rep in job.replicas for st in rep.stages}
+    pool = []
+    for name in job.spare_racks:
+        rack = cluster.racks[name]
+        gpus = rack.gpus[: job.base_tp]
+        if name in in_use or len(gpus) < job.base_tp:
+            continue
+        if all(
+            cluster.status(g) is GpuStatus.HEALTHY and cluster.gpu_speed.get(g, 1.0) >= 1.0
+            for g in gpus
+        ):
+            pool.append(rack)
+    return pool
+
+
+def describe_lost(lost: tuple[tuple[GpuKey, GpuStatus], ...]) -> str:
+    return ", ".join(f"{g[0]}:{g[1]} {st.value}" for g, st in lost) or "none lost"
