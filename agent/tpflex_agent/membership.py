@@ -1,0 +1,200 @@
+"""Node membership in etcd: the lease-bound ``nodes/<node>`` registration, the
+``health/<node>`` record, and following the controller's ``power/<node>`` desired caps.
+
+The registration and the health record share one lease (TTL ``lease_ttl_s``, kept alive
+every TTL/3): when the agent dies both vanish after the TTL. After an etcd outage that
+outlived the lease the agent registers again under a new lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.etcd import Etcd, EtcdError, EtcdUnavailable, Op, WatchEvent
+
+from .core import AgentCore
+from .errors import AgentError, AgentErrorCode
+from .plan import CapRequest
+
+log = logging.getLogger(__name__)
+
+
+class Membership:
+    def __init__(
+        self, etcd: Etcd, core: AgentCore, *, agent_address: str, metrics_address: str = "",
+        ttl_s: int = 5, clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.etcd, self.core = etcd, core
+        self.agent_address, self.metrics_address = agent_address, metrics_address
+        self.ttl_s, self._clock = ttl_s, clock
+        self._lock = threading.Lock()
+        self._lease = 0
+        self._health: types_pb2.NodeHealth | None = None
+        self._stop = threading.Event()
+        self.registered = threading.Event()
+        self.registrations = 0
+        self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
+
+    @property
+    def lease_id(self) -> int:
+        with self._lock:
+            return self._lease
+
+    def start(self) -> Membership:
+        self._health = self.core.monitor.snapshot()
+        self.core.monitor.add_sink(self._on_health)
+        self._thread.start()
+        return self
+
+    def stop(self, revoke: bool = True) -> None:
+        self._stop.set()
+        self.core.monitor.remove_sink(self._on_health)
+        self._thread.join(timeout=5)
+        lease = self.lease_id
+        if revoke and lease:
+            try:
+                self.etcd.revoke_lease(lease)
+                log.info("lease revoked node=%s lease=%x", self.core.node, lease)
+            except EtcdError as exc:
+                log.warning("lease revoke failed node=%s error=%s", self.core.node, exc)
+        self.registered.clear()
+
+    # ---- registration ----
+
+    def _node_record(self) -> types_pb2.Node:
+        return types_pb2.Node(
+            name=self.core.node, rack=self.core.rack, agent_address=self.agent_address,
+            gpus=self.core.devices(), registered_at=self._clock(), backend=self.core.backend.kind,
+            metrics_address=self.metrics_address,
+        )
+
+    def _register(self) -> None:
+        lease = self.etcd.grant_lease(self.ttl_s)
+        with self._lock:
+            health = self._health
+            ops = [Op.put(keys.node(self.core.node), codec.encode(self._node_record()), lease)]
+            if health is not None:
+                ops.append(Op.put(keys.health(self.core.node), codec.encode(health), lease))
+            self.etcd.txn([], ops)
+            self._lease = lease
+        self.registrations += 1
+        self.registered.set()
+        log.info("node registered node=%s rack=%s lease=%x ttl_s=%d", self.core.node,
+                 self.core.rack, lease, self.ttl_s)
+
+    def _run(self) -> None:
+        backoff, last_ok = 0.1, time.monotonic()
+        while not self._stop.is_set():
+            try:
+                if not self.lease_id:
+                    self._register()
+                    last_ok, backoff = time.monotonic(), 0.1
+                if self._stop.wait(self.ttl_s / 3):
+                    return
+                if self.etcd.keepalive_once(self.lease_id) > 0:
+                    last_ok = time.monotonic()
+                else:
+                    log.warning("lease expired node=%s lease=%x", self.core.node, self.lease_id)
+                    self._drop_lease()
+            except EtcdError as exc:
+                if time.monotonic() - last_ok > self.ttl_s and self.lease_id:
+                    log.warning("lease presumed lost node=%s error=%s", self.core.node, exc)
+                    self._drop_lease()
+                level = logging.INFO if isinstance(exc, EtcdUnavailable) else logging.WARNING
+                log.log(level, "etcd unreachable node=%s error=%s", self.core.node, exc)
+                if self._stop.wait(backoff):
+                    return
+                backoff = min(backoff * 2, max(self.ttl_s / 3, 0.2))
+
+    def _drop_lease(self) -> None:
+        with self._lock:
+            self._lease = 0
+        self.registered.clear()
+
+    # ---- health ----
+
+    def _on_health(self, msg: types_pb2.NodeHealth, critical: bool) -> None:
+        with self._lock:
+            self._health = msg
+            lease = self._lease
+            if not lease:
+                return  # written with the next registration
+            try:
+                self.etcd.put(keys.health(self.core.node), codec.encode(msg), lease=lease)
+            except EtcdError as exc:
+                log.warning("health write failed node=%s seq=%d critical=%s error=%s",
+                            self.core.node, msg.seq, critical, exc)
+
+
+class DesiredPowerFollower:
+    """Applies ``power/<node>`` at start-up and whenever the controller changes it."""
+
+    def __init__(self, etcd: Etcd, core: AgentCore) -> None:
+        self.etcd, self.core = etcd, core
+        self.key = keys.power(core.node)
+        self._stop = threading.Event()
+        self._watch = None
+        self.ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="power-follower", daemon=True)
+
+    def start(self) -> DesiredPowerFollower:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self._watch is not None:
+            self._watch.cancel()
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            try:
+                rev = self._reread()
+                break
+            except EtcdError as exc:
+                log.info("desired caps not readable yet node=%s error=%s", self.core.node, exc)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 2.0)
+        else:
+            return
+        self._watch = self.etcd.watch_prefix(
+            self.key, self._on_events, start_revision=rev + 1, on_resync=self._resync)
+        self.ready.set()
+
+    def _reread(self) -> int:
+        kvs, rev = self.etcd.get_prefix(self.key)
+        for kv in kvs:
+            if kv.key == self.key:
+                self._apply(kv.value, "startup")
+        return rev
+
+    def _resync(self) -> None:
+        try:
+            self._reread()
+        except EtcdError as exc:
+            log.warning("desired caps re-read failed node=%s error=%s", self.core.node, exc)
+
+    def _on_events(self, events: list[WatchEvent]) -> None:
+        for ev in events:
+            if ev.key == self.key and ev.kind == "put":
+                self._apply(ev.value, "watch")
+
+    def _apply(self, value: bytes, source: str) -> None:
+        try:
+            plan = codec.decode(types_pb2.NodePowerPlan, value, self.key)
+        except codec.MalformedValue as exc:
+            log.warning("skipping malformed desired caps key=%s error=%s", self.key, exc)
+            return
+        caps = [CapRequest(c.gpu.node, c.gpu.index, c.cap_w, c.locked_sm_clock_mhz) for c in plan.caps]
+        try:
+            self.core.power.apply(plan.generation, caps, source=f"etcd-{source}")
+        except AgentError as exc:
+            level = logging.DEBUG if exc.code == AgentErrorCode.STALE_GENERATION else logging.WARNING
+            log.log(level, "desired caps not applied node=%s generation=%d code=%s reason=%s",
+                    self.core.node, plan.generation, exc.code.value, exc.message)

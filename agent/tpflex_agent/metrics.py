@@ -1,0 +1,98 @@
+"""Prometheus metrics read at scrape time (a custom Collector), served at ``/metrics``.
+
+Names and their dcgm-exporter equivalents are listed in docs/agent.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+from tpflex_proto import types_pb2
+
+from .backend import THROTTLE_REASON_NAMES
+from .core import AgentCore
+from .errors import GpuError
+
+HEALTH_STATES = {types_pb2.GPU_HEALTHY: "healthy", types_pb2.GPU_DEGRADED: "degraded",
+                 types_pb2.GPU_FAILED: "failed"}
+
+
+class AgentCollector(Collector):
+    def __init__(self, core: AgentCore, registered=None) -> None:
+        self.core = core
+        self._registered = registered  # a threading.Event, or None when standalone
+
+    def _gauge(self, name: str, doc: str, labels=("gpu", "uuid")) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, labels=list(labels))
+
+    def collect(self) -> Iterator:
+        devices = self.core.backend.devices()
+        g = {
+            "draw": self._gauge("tpflex_agent_gpu_power_draw_watts", "Current power draw."),
+            "limit": self._gauge("tpflex_agent_gpu_power_limit_watts", "Enforced power limit (cap)."),
+            "default": self._gauge("tpflex_agent_gpu_power_limit_default_watts", "Default power limit."),
+            "clock": self._gauge("tpflex_agent_gpu_sm_clock_hertz", "Current SM clock."),
+            "temp": self._gauge("tpflex_agent_gpu_temperature_celsius", "GPU temperature."),
+            "reasons": self._gauge("tpflex_agent_gpu_clocks_event_reasons", "NVML clocks-event (throttle) reasons bitmask."),
+            "speed": self._gauge("tpflex_agent_gpu_relative_speed_ratio", "Speed relative to a healthy GPU at the same cap."),
+        }
+        throttle = self._gauge("tpflex_agent_gpu_throttle_active", "1 while a throttle reason is active.",
+                               ("gpu", "uuid", "reason"))
+        readable = self._gauge("tpflex_agent_gpu_readable", "1 when the last read of the GPU succeeded.")
+        for d in devices:
+            labels = [str(d.index), d.uuid]
+            g["default"].add_metric(labels, d.default_limit_w)
+            try:
+                r = self.core.backend.read(d.index)
+            except GpuError:
+                readable.add_metric(labels, 0)
+                continue
+            readable.add_metric(labels, 1)
+            g["draw"].add_metric(labels, r.power_draw_w)
+            g["limit"].add_metric(labels, r.power_limit_w)
+            g["clock"].add_metric(labels, r.sm_clock_mhz * 1e6)
+            g["temp"].add_metric(labels, r.temperature_c)
+            g["reasons"].add_metric(labels, r.throttle_reasons)
+            g["speed"].add_metric(labels, r.relative_speed)
+            for bit, name in THROTTLE_REASON_NAMES.items():
+                throttle.add_metric(labels + [name], 1 if r.throttle_reasons & bit else 0)
+        yield from g.values()
+        yield throttle
+        yield readable
+        yield from self._health(devices)
+        yield from self._node()
+
+    def _health(self, devices) -> Iterator:
+        state = self._gauge("tpflex_agent_gpu_health_state", "1 for the GPU's current health state.",
+                            ("gpu", "uuid", "state"))
+        xids = CounterMetricFamily("tpflex_agent_gpu_xid_errors", "XID events seen since agent start.",
+                                   labels=["gpu", "uuid"])
+        states = self.core.monitor.gpu_states()
+        counts = dict(self.core.monitor.xid_counts)
+        for d in devices:
+            labels = [str(d.index), d.uuid]
+            current = states[d.index].state if d.index in states else None
+            for value, name in HEALTH_STATES.items():
+                state.add_metric(labels + [name], 1 if current == value else 0)
+            xids.add_metric(labels, counts.get(d.index, 0))
+        yield state
+        yield xids
+
+    def _node(self) -> Iterator:
+        gen = GaugeMetricFamily("tpflex_agent_power_plan_generation", "Generation of the last applied power plan.")
+        gen.add_metric([], self.core.power.applied_generation)
+        yield gen
+        reg = GaugeMetricFamily("tpflex_agent_registered", "1 while the node holds its etcd registration.")
+        reg.add_metric([], 1 if self._registered is not None and self._registered.is_set() else 0)
+        yield reg
+
+
+def start_metrics_server(core: AgentCore, host: str, port: int, registered=None):
+    """Serve /metrics for ``core`` on host:port (0 = a free port); returns (httpd, port)."""
+    registry = CollectorRegistry()
+    registry.register(AgentCollector(core, registered))
+    httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    return httpd, httpd.server_address[1]

@@ -1,0 +1,97 @@
+"""Applies validated power plans to the backend and remembers what was applied."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .backend import ClockTarget, GpuBackend
+from .errors import GpuError
+from .plan import AppliedPlan, CapRequest, apply_order, resolve_plan
+
+log = logging.getLogger(__name__)
+
+APPLIED, ALREADY_APPLIED, PARTIAL = "APPLIED", "ALREADY_APPLIED", "PARTIAL"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuApply:
+    index: int
+    ok: bool
+    applied_cap_w: float
+    locked_sm_clock_mhz: int
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    generation: int
+    outcome: str
+    gpus: tuple[GpuApply, ...]
+
+
+class PowerControl:
+    """Thread-safe. Writes are skipped for GPUs already at their target (as last set by
+    this agent), so re-applying a plan touches no device."""
+
+    def __init__(self, backend: GpuBackend, node: str,
+                 on_applied: Callable[[ApplyResult], None] | None = None) -> None:
+        self.backend, self.node = backend, node
+        self._devices = backend.devices()
+        self._lock = threading.Lock()
+        self._applied: AppliedPlan | None = None
+        self._last_result: ApplyResult | None = None
+        self._known: dict[int, ClockTarget] = {}  # what each GPU is known to be set to
+        self._on_applied = on_applied
+
+    @property
+    def applied_generation(self) -> int:
+        with self._lock:
+            return self._applied.generation if self._applied else 0
+
+    def current_targets(self) -> dict[int, ClockTarget]:
+        with self._lock:
+            return dict(self._known)
+
+    def apply(self, generation: int, caps: Sequence[CapRequest], *, source: str = "grpc") -> ApplyResult:
+        with self._lock:
+            res = resolve_plan(self.node, generation, caps, self._devices, self._applied)
+            if res.already_applied and self._last_result is not None:
+                return ApplyResult(generation, ALREADY_APPLIED, self._last_result.gpus)
+            limits = {i: t.cap_w for i, t in self._known.items()}
+            statuses = tuple(self._apply_gpu(i, res.targets[i]) for i in apply_order(res.targets, limits))
+            complete = all(s.ok for s in statuses)
+            self._applied = AppliedPlan(generation, res.targets, complete)
+            result = ApplyResult(generation, APPLIED if complete else PARTIAL,
+                                 tuple(sorted(statuses, key=lambda s: s.index)))
+            self._last_result = result
+        log.info("power plan applied node=%s generation=%d outcome=%s source=%s failed=%s",
+                 self.node, generation, result.outcome, source,
+                 [s.index for s in result.gpus if not s.ok])
+        if self._on_applied:
+            self._on_applied(result)
+        return result
+
+    def _apply_gpu(self, index: int, target: ClockTarget) -> GpuApply:
+        known = self._known.get(index)
+        cap = known.cap_w if known else 0.0
+        locked = known.locked_sm_clock_mhz if known else 0
+        try:
+            if known is None or known.cap_w != target.cap_w:
+                cap = self.backend.set_power_limit(index, target.cap_w)
+                self._known[index] = ClockTarget(cap, locked)
+            if known is None or known.locked_sm_clock_mhz != target.locked_sm_clock_mhz:
+                if target.locked_sm_clock_mhz:
+                    self.backend.lock_sm_clocks(index, target.locked_sm_clock_mhz)
+                else:
+                    self.backend.reset_sm_clocks(index)
+                locked = target.locked_sm_clock_mhz
+            self._known[index] = ClockTarget(target.cap_w, locked)
+            return GpuApply(index, True, cap, locked)
+        except GpuError as exc:
+            self._known.pop(index, None)  # state unknown now: write again next time
+            log.warning("power plan gpu failed node=%s gpu=%d code=%s error=%s",
+                        self.node, index, exc.code.value, exc)
+            return GpuApply(index, False, cap, locked, f"{exc.code.value}: {exc}")
