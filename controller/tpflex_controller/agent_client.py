@@ -1,0 +1,199 @@
+"""Pushing power plans to node agents (gRPC ``Agent.ApplyPowerPlan``), off the loop.
+
+:meth:`AgentPusher.push` returns at once; the newest plan of each node is sent by a small
+thread pool and retried with exponential backoff until the agent applies it, a newer plan
+supersedes it, or the agent refuses it for good (a stale or invalid plan). Each outcome is
+reported through ``on_result``. Sends are idempotent: the agent keys them by generation.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from tpflex_proto import agent_pb2, agent_pb2_grpc, types_pb2
+
+log = logging.getLogger(__name__)
+
+_RETRY_CODES = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.ABORTED,
+}
+_OUTCOMES = agent_pb2.ApplyPowerPlanResponse.Outcome
+
+
+@dataclass(frozen=True)
+class PushResult:
+    node: str
+    generation: int
+    ok: bool  # the agent holds this generation (applied, already applied or partial)
+    outcome: str  # "APPLIED", "ALREADY_APPLIED", "PARTIAL" or the gRPC status code name
+    detail: str
+    attempts: int
+    at: float  # wall-clock time of the outcome
+
+
+@dataclass
+class _Target:
+    address: str
+    plan: types_pb2.NodePowerPlan
+    attempts: int = 0
+    in_flight: bool = False
+
+
+class AgentPusher:
+    def __init__(
+        self,
+        on_result: Callable[[PushResult], None],
+        *,
+        timeout: float = 2.0,
+        max_workers: int = 8,
+        backoff_initial: float = 0.1,
+        backoff_max: float = 5.0,
+        on_failure: Callable[[], None] | None = None,
+    ) -> None:
+        self._on_result = on_result
+        self._on_failure = on_failure
+        self._timeout = timeout
+        self._backoff = (backoff_initial, backoff_max)
+        self._targets: dict[str, _Target] = {}
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+        self._cv = threading.Condition()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="agent-push")
+        self._closed = False
+        self._thread = threading.Thread(target=self._dispatch, name="agent-push", daemon=True)
+        self._thread.start()
+
+    # ---- API ----
+
+    def push(self, node: str, address: str, plan: types_pb2.NodePowerPlan) -> None:
+        """Send ``plan`` to ``node``'s agent at ``address`` ("" = not known yet)."""
+        with self._cv:
+            t = self._targets.get(node)
+            if t is None:
+                self._targets[node] = _Target(address, plan)
+            else:
+                t.address, t.plan, t.attempts = address or t.address, plan, 0
+            self._schedule(node, 0.0)
+
+    def set_address(self, node: str, address: str) -> None:
+        """A node (re-)registered: send its pending plan now."""
+        with self._cv:
+            t = self._targets.get(node)
+            if t is not None and address:
+                t.address, t.attempts = address, 0
+                self._schedule(node, 0.0)
+
+    def pending(self) -> dict[str, int]:
+        with self._cv:
+            return {n: t.plan.generation for n, t in self._targets.items()}
+
+    def cancel_all(self) -> None:
+        with self._cv:
+            self._targets.clear()
+            self._heap.clear()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._targets.clear()
+            self._cv.notify_all()
+        self._thread.join(timeout=5)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for ch in self._channels.values():
+            ch.close()
+
+    # ---- scheduling ----
+
+    def _schedule(self, node: str, delay: float) -> None:
+        heapq.heappush(self._heap, (time.monotonic() + delay, next(self._seq), node))
+        self._cv.notify()
+
+    def _dispatch(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed:
+                    now = time.monotonic()
+                    if self._heap and self._heap[0][0] <= now:
+                        break
+                    self._cv.wait(self._heap[0][0] - now if self._heap else None)
+                if self._closed:
+                    return
+                _, _, node = heapq.heappop(self._heap)
+                t = self._targets.get(node)
+                if t is None or t.in_flight or not t.address:
+                    continue
+                t.in_flight = True
+                t.attempts += 1
+                plan, address, attempts = t.plan, t.address, t.attempts
+            self._pool.submit(self._attempt, node, address, plan, attempts)
+
+    def _attempt(self, node: str, address: str, plan: types_pb2.NodePowerPlan, attempts: int) -> None:
+        req = agent_pb2.ApplyPowerPlanRequest(generation=plan.generation, caps=list(plan.caps))
+        retry = False
+        try:
+            resp = agent_pb2_grpc.AgentStub(self._channel(address)).ApplyPowerPlan(
+                req, timeout=self._timeout
+            )
+            result = self._result(node, plan, True, _OUTCOMES.Name(resp.outcome), _errors(resp), attempts)
+        except grpc.RpcError as exc:
+            code = exc.code()
+            retry = code in _RETRY_CODES
+            detail = exc.details() or ""
+            result = self._result(node, plan, False, code.name if code else "UNKNOWN", detail, attempts)
+            if self._on_failure is not None:
+                self._on_failure()
+            log.log(
+                logging.INFO if retry else logging.WARNING,
+                "agent power push failed node=%s generation=%d code=%s attempt=%d detail=%s",
+                node, plan.generation, result.outcome, attempts, detail,
+            )
+        with self._cv:
+            t = self._targets.get(node)
+            if t is None:
+                return  # cancelled
+            t.in_flight = False
+            if t.plan.generation != plan.generation:
+                self._schedule(node, 0.0)  # superseded while in flight: send the newer one
+                return
+            if retry:
+                lo, hi = self._backoff
+                self._schedule(node, min(hi, lo * 2 ** (attempts - 1)))
+                return
+            del self._targets[node]
+        self._on_result(result)
+
+    def _result(self, node, plan, ok, outcome, detail, attempts) -> PushResult:
+        return PushResult(node, plan.generation, ok, outcome, detail, attempts, time.time())
+
+    def _channel(self, address: str) -> grpc.Channel:
+        with self._cv:
+            ch = self._channels.get(address)
+            if ch is None:
+                ch = grpc.insecure_channel(
+                    address,
+                    options=[
+                        ("grpc.initial_reconnect_backoff_ms", 100),
+                        ("grpc.max_reconnect_backoff_ms", 1000),
+                    ],
+                )
+                self._channels[address] = ch
+            return ch
+
+
+def _errors(resp: agent_pb2.ApplyPowerPlanResponse) -> str:
+    return "; ".join(f"gpu {g.index}: {g.error}" for g in resp.gpus if not g.ok and g.error)

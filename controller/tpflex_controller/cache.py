@@ -1,0 +1,369 @@
+"""The reconcile loop's in-memory view of ``/tpflex/v1/``, folded from watch events.
+
+One thread (the reconciler's) owns a :class:`ClusterView`; nothing here locks. Folding a
+key returns the jobs that must be looked at again and why (level-triggered: the cause is
+for the event log and metrics, the loop re-reads the whole view anyway). The planner's
+``ClusterState`` is kept incrementally (non-healthy GPUs only), so a failure on one node
+costs O(that node), not O(cluster).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.etcd import KeyValue
+
+from tpflex_controller import convert
+from tpflex_controller.planner.model import (
+    ClusterState,
+    GpuKey,
+    GpuStatus,
+    JobSpec,
+    PlanningError,
+    PlanResult,
+    RackInfo,
+)
+from tpflex_controller.store import Snapshot, apply_kv, decode_or_skip
+
+log = logging.getLogger(__name__)
+
+_GPU_STATE = {
+    types_pb2.GPU_DEGRADED: GpuStatus.DEGRADED,
+    types_pb2.GPU_FAILED: GpuStatus.FAILED,
+}
+
+Dirty = list[tuple[str, str]]  # (job, cause)
+
+
+@dataclass
+class PlanRecord:
+    """The current plan of a job as the view knows it."""
+
+    generation: int
+    mod_revision: int
+    proto: types_pb2.Plan | None
+    raw: bytes
+    result: PlanResult | None = None  # converted lazily (or kept from our own commit)
+
+    def decision(self) -> PlanResult:
+        if self.result is None:
+            proto = self.proto if self.proto is not None else decode_plan(self.raw, "?")
+            self.result = convert.plan_from_proto(proto)
+        return self.result
+
+
+class ClusterView:
+    def __init__(self, event_log_size: int = 1000) -> None:
+        self.snap = Snapshot()
+        self.racks: dict[str, RackInfo] = {}
+        self.node_rack: dict[str, str] = {}
+        self.rack_jobs: dict[str, set[str]] = {}
+        self.live_nodes: set[str] = set()
+        self.gpu_status: dict[GpuKey, GpuStatus] = {}
+        self.gpu_speed: dict[GpuKey, float] = {}
+        self.power_pins: dict[GpuKey, float] = {}
+        self._health_status: dict[GpuKey, GpuStatus] = {}
+        self._node_health_keys: dict[str, set[GpuKey]] = {}
+        self._drained: set[GpuKey] = set()
+        self._job_specs: dict[str, JobSpec | PlanningError] = {}
+        self.plans: dict[str, PlanRecord] = {}
+        self.power: dict[str, tuple[types_pb2.NodePowerPlan, int]] = {}
+        self.acks: dict[str, dict[int, int]] = {}
+        self.event_seqs: deque[int] = deque()
+        self.event_log_size = event_log_size
+        self.state = ClusterState(
+            racks=self.racks,
+            gpu_status=self.gpu_status,
+            gpu_speed=self.gpu_speed,
+            live_nodes=self.live_nodes,  # a live set, read only by the owning thread
+            power_pins=self.power_pins,
+        )
+
+    # ---- queries ----
+
+    def job_spec(self, job: str) -> JobSpec:
+        """The planner's view of a job's spec (cached); raises PlanningError."""
+        spec = self._job_specs.get(job)
+        if spec is None:
+            try:
+                spec = convert.job_spec(self.snap.jobs[job], self.racks)
+            except PlanningError as exc:
+                spec = exc
+            except ValueError as exc:
+                spec = PlanningError(str(exc))
+            self._job_specs[job] = spec
+        if isinstance(spec, PlanningError):
+            raise spec
+        return spec
+
+    def rack_of(self, node: str) -> RackInfo | None:
+        name = self.node_rack.get(node)
+        return self.racks.get(name) if name is not None else None
+
+    def healthy_gpus(self, rack: str) -> int:
+        info = self.racks.get(rack)
+        if info is None:
+            return 0
+        return sum(1 for g in info.gpus if self.state.usable(g))
+
+    def next_event_seq(self) -> int:
+        return (self.event_seqs[-1] + 1) if self.event_seqs else 1
+
+    # ---- our own writes ----
+
+    def record_commit(self, p, commit, power: dict[str, types_pb2.NodePowerPlan], rev: int) -> None:
+        """Fold a plan generation this process committed at etcd revision ``rev``."""
+        self.plans[p.job] = PlanRecord(commit.generation, rev, None, commit.plan_bytes, p.result)
+        self.snap.plans.pop(p.job, None)  # decoded lazily by readers that need the proto
+        for node, np in power.items():
+            self.power[node] = (np, rev)
+        if commit.trim_event_seq and self.event_seqs and self.event_seqs[0] == commit.trim_event_seq:
+            self.event_seqs.popleft()
+        if commit.event_seq:
+            self.event_seqs.append(commit.event_seq)
+
+    # ---- folding ----
+
+    def fold(self, kind: str, key: str, value: bytes, mod_revision: int) -> Dirty:
+        """Fold one watch event (or one key of a full read) into the view."""
+        deleted = kind == "delete"
+        if key.startswith(keys.HEALTH):
+            return self._fold_health(key[len(keys.HEALTH):], value, deleted)
+        if key.startswith(keys.NODES):
+            return self._fold_node(key[len(keys.NODES):], value, mod_revision, deleted)
+        if key.startswith(keys.RACKS):
+            return self._fold_rack(key, value, mod_revision, deleted)
+        if key.startswith(keys.POWER):
+            return self._fold_power(key, value, mod_revision, deleted)
+        if key.startswith(keys.EVENTS):
+            return self._fold_event(key, deleted)
+        if key.startswith(keys.OVERRIDES):
+            return self._fold_override(key, value, mod_revision, deleted)
+        split = keys.split_job_key(key)
+        if split is not None:
+            job, rest = split
+            if rest == "spec":
+                return self._fold_spec(job, key, value, mod_revision, deleted)
+            if rest == "plan":
+                return self._fold_plan(job, key, value, mod_revision, deleted)
+            if rest.startswith("acks/"):
+                return self._fold_ack(job, key, value, deleted)
+        return []
+
+    def _kv(self, key: str, value: bytes, mod_revision: int) -> KeyValue:
+        return KeyValue(key, value, 0, mod_revision, 0, 0)
+
+    def _jobs_of_nodes(self, nodes, cause: str) -> Dirty:
+        jobs: set[str] = set()
+        for n in nodes:
+            rack = self.node_rack.get(n)
+            if rack is not None:
+                jobs |= self.rack_jobs.get(rack, set())
+        return [(j, cause) for j in sorted(jobs)]
+
+    def _fold_health(self, node: str, value: bytes, deleted: bool) -> Dirty:
+        new_status: dict[GpuKey, GpuStatus] = {}
+        new_speed: dict[GpuKey, float] = {}
+        if deleted:
+            self.snap.health.pop(node, None)
+        else:
+            nh = decode_or_skip(types_pb2.NodeHealth, self._kv(keys.health(node), value, 0))
+            if nh is None:
+                return []
+            self.snap.health[node] = nh
+            for g in nh.gpus:
+                st = _GPU_STATE.get(g.state)
+                if st is not None:
+                    new_status[(node, g.index)] = st
+                if 0 < g.relative_speed < 1:
+                    new_speed[(node, g.index)] = g.relative_speed
+        old_keys = self._node_health_keys.get(node, set())
+        new_keys = set(new_status) | set(new_speed)
+        failed = recovered = degraded = False
+        for gpu in old_keys | new_keys:
+            before, after = self._health_status.get(gpu), new_status.get(gpu)
+            speed_before, speed_after = self.gpu_speed.get(gpu), new_speed.get(gpu)
+            if before == after and speed_before == speed_after:
+                continue
+            failed |= after is GpuStatus.FAILED
+            recovered |= (before is GpuStatus.FAILED and after is not GpuStatus.FAILED) or (
+                before is not None and after is None
+            )
+            degraded = True
+            _set(self._health_status, gpu, after)
+            _set(self.gpu_speed, gpu, speed_after)
+            self._merge_status(gpu)
+        self._node_health_keys[node] = new_keys
+        if not (failed or recovered or degraded):
+            return []
+        cause = "gpu_failed" if failed else "gpu_recovered" if recovered else "gpu_degraded"
+        return self._jobs_of_nodes([node], cause)
+
+    def _merge_status(self, gpu: GpuKey) -> None:
+        health = self._health_status.get(gpu)
+        if health is GpuStatus.FAILED:
+            self.gpu_status[gpu] = health
+        elif gpu in self._drained:
+            self.gpu_status[gpu] = GpuStatus.DRAINED
+        else:
+            _set(self.gpu_status, gpu, health)
+
+    def _fold_node(self, node: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+        if deleted:
+            self.snap.nodes.pop(node, None)
+            if node not in self.live_nodes:
+                return []
+            self.live_nodes.discard(node)
+            return self._jobs_of_nodes([node], "node_lost")
+        if not apply_kv(self.snap, self._kv(keys.node(node), value, rev)):
+            return []
+        if node in self.live_nodes:
+            return []
+        self.live_nodes.add(node)
+        return self._jobs_of_nodes([node], "node_joined")
+
+    def _fold_rack(self, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+        name = key[len(keys.RACKS):]
+        if not apply_kv(self.snap, self._kv(key, value, rev), deleted) and not deleted:
+            return []  # malformed: keep what we had
+        old = self.racks.pop(name, None)
+        if old is not None:
+            for n in {g[0] for g in old.gpus}:
+                if self.node_rack.get(n) == name:
+                    del self.node_rack[n]
+        rack = self.snap.racks.get(name)
+        if rack is not None:
+            self.racks[name] = convert.rack_info(rack)
+            for n in rack.nodes:
+                self.node_rack[n] = name
+        jobs = self.rack_jobs.get(name, set())
+        for j in jobs:
+            self._job_specs.pop(j, None)
+        return [(j, "rack_changed") for j in sorted(jobs)]
+
+    def _fold_power(self, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+        node = key[len(keys.POWER):]
+        if deleted:
+            self.power.pop(node, None)
+            return []
+        msg = decode_or_skip(types_pb2.NodePowerPlan, self._kv(key, value, rev))
+        if msg is not None:
+            self.power[node] = (msg, rev)
+        return []
+
+    def _fold_event(self, key: str, deleted: bool) -> Dirty:
+        tail = key[len(keys.EVENTS):]
+        if not tail.isdigit():
+            return []
+        seq = int(tail)
+        if deleted:
+            if seq in self.event_seqs:
+                self.event_seqs.remove(seq)
+        elif not self.event_seqs or seq > self.event_seqs[-1]:
+            self.event_seqs.append(seq)
+        return []
+
+    def _fold_override(self, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+        if key.startswith(keys.JOB_OVERRIDES):
+            job = key[len(keys.JOB_OVERRIDES):]
+            if apply_kv(self.snap, self._kv(key, value, rev), deleted):
+                return [(job, "override")]
+            return []
+        gpu_key = _gpu_override_key(key)
+        if gpu_key is None:
+            return []
+        before = self.snap.gpu_overrides.get(gpu_key)
+        apply_kv(self.snap, self._kv(key, value, rev), deleted)
+        after = self.snap.gpu_overrides.get(gpu_key)
+        was_drained, is_drained = bool(before and before.drained), bool(after and after.drained)
+        pin_before = before.power_cap_w if before else 0.0
+        pin_after = after.power_cap_w if after else 0.0
+        if is_drained:
+            self._drained.add(gpu_key)
+        else:
+            self._drained.discard(gpu_key)
+        _set(self.power_pins, gpu_key, pin_after if pin_after > 0 else None)
+        self._merge_status(gpu_key)
+        if was_drained != is_drained:
+            return self._jobs_of_nodes([gpu_key[0]], "drain" if is_drained else "undrain")
+        if pin_before != pin_after:
+            return self._jobs_of_nodes([gpu_key[0]], "power_pin")
+        return []
+
+    def _fold_spec(self, job: str, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+        if not apply_kv(self.snap, self._kv(key, value, rev), deleted) and not deleted:
+            return []  # malformed: keep what we had
+        for jobs in self.rack_jobs.values():
+            jobs.discard(job)
+        self._job_specs.pop(job, None)
+        spec = self.snap.jobs.get(job)
+        if spec is None:
+            return [(job, "job_spec")]
+        names = {st.rack for rep in spec.replicas for st in rep.stages} | set(spec.spare_racks)
+        for name in names:
+            self.rack_jobs.setdefault(name, set()).add(job)
+        return [(job, "job_spec")]
+
+    def _fold_plan(self, job: str, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+        if deleted:
+            self.plans.pop(job, None)
+            self.snap.plans.pop(job, None)
+            return [(job, "resync")]
+        known = self.plans.get(job)
+        if known is not None and known.raw == value:
+            known.mod_revision = rev  # our own commit, seen again through the watch
+            return []
+        try:
+            proto = decode_plan(value, key)
+        except codec.MalformedValue as exc:
+            log.warning("skipping malformed etcd value key=%s error=%s", key, exc)
+            return []
+        self.plans[job] = PlanRecord(proto.generation, rev, proto, value)
+        self.snap.plans[job] = proto
+        return [(job, "resync")]
+
+    def _fold_ack(self, job: str, key: str, value: bytes, deleted: bool) -> Dirty:
+        rank_s = key.rsplit("/", 1)[-1]
+        if not rank_s.isdigit():
+            return []
+        acks = self.acks.setdefault(job, {})
+        if deleted:
+            acks.pop(int(rank_s), None)
+            return []
+        ack = decode_or_skip(types_pb2.Ack, self._kv(key, value, 0))
+        if ack is not None:
+            acks[int(rank_s)] = ack.generation
+        return []
+
+
+def decode_plan(value: bytes, key: str) -> types_pb2.Plan:
+    """Decode a plan with a top-level schema check only (a plan can hold 70k GPU refs)."""
+    from google.protobuf import unknown_fields
+    from google.protobuf.message import DecodeError
+
+    plan = types_pb2.Plan()
+    try:
+        plan.ParseFromString(value)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise codec.MalformedValue(key, "Plan", str(exc)) from exc
+    if len(unknown_fields.UnknownFieldSet(plan)):
+        raise codec.MalformedValue(key, "Plan", "unknown fields")
+    return plan
+
+
+def _gpu_override_key(key: str) -> GpuKey | None:
+    node, _, idx = key[len(keys.GPU_OVERRIDES):].rpartition("/")
+    if not idx.isdigit() or not node:
+        log.warning("skipping malformed etcd key key=%s", key)
+        return None
+    return (node, int(idx))
+
+
+def _set(table: dict, key, value) -> None:
+    if value is None:
+        table.pop(key, None)
+    else:
+        table[key] = value

@@ -1,0 +1,316 @@
+"""Leader election through an etcd lease, and the fenced session of the elected leader.
+
+The campaign puts ``keys.LEADER`` (a ``LeaderRecord``) bound to a lease, only if the key
+does not exist. The winner's writes all go through :class:`LeaderSession`, whose every
+transaction also compares the leader key's create-revision with the one the winner created:
+once the lease has lapsed (or another process leads), the comparison fails and the write is
+refused instead of clobbering the new leader's state (etcd ``concurrency/election.go``).
+
+A leader steps down at once when a keep-alive says the lease is gone, when it could not
+refresh the lease for (almost) a whole TTL, or when a fenced write fails on the fence; then
+it campaigns again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.etcd import Cmp, Etcd, EtcdError, Op, TxnResult, WatchEvent
+
+log = logging.getLogger(__name__)
+
+
+# A leader acts only until this fraction of the TTL after its last successful refresh was
+# sent: etcd's expiry is at least a full TTL after it received that refresh.
+_SAFETY = 0.9
+
+
+class NotLeader(Exception):
+    """This process is not (or no longer) the leader; the write was not made."""
+
+
+class Conflict(Exception):
+    """A compare-and-swap lost: the state in etcd is not the one the write was based on."""
+
+
+@dataclass
+class PlanCommit:
+    """Everything one plan generation writes, in one fenced transaction."""
+
+    job: str
+    generation: int
+    plan_bytes: bytes  # encoded types_pb2.Plan of this generation
+    prev_plan_mod_revision: int  # 0 = the job has no plan yet
+    # node -> (encoded NodePowerPlan, mod revision of power/<node> it replaces; 0 = none)
+    power: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+    event_seq: int = 0
+    event_bytes: bytes = b""
+    trim_event_seq: int = 0  # an event key to delete (the oldest beyond the bound); 0 = none
+    trim_history_generation: int = 0  # a history generation to delete; 0 = none
+
+
+class LeaderSession:
+    """The write handle of an elected leader; every write is fenced."""
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        record: types_pb2.LeaderRecord,
+        lease_id: int,
+        create_revision: int,
+        on_lost: Callable[[str], None] | None = None,
+        valid_until: float = float("inf"),
+    ) -> None:
+        self.etcd = etcd
+        # monotonic time after which the lease may have lapsed unless refreshed
+        self.valid_until = valid_until
+        self.record = record
+        self.lease_id = lease_id
+        self.create_revision = create_revision
+        self._on_lost = on_lost
+        self._active = threading.Event()
+        self._active.set()
+
+    @property
+    def active(self) -> bool:
+        if self._active.is_set() and time.monotonic() >= self.valid_until:
+            self.deactivate("lease not refreshed within its TTL")
+        return self._active.is_set()
+
+    def deactivate(self, why: str) -> None:
+        if self._active.is_set():
+            self._active.clear()
+            log.warning("leader session ended id=%s reason=%s", self.record.id, why)
+            if self._on_lost is not None:
+                self._on_lost(why)
+
+    def txn(
+        self,
+        compare: Sequence = (),
+        success: Sequence = (),
+        failure: Sequence = (),
+    ) -> TxnResult:
+        """A transaction that only succeeds while this session leads.
+
+        Raises NotLeader (and ends the session) when the fence fails; returns a failed
+        TxnResult (``reads`` from ``failure``) when only the caller's comparisons failed.
+        """
+        if not self.active:
+            raise NotLeader("leader session is not active")
+        fence = Cmp.create_revision(keys.LEADER, "==", self.create_revision)
+        res = self.etcd.txn([fence, *compare], success, [Op.get(keys.LEADER), *failure])
+        if res.succeeded:
+            return res
+        leader = res.reads[0] if res.reads else ()
+        if not leader or leader[0].create_revision != self.create_revision:
+            self.deactivate("fenced write refused: leader key changed")
+            raise NotLeader("fenced write refused: this process no longer leads")
+        return TxnResult(False, res.revision, res.reads[1:])
+
+    def put(self, key: str, value: bytes) -> int:
+        return self.txn(success=[Op.put(key, value)]).revision
+
+    def delete_keys(self, names: Sequence[str]) -> int:
+        return self.txn(success=[Op.delete(k) for k in names]).revision
+
+    def commit_plan(self, c: PlanCommit) -> int:
+        """Commit a plan generation by compare-and-swap; returns the etcd revision.
+
+        Raises Conflict when the plan or a power key moved since it was read."""
+        compare = [Cmp.mod_revision(keys.job_plan(c.job), "==", c.prev_plan_mod_revision)]
+        ops = [
+            Op.put(keys.job_plan(c.job), c.plan_bytes),
+            Op.put(keys.job_plan_history(c.job, c.generation), c.plan_bytes),
+        ]
+        for node, (value, mod_rev) in sorted(c.power.items()):
+            compare.append(Cmp.mod_revision(keys.power(node), "==", mod_rev))
+            ops.append(Op.put(keys.power(node), value))
+        if c.event_seq:
+            ops.append(Op.put(keys.event(c.event_seq), c.event_bytes))
+        if c.trim_event_seq:
+            ops.append(Op.delete(keys.event(c.trim_event_seq)))
+        if c.trim_history_generation:
+            ops.append(Op.delete(keys.job_plan_history(c.job, c.trim_history_generation)))
+        res = self.txn(compare, ops)
+        if not res.succeeded:
+            raise Conflict(f"plan of job {c.job} or its power keys changed since read")
+        return res.revision
+
+
+class Elector:
+    """Campaigns for ``keys.LEADER`` and keeps the lease alive while leading.
+
+    ``on_elected(session)`` and ``on_deposed(reason)`` are called from the elector's
+    thread; they must not block for long.
+    """
+
+    def __init__(
+        self,
+        etcd: Etcd,
+        identity: str,
+        *,
+        address: str = "",
+        ttl: int = 5,
+        on_elected: Callable[[LeaderSession], None] = lambda s: None,
+        on_deposed: Callable[[str], None] = lambda why: None,
+    ) -> None:
+        if ttl < 1:
+            raise ValueError("lease TTL must be at least 1 s")
+        self.etcd = etcd
+        self.identity = identity
+        self.address = address
+        self.ttl = ttl
+        self._on_elected = on_elected
+        self._on_deposed = on_deposed
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._session: LeaderSession | None = None
+        self._thread = threading.Thread(target=self._run, name="elector", daemon=True)
+        self._watch = None
+        self.leader_id: str = ""  # last known leader (any process); "" = none known
+
+    @property
+    def session(self) -> LeaderSession | None:
+        s = self._session
+        return s if s is not None and s.active else None
+
+    @property
+    def is_leader(self) -> bool:
+        return self.session is not None
+
+    def start(self) -> None:
+        self._watch = self.etcd.watch_prefix(keys.LEADER, self._on_leader_events)
+        self._thread.start()
+
+    def stop(self, *, resign: bool = True) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._watch is not None:
+            self._watch.cancel()
+        self._thread.join(timeout=5)
+        s = self._session
+        if s is not None and s.active:
+            s.deactivate("stopping")
+            self._on_deposed("stopping")
+            if resign:
+                try:
+                    self.etcd.revoke_lease(s.lease_id)
+                    log.info("leader resigned id=%s", self.identity)
+                except EtcdError as exc:
+                    log.warning("leader resign failed id=%s error=%s", self.identity, exc)
+
+    # ---- watch on the leader key ----
+
+    def _on_leader_events(self, events: list[WatchEvent]) -> None:
+        for ev in events:
+            if ev.key != keys.LEADER:
+                continue
+            s = self._session
+            if ev.kind == "delete":
+                self.leader_id = ""
+                if s is not None:
+                    s.deactivate("leader key deleted")
+            else:
+                try:
+                    rec = codec.decode(types_pb2.LeaderRecord, ev.value, ev.key)
+                    self.leader_id = rec.id
+                except codec.MalformedValue:
+                    self.leader_id = "?"
+        self._wake.set()
+
+    # ---- campaign ----
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            try:
+                session = self._campaign_once()
+                backoff = 0.1
+            except EtcdError as exc:
+                log.info("leader campaign failed id=%s error=%s", self.identity, exc)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            if session is None:
+                self._wake.wait(max(self.ttl / 3, 0.2))
+                self._wake.clear()
+                continue
+            self._lead(session)
+
+    def _campaign_once(self) -> LeaderSession | None:
+        current = self.etcd.get(keys.LEADER)
+        if current is not None:
+            self._note_leader(current.value)
+            return None
+        granted = time.monotonic()
+        lease = self.etcd.grant_lease(self.ttl)
+        record = types_pb2.LeaderRecord(id=self.identity, address=self.address, since=time.time())
+        res = self.etcd.txn(
+            [Cmp.create_revision(keys.LEADER, "==", 0)],
+            [Op.put(keys.LEADER, codec.encode(record), lease=lease)],
+            [Op.get(keys.LEADER)],
+        )
+        if not res.succeeded:
+            try:
+                self.etcd.revoke_lease(lease)
+            except EtcdError:
+                pass
+            if res.reads and res.reads[0]:
+                self._note_leader(res.reads[0][0].value)
+            return None
+        self.leader_id = self.identity
+        log.info("elected leader id=%s revision=%d ttl=%d", self.identity, res.revision, self.ttl)
+        return LeaderSession(
+            self.etcd,
+            record,
+            lease,
+            res.revision,
+            on_lost=self._lost,
+            valid_until=granted + self.ttl * _SAFETY,
+        )
+
+    def _note_leader(self, value: bytes) -> None:
+        try:
+            self.leader_id = codec.decode(types_pb2.LeaderRecord, value, keys.LEADER).id
+        except codec.MalformedValue:
+            self.leader_id = "?"
+
+    def _lost(self, why: str) -> None:
+        self._wake.set()
+
+    def _lead(self, session: LeaderSession) -> None:
+        self._session = session
+        try:
+            self._on_elected(session)
+        except Exception:
+            log.exception("on_elected handler failed id=%s", self.identity)
+        self._keep_alive(session)
+        session.deactivate("lease lost")
+        self._session = None
+        if not self._stop.is_set():
+            self._on_deposed("lease lost")
+
+    def _keep_alive(self, session: LeaderSession) -> None:
+        """Refresh the lease every TTL/3 until it is lost or the elector stops."""
+        interval = self.ttl / 3
+        while session.active and not self._stop.is_set():
+            left = session.valid_until - time.monotonic()
+            self._wake.wait(max(0.0, min(interval, left)))
+            self._wake.clear()
+            if not session.active or self._stop.is_set():
+                return
+            sent = time.monotonic()
+            try:
+                remaining = self.etcd.keepalive_once(session.lease_id)
+            except EtcdError as exc:
+                log.warning("leader keep-alive failed id=%s error=%s", self.identity, exc)
+                continue
+            if remaining == 0:
+                session.deactivate("lease expired")
+                return
+            session.valid_until = sent + self.ttl * _SAFETY

@@ -1,0 +1,134 @@
+"""The controller's Prometheus metrics (documented in docs/metrics.md).
+
+One :class:`ControllerMetrics` per process, built on an injected registry. Label sets that
+are bounded and known (a job's replicas, the racks, the causes of a job) are pre-created at
+zero when the job or rack first appears.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# why a job was re-planned (the ``cause`` label of tpflex_reconfigurations_total)
+CAUSES = (
+    "gpu_failed",
+    "gpu_degraded",
+    "gpu_recovered",
+    "node_lost",
+    "node_joined",
+    "drain",
+    "undrain",
+    "power_pin",
+    "override",
+    "job_spec",
+    "rack_changed",
+    "resync",
+)
+# the ``phase`` label of tpflex_reconfiguration_seconds: time from detection to ...
+PHASES = ("committed", "power_applied", "acked")
+
+_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ControllerMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.replica_tp_degree = Gauge(
+            "tpflex_replica_tp_degree",
+            "Planned TP degree of a job's replica (0 = dropped)",
+            ["job", "replica"],
+            registry=registry,
+        )
+        self.rack_healthy_gpus = Gauge(
+            "tpflex_rack_healthy_gpus",
+            "GPUs of a rack that are usable (healthy or degraded, node live, not drained)",
+            ["rack"],
+            registry=registry,
+        )
+        self.gpu_power_cap_watts = Gauge(
+            "tpflex_gpu_power_cap_watts",
+            "Desired power cap of a GPU on a node that has a power plan",
+            ["node", "gpu"],
+            registry=registry,
+        )
+        self.plan_generation = Gauge(
+            "tpflex_plan_generation", "Current plan generation of a job", ["job"], registry=registry
+        )
+        self.reconfigurations = Counter(
+            "tpflex_reconfigurations_total",
+            "Plan generations committed by this controller, by cause",
+            ["job", "cause"],
+            registry=registry,
+        )
+        self.reconfiguration_seconds = Histogram(
+            "tpflex_reconfiguration_seconds",
+            "Time from detecting a change to each phase of the reconfiguration",
+            ["phase"],
+            buckets=_BUCKETS,
+            registry=registry,
+        )
+        self.expected_throughput_ratio = Gauge(
+            "tpflex_job_expected_throughput_ratio",
+            "Planned job throughput vs the failure-free job",
+            ["job"],
+            registry=registry,
+        )
+        self.is_leader = Gauge(
+            "tpflex_controller_is_leader",
+            "1 while this controller process is the elected leader",
+            registry=registry,
+        )
+        self.agent_push_failures = Counter(
+            "tpflex_agent_push_failures_total",
+            "Failed attempts to send a power plan to an agent (retried with backoff)",
+            registry=registry,
+        )
+        self.unplannable_jobs = Gauge(
+            "tpflex_unplannable_jobs",
+            "Jobs whose spec or overrides cannot be planned right now",
+            registry=registry,
+        )
+        for phase in PHASES:
+            self.reconfiguration_seconds.labels(phase=phase)
+        self.is_leader.set(0)
+
+    def job_seen(self, job: str, replicas: int) -> None:
+        """Pre-create a job's bounded label sets at zero."""
+        self.plan_generation.labels(job=job)
+        self.expected_throughput_ratio.labels(job=job)
+        for cause in CAUSES:
+            self.reconfigurations.labels(job=job, cause=cause)
+        for r in range(replicas):
+            self.replica_tp_degree.labels(job=job, replica=str(r))
+
+    def job_gone(self, job: str, replicas: int) -> None:
+        for gauge in (self.plan_generation, self.expected_throughput_ratio):
+            _remove(gauge, job)
+        for cause in CAUSES:
+            _remove(self.reconfigurations, job, cause)
+        for r in range(replicas):
+            _remove(self.replica_tp_degree, job, str(r))
+
+    def plan_observed(
+        self, job: str, generation: int, ratio: float, degrees: Iterable[tuple[int, int]]
+    ) -> None:
+        self.plan_generation.labels(job=job).set(generation)
+        self.expected_throughput_ratio.labels(job=job).set(ratio)
+        for replica, degree in degrees:
+            self.replica_tp_degree.labels(job=job, replica=str(replica)).set(degree)
+
+    def power_observed(self, node: str, caps: Iterable[tuple[int, float]]) -> None:
+        for index, cap in caps:
+            self.gpu_power_cap_watts.labels(node=node, gpu=str(index)).set(cap)
+
+    def phase(self, phase: str, seconds: float) -> None:
+        self.reconfiguration_seconds.labels(phase=phase).observe(max(seconds, 0.0))
+
+
+def _remove(metric, *labels: str) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:
+        pass

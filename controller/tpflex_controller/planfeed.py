@@ -1,0 +1,90 @@
+"""Plan generations of a job, fanned out from one shared etcd watch to many streams."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.etcd import Etcd, Watch, WatchEvent
+
+from tpflex_controller.cache import decode_plan
+
+log = logging.getLogger(__name__)
+
+
+class Subscription:
+    def __init__(self, job: str) -> None:
+        self.job = job
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = threading.Event()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._q.put(None)
+
+    def offer(self, plan: types_pb2.Plan) -> None:
+        self._q.put(plan)
+
+    def get(self, timeout: float) -> types_pb2.Plan | None:
+        try:
+            return self._q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+class PlanFeed:
+    """``subscribe(job)`` before reading the current plan: every generation committed after
+    the subscription is offered to it (the etcd watch resumes across outages)."""
+
+    def __init__(self, etcd: Etcd) -> None:
+        self.etcd = etcd
+        self._lock = threading.Lock()
+        self._subs: dict[str, set[Subscription]] = {}
+        self._watches: dict[str, Watch] = {}
+
+    def subscribe(self, job: str) -> Subscription:
+        sub = Subscription(job)
+        with self._lock:
+            self._subs.setdefault(job, set()).add(sub)
+            if job not in self._watches:
+                _, rev = self.etcd.get_prefix(keys.job_plan(job))
+                self._watches[job] = self.etcd.watch_prefix(
+                    keys.job_plan(job), lambda evs, j=job: self._deliver(j, evs), start_revision=rev + 1
+                )
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        watch = None
+        with self._lock:
+            subs = self._subs.get(sub.job)
+            if subs is not None:
+                subs.discard(sub)
+                if not subs:
+                    del self._subs[sub.job]
+                    watch = self._watches.pop(sub.job, None)
+        if watch is not None:
+            watch.cancel()
+
+    def _deliver(self, job: str, events: list[WatchEvent]) -> None:
+        key = keys.job_plan(job)
+        plans = []
+        for ev in events:
+            if ev.key != key or ev.kind != "put":
+                continue
+            try:
+                plans.append(decode_plan(ev.value, ev.key))
+            except codec.MalformedValue as exc:
+                log.warning("skipping malformed etcd value key=%s error=%s", ev.key, exc)
+        if not plans:
+            return
+        with self._lock:
+            subs = list(self._subs.get(job, ()))
+        for sub in subs:
+            for plan in plans:
+                sub.offer(plan)

@@ -1,0 +1,109 @@
+"""What one committed decision writes: plan bytes, desired power per node, the event
+(pure functions of the view and the planner's result; no I/O)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tpflex_proto import codec, types_pb2
+
+from tpflex_controller.cache import ClusterView, PlanRecord
+from tpflex_controller.election import PlanCommit
+from tpflex_controller.planbytes import PlanEncoder
+from tpflex_controller.planner.model import PlanResult
+
+# plan(cluster, job, *, policy=None, power_model=None, overrides=None, now=0.0) -> PlanResult
+PlanFn = Callable[..., PlanResult]
+
+MAX_EVENT_REASONS = 64
+
+
+def default_plan_fn() -> PlanFn:
+    from tpflex_controller.planner import plan  # the planner's pure entry point
+
+    return plan
+
+
+@dataclass
+class Planned:
+    job: str
+    result: PlanResult
+    prev: PlanRecord | None
+    cause: str
+    detected_at: float
+    planned_at: float
+
+
+def build_commit(
+    view: ClusterView, p: Planned, *, history_size: int, encoder: PlanEncoder
+) -> tuple[PlanCommit, dict[str, types_pb2.NodePowerPlan], types_pb2.Event]:
+    generation = p.prev.generation + 1 if p.prev is not None else 1
+    raw = encoder.encode(p.result, generation, cause=p.cause, now=p.planned_at)
+    old_caps = p.prev.decision().power_caps if p.prev is not None else {}
+    power = desired_power(view, old_caps, p.result.power_caps)
+    seq = view.next_event_seq()
+    event = types_pb2.Event(
+        seq=seq,
+        at=p.planned_at,
+        kind="plan_committed",
+        job=p.job,
+        generation=generation,
+        cause=p.cause,
+        reasons=list(p.result.reasons[:MAX_EVENT_REASONS]),
+        phases=[
+            types_pb2.PhaseTiming(phase="detected", at=p.detected_at),
+            types_pb2.PhaseTiming(phase="committed", at=p.planned_at),
+        ],
+    )
+    trim = view.event_seqs[0] if len(view.event_seqs) >= view.event_log_size else 0
+    commit = PlanCommit(
+        job=p.job,
+        generation=generation,
+        plan_bytes=raw,
+        prev_plan_mod_revision=p.prev.mod_revision if p.prev is not None else 0,
+        power={n: (codec.encode(np), view.power.get(n, (None, 0))[1]) for n, np in power.items()},
+        event_seq=seq,
+        event_bytes=codec.encode(event),
+        trim_event_seq=trim,
+        trim_history_generation=max(0, generation - history_size),
+    )
+    return commit, power, event
+
+
+def desired_power(
+    view: ClusterView, old_caps, new_caps
+) -> dict[str, types_pb2.NodePowerPlan]:
+    """The new desired power plan of every node whose caps change.
+
+    Candidates are the nodes with a non-TDP cap in the old or the new plan; a candidate's
+    desired caps (every GPU of the node: the plan's cap or the rack's TDP) are compared with
+    what ``power/<node>`` holds now (all TDP when absent). Level-triggered and O(changes).
+    """
+    out: dict[str, types_pb2.NodePowerPlan] = {}
+    nodes = {g[0] for g in old_caps} | {g[0] for g in new_caps}
+    for node in sorted(nodes):
+        rack = view.rack_of(node)
+        if rack is None:
+            continue
+        indices = [i for n, i in rack.gpus if n == node]
+        want = {i: float(new_caps.get((node, i), rack.tdp_w)) for i in indices}
+        current = view.power.get(node)
+        have = (
+            {c.gpu.index: c.cap_w for c in current[0].caps}
+            if current is not None
+            else {i: float(rack.tdp_w) for i in indices}
+        )
+        if want == have:
+            continue
+        generation = current[0].generation + 1 if current is not None else 1
+        out[node] = types_pb2.NodePowerPlan(
+            node=node,
+            generation=generation,
+            caps=[
+                types_pb2.PowerCap(gpu=types_pb2.GpuRef(node=node, index=i), cap_w=want[i])
+                for i in indices
+            ],
+        )
+    return out
+

@@ -1,0 +1,381 @@
+"""The reconcile loop: watch ``/tpflex/v1/``, re-plan dirty jobs, commit, roll out.
+
+Level-triggered (controller-runtime style): one etcd watch folds every change into the
+:class:`~tpflex_controller.cache.ClusterView` and marks job *identities* dirty; the loop
+re-reads the view, calls the pure planner, and commits a new generation only when the
+decision changed. Every replica keeps its view warm; only the elected leader plans and
+writes (through its fenced :class:`~tpflex_controller.election.LeaderSession`). One thread
+owns the view; the watch, the elector and the agent pusher talk to it through its inbox.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.etcd import Etcd, EtcdError, WatchEvent
+
+from tpflex_controller import convert
+from tpflex_controller.agent_client import AgentPusher, PushResult
+from tpflex_controller.cache import ClusterView
+from tpflex_controller.election import Conflict, LeaderSession, NotLeader
+from tpflex_controller.loader import load_view
+from tpflex_controller.metrics import ControllerMetrics
+from tpflex_controller.planbytes import PlanEncoder
+from tpflex_controller.planner.model import PlanningError
+from tpflex_controller.planning import PlanFn, Planned, build_commit, default_plan_fn
+from tpflex_controller.rollout import Phase, Rollout, RolloutTracker, event_phases
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Dirty:
+    cause: str
+    detected_at: float  # wall clock when the change was seen
+    not_before: float = 0.0  # monotonic; retry backoff
+    attempts: int = 0
+
+
+class Reconciler:
+    def __init__(
+        self,
+        etcd: Etcd,
+        metrics: ControllerMetrics,
+        *,
+        plan_fn: PlanFn | None = None,
+        event_log_size: int = 1000,
+        history_size: int = 100,
+        agent_timeout: float = 2.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.etcd = etcd
+        self.metrics = metrics
+        self._plan_fn = plan_fn or default_plan_fn()
+        self._event_log_size = event_log_size
+        self._history_size = history_size
+        self._clock = clock
+        self.view = ClusterView(event_log_size)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._session: LeaderSession | None = None
+        self._dirty: dict[str, _Dirty] = {}
+        self._unplannable: dict[str, str] = {}
+        self._rollouts = RolloutTracker()
+        self._loaded_rev = 0
+        self._need_load = True
+        self._watch = None
+        self._stop = threading.Event()
+        self.ready = threading.Event()  # the view has been loaded once
+        self.pusher = AgentPusher(
+            lambda r: self._inbox.put(("push", r, time.time())),
+            timeout=agent_timeout,
+            on_failure=metrics.agent_push_failures.inc,
+        )
+        self._encoder = PlanEncoder()
+        self._repush_after_load = False
+        self._thread = threading.Thread(target=self._run, name="reconcile", daemon=True)
+
+    # ---- thread-safe entry points ----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._inbox.put(("stop", None, 0.0))
+        self._thread.join(timeout=10)
+        if self._watch is not None:
+            self._watch.cancel()
+        self.pusher.close()
+
+    def on_elected(self, session: LeaderSession) -> None:
+        self._inbox.put(("elected", session, time.time()))
+
+    def on_deposed(self, why: str) -> None:
+        self._inbox.put(("deposed", why, time.time()))
+
+    # ---- the loop ----
+
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._stop.is_set():
+            if self._need_load:
+                try:
+                    self._load()
+                    backoff = 0.05
+                except EtcdError as exc:
+                    log.warning("controller state read failed error=%s", exc)
+                    self._drain(backoff)
+                    backoff = min(backoff * 2, 2.0)
+                    continue
+            self._drain(self._wait_time())
+            if self._leading():
+                self._reconcile_dirty()
+
+    def _drain(self, timeout: float) -> None:
+        try:
+            msg = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*msg)
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _wait_time(self) -> float:
+        if not self._dirty or not self._leading():
+            return 1.0
+        soonest = min(d.not_before for d in self._dirty.values())
+        return max(0.0, min(1.0, soonest - time.monotonic()))
+
+    def _leading(self) -> bool:
+        s = self._session
+        return s is not None and s.active and not self._need_load
+
+    def _load(self) -> None:
+        view, rev = load_view(self.etcd, self._event_log_size)
+        self.view, self._loaded_rev, self._need_load = view, rev, False
+        if self._watch is None:
+            self._watch = self.etcd.watch_prefix(
+                keys.PREFIX,
+                lambda evs: self._inbox.put(("watch", evs, time.time())),
+                start_revision=rev + 1,
+                on_resync=lambda: self._inbox.put(("resync", None, time.time())),
+            )
+        now = self._clock()
+        for job, spec in view.snap.jobs.items():
+            self.metrics.job_seen(job, len(spec.replicas))
+            self._mark(job, "resync", now)
+        for job, rec in view.plans.items():
+            self._observe_plan(job, rec.proto)
+        for node, (plan, _) in view.power.items():
+            self._observe_power(node, plan)
+        for rack in view.racks:
+            self.metrics.rack_healthy_gpus.labels(rack=rack).set(view.healthy_gpus(rack))
+        self.ready.set()
+        log.info("controller state loaded revision=%d jobs=%d racks=%d", rev, len(view.snap.jobs), len(view.racks))
+
+    # ---- messages ----
+
+    def _handle(self, kind: str, payload, at: float) -> None:
+        if kind == "watch":
+            self._on_watch(payload, at)
+        elif kind == "push":
+            self._on_push(payload)
+        elif kind == "resync":
+            log.warning("etcd history compacted: re-reading controller state")
+            self._need_load = True
+        elif kind == "elected":
+            self._session = payload
+            self.metrics.is_leader.set(1)
+            self._need_load = True  # re-read: finish whatever the previous leader left
+            self._repush_after_load = True
+        elif kind == "deposed":
+            self._session = None
+            self.metrics.is_leader.set(0)
+            self.pusher.cancel_all()
+            self._rollouts.clear()
+            self._dirty.clear()
+            log.warning("controller stopped acting reason=%s", payload)
+
+    def _on_watch(self, events: list[WatchEvent], at: float) -> None:
+        racks: set[str] = set()
+        acked: set[str] = set()
+        for ev in events:
+            if ev.mod_revision <= self._loaded_rev:
+                continue
+            for job, cause in self.view.fold(ev.kind, ev.key, ev.value, ev.mod_revision):
+                self._mark(job, cause, at)
+            self._after_fold(ev, racks, acked)
+        for rack in racks:
+            if rack in self.view.racks:
+                self.metrics.rack_healthy_gpus.labels(rack=rack).set(self.view.healthy_gpus(rack))
+        for job in acked:
+            r = self._rollouts.acks_seen(job, self.view.acks.get(job, {}), at)
+            if r is not None:
+                self._phase_reached(r, Phase.ACKED)
+
+    def _after_fold(self, ev: WatchEvent, racks: set[str], acked: set[str]) -> None:
+        key = ev.key
+        node = _node_of(key)
+        if node is not None:
+            rack = self.view.node_rack.get(node)
+            if rack is not None:
+                racks.add(rack)
+            if key.startswith(keys.NODES) and ev.kind == "put" and node in self.view.snap.nodes:
+                self.pusher.set_address(node, self.view.snap.nodes[node].agent_address)
+        elif key.startswith(keys.RACKS):
+            racks.add(key[len(keys.RACKS):])
+        elif key.startswith(keys.POWER) and ev.kind == "put":
+            rec = self.view.power.get(key[len(keys.POWER):])
+            if rec is not None:
+                self._observe_power(rec[0].node or key[len(keys.POWER):], rec[0])
+        split = keys.split_job_key(key)
+        if split is None:
+            return
+        job, rest = split
+        if rest.startswith("acks/"):
+            acked.add(job)
+        elif rest == "plan" and job in self.view.plans:
+            self._observe_plan(job, self.view.plans[job].proto)
+        elif rest == "spec" and job in self.view.snap.jobs:
+            self.metrics.job_seen(job, len(self.view.snap.jobs[job].replicas))
+
+    def _mark(self, job: str, cause: str, at: float) -> None:
+        d = self._dirty.get(job)
+        if d is None:
+            self._dirty[job] = _Dirty(cause, at)
+        elif d.cause == "resync" and cause != "resync":
+            d.cause = cause
+
+    def _on_push(self, r: PushResult) -> None:
+        if not r.ok:
+            log.warning(
+                "agent refused power plan node=%s generation=%d outcome=%s detail=%s",
+                r.node, r.generation, r.outcome, r.detail,
+            )
+            return
+        if r.outcome == "PARTIAL":
+            log.warning("agent applied power plan partially node=%s generation=%d detail=%s", r.node, r.generation, r.detail)
+        for rollout in self._rollouts.power_applied(r.node, r.generation, r.at):
+            self._phase_reached(rollout, Phase.POWER_APPLIED)
+
+    # ---- deciding ----
+
+    def _reconcile_dirty(self) -> None:
+        if self._repush_after_load:
+            self._repush_after_load = False
+            self._repush_all()
+        now = time.monotonic()
+        for job in sorted(self._dirty, key=lambda j: self._dirty[j].detected_at):
+            d = self._dirty.get(job)
+            if d is None or d.not_before > now:
+                continue
+            try:
+                self._reconcile_job(job, d)
+                del self._dirty[job]
+            except NotLeader:
+                return
+            except Conflict as exc:
+                log.warning("plan commit conflict job=%s error=%s", job, exc)
+                self._need_load = True  # re-read, then decide again
+                return
+            except EtcdError as exc:
+                d.attempts += 1
+                d.not_before = now + min(2.0, 0.05 * 2**d.attempts)
+                log.warning("plan commit failed job=%s attempt=%d error=%s", job, d.attempts, exc)
+
+    def _reconcile_job(self, job: str, d: _Dirty) -> None:
+        if job not in self.view.snap.jobs:
+            self._rollouts.forget(job)
+            return
+        now = self._clock()
+        try:
+            spec = self.view.job_spec(job)
+            overrides = convert.job_overrides(self.view.snap.job_overrides.get(job))
+            result = self._plan_fn(self.view.state, spec, overrides=overrides, now=now)
+        except (PlanningError, ValueError) as exc:
+            self._record_unplannable(job, str(exc), d)
+            return
+        if self._unplannable.pop(job, None) is not None:
+            self.metrics.unplannable_jobs.set(len(self._unplannable))
+        prev = self.view.plans.get(job)
+        if prev is not None and result.same_decision(prev.decision()):
+            return
+        self._commit(Planned(job, result, prev, d.cause, d.detected_at, now))
+
+    def _commit(self, p: Planned) -> None:
+        session = self._session
+        if session is None:
+            raise NotLeader("not leading")
+        commit, power, event = build_commit(
+            self.view, p, history_size=self._history_size, encoder=self._encoder
+        )
+        rev = session.commit_plan(commit)
+        committed_at = self._clock()
+        self.view.record_commit(p, commit, power, rev)
+        self.metrics.reconfigurations.labels(job=p.job, cause=p.cause).inc()
+        self._observe_plan(p.job, None, p)
+        log.info(
+            "plan committed job=%s generation=%d cause=%s ratio=%.4f nodes=%d",
+            p.job, commit.generation, p.cause, p.result.expected_throughput_ratio, len(power),
+        )
+        ranks = sum(len(s.gpus) for rep in p.result.replicas for s in rep.stages)
+        rollout = Rollout(p.job, commit.generation, event, {n: np.generation for n, np in power.items()}, ranks)
+        for phase in self._rollouts.start(rollout, p.detected_at, committed_at):
+            if phase is not Phase.DETECTED:
+                self._phase_reached(rollout, phase, write=phase is not Phase.COMMITTED)
+        self._write_event(rollout)
+        for node, np in power.items():
+            self._push(node, np)
+
+    def _push(self, node: str, plan: types_pb2.NodePowerPlan) -> None:
+        reg = self.view.snap.nodes.get(node)
+        self.pusher.push(node, reg.agent_address if reg is not None else "", plan)
+
+    def _repush_all(self) -> None:
+        for node, (plan, _) in self.view.power.items():
+            self._push(node, plan)
+
+    def _phase_reached(self, r: Rollout, phase: Phase, *, write: bool = True) -> None:
+        self.metrics.phase(phase.value, r.reached[phase] - r.reached[Phase.DETECTED])
+        log.info("reconfiguration phase reached job=%s generation=%d phase=%s", r.job, r.generation, phase.value)
+        if write:
+            self._write_event(r)
+
+    def _write_event(self, r: Rollout) -> None:
+        session = self._session
+        if session is None or not session.active:
+            return
+        del r.event.phases[:]
+        r.event.phases.extend(event_phases(r))
+        try:
+            session.put(keys.event(r.event.seq), codec.encode(r.event))
+        except (NotLeader, EtcdError) as exc:
+            log.warning("event update failed job=%s seq=%d error=%s", r.job, r.event.seq, exc)
+
+    def _record_unplannable(self, job: str, reason: str, d: _Dirty) -> None:
+        if self._unplannable.get(job) == reason:
+            return
+        log.warning("job cannot be planned job=%s reason=%s", job, reason)
+        session = self._session
+        if session is None:
+            raise NotLeader("not leading")
+        seq = self.view.next_event_seq()
+        event = types_pb2.Event(
+            seq=seq, at=self._clock(), kind="plan_failed", job=job, cause=d.cause, reasons=[reason]
+        )
+        session.put(keys.event(seq), codec.encode(event))
+        self.view.event_seqs.append(seq)
+        self._unplannable[job] = reason
+        self.metrics.unplannable_jobs.set(len(self._unplannable))
+
+    # ---- metrics ----
+
+    def _observe_plan(self, job: str, proto: types_pb2.Plan | None, p: Planned | None = None) -> None:
+        if p is not None:
+            degrees = [(r.index, r.tp_degree) for r in p.result.replicas]
+            gen = self.view.plans[job].generation
+            self.metrics.plan_observed(job, gen, p.result.expected_throughput_ratio, degrees)
+        elif proto is not None:
+            degrees = [(r.index, r.tp_degree) for r in proto.replicas]
+            self.metrics.plan_observed(job, proto.generation, proto.expected_throughput_ratio, degrees)
+
+    def _observe_power(self, node: str, plan: types_pb2.NodePowerPlan) -> None:
+        self.metrics.power_observed(node, [(c.gpu.index, c.cap_w) for c in plan.caps])
+
+
+def _node_of(key: str) -> str | None:
+    for prefix in (keys.HEALTH, keys.NODES):
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    if key.startswith(keys.GPU_OVERRIDES):
+        return key[len(keys.GPU_OVERRIDES):].rpartition("/")[0] or None
+    return None

@@ -1,0 +1,109 @@
+"""Helpers for the controller core's tests: an in-process controller (elector + reconcile
+loop on a real etcd), a plan watcher backed by a real etcd watch, a small cluster."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.etcd import Etcd
+
+from tpflex_controller import synthetic
+from tpflex_controller.cache import decode_plan
+from tpflex_controller.election import Elector
+from tpflex_controller.metrics import ControllerMetrics
+from tpflex_controller.reconcile import Reconciler
+
+
+class PlanWatcher:
+    """Every generation of a job's plan, as a real etcd watch delivers it."""
+
+    def __init__(self, etcd: Etcd, job: str) -> None:
+        self._cv = threading.Condition()
+        self.plans: list[types_pb2.Plan] = []
+        self.arrivals: list[float] = []
+        kv = etcd.get(keys.job_plan(job))
+        if kv is not None:
+            self.plans.append(decode_plan(kv.value, kv.key))
+            self.arrivals.append(time.monotonic())
+        self._key = keys.job_plan(job)
+        self._watch = etcd.watch_prefix(
+            self._key, self._on_events, start_revision=(kv.mod_revision + 1) if kv else 0
+        )
+        self._watch.established.wait(5)
+
+    def _on_events(self, events) -> None:
+        now = time.monotonic()
+        with self._cv:
+            for ev in events:
+                if ev.key == self._key and ev.kind == "put":
+                    self.plans.append(decode_plan(ev.value, ev.key))
+                    self.arrivals.append(now)
+            self._cv.notify_all()
+
+    def latest(self) -> types_pb2.Plan | None:
+        with self._cv:
+            return self.plans[-1] if self.plans else None
+
+    def wait_generation(self, generation: int, timeout: float = 10.0) -> types_pb2.Plan:
+        with self._cv:
+            ok = self._cv.wait_for(
+                lambda: self.plans and self.plans[-1].generation >= generation, timeout
+            )
+            assert ok, f"plan generation {generation} not committed within {timeout}s; have {[p.generation for p in self.plans]}"
+            return next(p for p in self.plans if p.generation >= generation)
+
+    def close(self) -> None:
+        self._watch.cancel()
+
+
+@dataclass
+class InProcessController:
+    etcd: Etcd
+    registry: CollectorRegistry
+    reconciler: Reconciler
+    elector: Elector
+    stopped: bool = field(default=False)
+
+    def stop(self, resign: bool = True) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self.elector.stop(resign=resign)
+            self.reconciler.stop()
+            self.etcd.close()
+
+
+def start_controller(endpoints: list[str], identity: str = "c1", ttl: int = 2, **kw) -> InProcessController:
+    etcd = Etcd(endpoints, timeout=2.0)
+    registry = CollectorRegistry()
+    metrics = ControllerMetrics(registry)
+    reconciler = Reconciler(etcd, metrics, **kw)
+    elector = Elector(
+        etcd, identity, ttl=ttl, on_elected=reconciler.on_elected, on_deposed=reconciler.on_deposed
+    )
+    reconciler.start()
+    elector.start()
+    return InProcessController(etcd, registry, reconciler, elector)
+
+
+def small_cluster(etcd: Etcd, racks: int = 2, nodes_per_rack: int = 2, gpus_per_node: int = 2,
+                  agent_addresses: dict[str, str] | None = None, lease: int = 0) -> list[types_pb2.Rack]:
+    rs = [synthetic.rack(f"rack{i}", nodes_per_rack, gpus_per_node) for i in range(racks)]
+    synthetic.store_cluster(etcd, rs, agent_addresses=agent_addresses, lease=lease)
+    return rs
+
+
+def put_job(etcd: Etcd, racks: list[types_pb2.Rack], name: str = "job1", **kw) -> types_pb2.JobSpec:
+    spec = synthetic.job(name, [r.name for r in racks], racks[0].domain_size, **kw)
+    etcd.put(keys.job_spec(name), codec.encode(spec))
+    return spec
+
+
+def fail_gpu(etcd: Etcd, node: str, gpus: int, failed: set[int], seq: int = 1) -> float:
+    """Write the node's health with ``failed`` GPUs marked GPU_FAILED; returns when."""
+    at = time.monotonic()
+    etcd.put(keys.health(node), codec.encode(synthetic.failed_health(node, gpus, failed, seq)))
+    return at

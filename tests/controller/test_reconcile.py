@@ -1,0 +1,60 @@
+"""The reconcile loop against a real etcd: health changes become plan generations."""
+
+from __future__ import annotations
+
+from tpflex_proto import codec, keys, types_pb2
+
+from tests.controller.controller_harness import (
+    PlanWatcher,
+    fail_gpu,
+    put_job,
+    small_cluster,
+    start_controller,
+)
+
+
+def _events(etcd) -> list[types_pb2.Event]:
+    kvs, _ = etcd.get_prefix(keys.EVENTS)
+    return [codec.decode(types_pb2.Event, kv.value, kv.key) for kv in kvs]
+
+
+def test_failed_gpu_gets_new_generation_and_recovery_restores(etcd_server, etcd):
+    racks = small_cluster(etcd)
+    put_job(etcd, racks)
+    watcher = PlanWatcher(etcd, "job1")
+    ctl = start_controller(etcd_server.endpoints)
+    try:
+        first = watcher.wait_generation(1)
+        assert [r.tp_degree for r in first.replicas] == [4, 4]
+        assert first.expected_throughput_ratio == 1.0
+
+        fail_gpu(etcd, "rack1-n00", 2, {1})
+        second = watcher.wait_generation(2)
+        assert second.cause == "gpu_failed"
+        assert [r.tp_degree for r in second.replicas] == [4, 3]
+        used = [(g.node, g.index) for s in second.replicas[1].stages for g in s.gpus]
+        assert ("rack1-n00", 1) not in used
+        # the degraded rack is boosted; its desired caps are stored per node
+        boosted = {(c.gpu.node, c.gpu.index): c.cap_w for c in second.power_caps}
+        assert boosted and all(node.startswith("rack1-") for node, _ in boosted)
+        power = codec.decode(types_pb2.NodePowerPlan, etcd.get(keys.power("rack1-n01")).value)
+        assert {c.gpu.index: c.cap_w for c in power.caps} == {
+            i: boosted[("rack1-n01", i)] for i in range(2)
+        }
+
+        fail_gpu(etcd, "rack1-n00", 2, set(), seq=2)
+        third = watcher.wait_generation(3)
+        assert third.cause == "gpu_recovered"
+        assert [r.tp_degree for r in third.replicas] == [4, 4]
+        assert not third.power_caps
+        power = codec.decode(types_pb2.NodePowerPlan, etcd.get(keys.power("rack1-n01")).value)
+        assert {c.cap_w for c in power.caps} == {racks[1].gpu_tdp_w}
+
+        history, _ = etcd.get_prefix(keys.job_plan_history("job1", 0)[:-12])
+        assert [codec.decode(types_pb2.Plan, kv.value).generation for kv in history] == [1, 2, 3]
+        committed = [e for e in _events(etcd) if e.kind == "plan_committed"]
+        assert [(e.generation, e.cause) for e in committed][-2:] == [(2, "gpu_failed"), (3, "gpu_recovered")]
+        assert {"detected", "committed"} <= {p.phase for p in committed[-1].phases}
+    finally:
+        ctl.stop()
+        watcher.close()
