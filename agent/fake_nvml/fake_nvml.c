@@ -2,13 +2,14 @@
  * A fake libnvidia-ml.so.1 for tests: only the NVML entry points tpflex_agent's NVML
  * backend calls (pynvml resolves symbols lazily), answering from a state file.
  *
- * FAKE_NVML_STATE names a text file (written atomically by the test; re-read whenever
- * its mtime or size changes), one record per line, '#' starts a comment:
+ * FAKE_NVML_STATE names a text file (written atomically by the test, by rename; re-read
+ * whenever its inode, mtime or size changes), one record per line, '#' starts a comment:
  *   gpu <index> key=value ...   keys: uuid name serial power_mw limit_mw default_mw
  *                               min_mw max_mw temp sm_mhz max_sm_mhz throttle ecc_sbe
  *                               ecc_dbe retired remap_pending remap_failed nvlinks
  *                               nvlink_down lost deny_set   ('_' in name = space)
- *   event <index> xid <code>    an XID critical error event (delivered once, in order)
+ *   event <index> xid <code>    an XID critical error event (delivered once, in order;
+ *                               keep earlier events in the file, append new ones)
  *   event <index> dbe           a double-bit ECC error event
  *   init_error <nvml code>      nvmlInitWithFlags fails with that code
  * Limits and locked clocks set through the API live in this process's memory, as they
@@ -63,6 +64,7 @@ static int init_error, initialized;
 static unsigned applied_limit[MAX_GPUS], locked_mhz[MAX_GPUS];
 static struct timespec seen_mtime;
 static off_t seen_size = -1;
+static ino_t seen_ino;
 
 static void set_field(gpu_state *g, const char *k, const char *v) {
     unsigned long long n = strtoull(v, NULL, 0);
@@ -112,7 +114,7 @@ static void reload(void) {
     const char *path = getenv("FAKE_NVML_STATE");
     struct stat st;
     if (!path || stat(path, &st) != 0) return;
-    if (st.st_size == seen_size && st.st_mtim.tv_sec == seen_mtime.tv_sec
+    if (st.st_size == seen_size && st.st_ino == seen_ino && st.st_mtim.tv_sec == seen_mtime.tv_sec
         && st.st_mtim.tv_nsec == seen_mtime.tv_nsec) return;
     FILE *f = fopen(path, "r");
     if (!f) return;
@@ -128,6 +130,7 @@ static void reload(void) {
         parse_line(line);
     free(buf);
     seen_size = st.st_size;
+    seen_ino = st.st_ino;
     seen_mtime = st.st_mtim;
 }
 
@@ -164,6 +167,11 @@ nvmlReturn_t nvmlInitWithFlags(unsigned flags) {
     (void)flags;
     if (!getenv("FAKE_NVML_STATE")) return E_DRIVER;
     pthread_mutex_lock(&mu);
+    /* a fresh "driver": forget limits, clocks and delivered events of an earlier init */
+    memset(applied_limit, 0, sizeof applied_limit);
+    memset(locked_mhz, 0, sizeof locked_mhz);
+    delivered = 0;
+    seen_size = -1;
     reload();
     nvmlReturn_t rc = init_error ? init_error : OK;
     if (rc == OK) {

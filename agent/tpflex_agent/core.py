@@ -20,8 +20,8 @@ class AgentCore:
         self.settings, self.backend = settings, backend
         self.node, self.rack = settings.node, settings.rack
         self.monitor = HealthMonitor(
-            backend, settings.node, poll_interval_s=settings.health_poll_s,
-            debounce_s=settings.health_debounce_s,
+            backend, settings.node, poll_interval_s=settings.health.poll_s,
+            debounce_s=settings.health.debounce_s,
         )
         self.power = PowerControl(backend, settings.node)
         self.grpc_health = None  # set by service.create_server

@@ -23,26 +23,42 @@ log = logging.getLogger("tpflex_agent")
 EXIT_USAGE = 2
 
 
+# (flag, section, key, type, help)
+_FLAGS = (
+    ("--backend", "agent", "backend", str, "nvml (GPU nodes) or sim (simulated GPUs)"),
+    ("--sim-gpus", "agent", "sim_gpus", int, "number of simulated GPUs"),
+    ("--rack", "agent", "rack", str, "rack (NVLink domain) of this node"),
+    ("--node", "agent", "node", str, "node name (default: host name)"),
+    ("--log-level", "agent", "log_level", str, "DEBUG, INFO, WARNING or ERROR"),
+    ("--etcd", "etcd", "endpoints", str, "etcd endpoints HOST:PORT[,HOST:PORT...]"),
+    ("--lease-ttl-s", "etcd", "lease_ttl_s", int, "registration lease TTL in seconds"),
+    ("--listen", "grpc", "listen", str, "gRPC HOST:PORT (port 0: any free port)"),
+    ("--advertise-address", "grpc", "advertise_address", str, "gRPC HOST:PORT the controller dials"),
+    ("--metrics-listen", "metrics", "listen", str, "/metrics HOST:PORT"),
+    ("--health-debounce-s", "health", "debounce_s", float, "routine health writes at most this often"),
+    ("--health-poll-s", "health", "poll_s", float, "GPU polling interval"),
+)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tpflex-agent", description="tpflex node agent",
-                                argument_default=None)
-    p.add_argument("--config", help="TOML configuration file")
-    p.add_argument("--backend", choices=["nvml", "sim"])
-    p.add_argument("--sim-gpus", dest="sim_gpus", type=int)
-    p.add_argument("--rack")
-    p.add_argument("--node")
-    p.add_argument("--etcd", help="etcd endpoints HOST:PORT[,HOST:PORT...]")
-    p.add_argument("--etcd-timeout-s", dest="etcd_timeout_s", type=float)
-    p.add_argument("--listen", help="gRPC HOST:PORT (port 0: any free port)")
-    p.add_argument("--advertise-host", dest="advertise_host")
-    p.add_argument("--metrics-host", dest="metrics_host")
-    p.add_argument("--metrics-port", dest="metrics_port", type=int)
-    p.add_argument("--lease-ttl-s", dest="lease_ttl_s", type=int)
-    p.add_argument("--health-poll-s", dest="health_poll_s", type=float)
-    p.add_argument("--health-debounce-s", dest="health_debounce_s", type=float)
-    p.add_argument("--log-level", dest="log_level")
+    p = argparse.ArgumentParser(prog="tpflex-agent", description="tpflex node agent")
+    p.add_argument("--config", help="TOML configuration file (deploy/config/agent.toml)")
+    for flag, section, key, typ, help_ in _FLAGS:
+        p.add_argument(flag, dest=f"{section}.{key}", type=typ, help=help_)
+    p.add_argument("--metrics-port", type=int, help="/metrics port on 0.0.0.0 (0: any free port)")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
     return p
+
+
+def _cli_layer(ns: dict) -> dict[str, dict]:
+    layer: dict[str, dict] = {}
+    for dest, value in ns.items():
+        if "." in dest and value is not None:
+            section, key = dest.split(".", 1)
+            layer.setdefault(section, {})[key] = value
+    if ns.get("metrics_port") is not None and "listen" not in layer.get("metrics", {}):
+        layer.setdefault("metrics", {})["listen"] = f"0.0.0.0:{ns['metrics_port']}"
+    return layer
 
 
 def _fail(msg: str) -> int:
@@ -51,26 +67,25 @@ def _fail(msg: str) -> int:
 
 
 def _open_backend(settings) -> GpuBackend:
-    if settings.backend == "sim":
+    if settings.agent.backend == "sim":
         from .sim import SimulatedBackend
 
-        return SimulatedBackend(settings.sim_gpus, node=settings.node)
+        return SimulatedBackend(settings.agent.sim_gpus, node=settings.node)
     from .nvml import NvmlBackend
 
     return NvmlBackend()
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = vars(_parser().parse_args(argv))
-    config, print_config = args.pop("config"), args.pop("print_config")
+    ns = vars(_parser().parse_args(argv))
     try:
-        settings = load_settings(args, os.environ, config)
+        settings = load_settings(_cli_layer(ns), os.environ, ns["config"])
     except ConfigError as exc:
         return _fail(str(exc))
-    if print_config:
-        print(json.dumps(settings.model_dump(), indent=2, sort_keys=True))
+    if ns["print_config"]:
+        print(json.dumps(settings.masked(), indent=2, sort_keys=True))
         return 0
-    logging.basicConfig(level=settings.log_level, stream=sys.stderr,
+    logging.basicConfig(level=settings.agent.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         backend = _open_backend(settings)
@@ -91,7 +106,7 @@ def _serve(settings, backend: GpuBackend) -> int:
     core = AgentCore(settings, backend)
     try:
         server, port = create_server(settings, backend, core=core)
-        httpd, metrics_port = start_metrics_server(core, settings.metrics_host, settings.metrics_port)
+        httpd, metrics_port = start_metrics_server(core, settings.metrics)
     except (OSError, RuntimeError) as exc:
         return _fail(f"cannot bind: {exc}")
     core.start()
@@ -100,18 +115,16 @@ def _serve(settings, backend: GpuBackend) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     etcd = membership = follower = None
-    if settings.etcd:
-        from tpflex_proto.etcd import Etcd
-
-        etcd = Etcd(settings.etcd, timeout=settings.etcd_timeout_s)
-        metrics_addr = f"{settings.advertised(metrics_port).rsplit(':', 1)[0]}:{metrics_port}"
-        membership = Membership(etcd, core, agent_address=settings.advertised(port),
-                                metrics_address=metrics_addr, ttl_s=settings.lease_ttl_s).start()
+    if settings.etcd.endpoints:
+        etcd = _etcd_client(settings)
+        membership = Membership(etcd, core, agent_address=settings.grpc.advertised(port),
+                                metrics_address=settings.metrics.advertised(metrics_port),
+                                ttl_s=settings.etcd.lease_ttl_s).start()
         follower = DesiredPowerFollower(etcd, core).start()
     else:
         log.warning("no etcd endpoints configured: running standalone node=%s", settings.node)
     print(f"tpflex-agent ready node={settings.node} backend={backend.kind} "
-          f"grpc={settings.listen_host}:{port} metrics={settings.metrics_host}:{metrics_port}", flush=True)
+          f"grpc={settings.grpc.host}:{port} metrics={settings.metrics.host}:{metrics_port}", flush=True)
     stop.wait()
     log.info("shutting down node=%s", settings.node)
     enter_shutdown(core)
@@ -126,6 +139,19 @@ def _serve(settings, backend: GpuBackend) -> int:
         etcd.close()
     log.info("stopped node=%s", settings.node)
     return 0
+
+
+def _etcd_client(settings):
+    from tpflex_proto.etcd import Etcd, EtcdTls
+
+    e = settings.etcd
+    password = None
+    if e.password_file:
+        with open(e.password_file) as f:
+            password = f.read().strip()
+    tls = EtcdTls(e.ca_file, e.cert_file or None, e.key_file or None) if e.ca_file else None
+    return Etcd(e.endpoints, timeout=e.dial_timeout_s, user=e.username or None,
+                password=password, tls=tls)
 
 
 if __name__ == "__main__":

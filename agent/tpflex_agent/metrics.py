@@ -15,6 +15,7 @@ from tpflex_proto import types_pb2
 from .backend import THROTTLE_REASON_NAMES
 from .core import AgentCore
 from .errors import GpuError
+from .settings import MetricsSection
 
 HEALTH_STATES = {types_pb2.GPU_HEALTHY: "healthy", types_pb2.GPU_DEGRADED: "degraded",
                  types_pb2.GPU_FAILED: "failed"}
@@ -25,26 +26,30 @@ class AgentCollector(Collector):
         self.core = core
         self._registered = registered  # a threading.Event, or None when standalone
 
-    def _gauge(self, name: str, doc: str, labels=("gpu", "uuid")) -> GaugeMetricFamily:
+    def _gauge(self, name: str, doc: str, labels=("node", "gpu", "uuid")) -> GaugeMetricFamily:
         return GaugeMetricFamily(name, doc, labels=list(labels))
 
     def collect(self) -> Iterator:
         devices = self.core.backend.devices()
         g = {
-            "draw": self._gauge("tpflex_agent_gpu_power_draw_watts", "Current power draw."),
-            "limit": self._gauge("tpflex_agent_gpu_power_limit_watts", "Enforced power limit (cap)."),
-            "default": self._gauge("tpflex_agent_gpu_power_limit_default_watts", "Default power limit."),
-            "clock": self._gauge("tpflex_agent_gpu_sm_clock_hertz", "Current SM clock."),
-            "temp": self._gauge("tpflex_agent_gpu_temperature_celsius", "GPU temperature."),
-            "reasons": self._gauge("tpflex_agent_gpu_clocks_event_reasons", "NVML clocks-event (throttle) reasons bitmask."),
-            "speed": self._gauge("tpflex_agent_gpu_relative_speed_ratio", "Speed relative to a healthy GPU at the same cap."),
+            "draw": self._gauge("tpflex_gpu_power_draw_watts", "Current power draw."),
+            "limit": self._gauge("tpflex_gpu_power_limit_watts", "Enforced power limit (cap)."),
+            "default": self._gauge("tpflex_gpu_power_default_limit_watts", "Default power limit."),
+            "min": self._gauge("tpflex_gpu_power_min_limit_watts", "Lowest settable power limit."),
+            "max": self._gauge("tpflex_gpu_power_max_limit_watts", "Highest settable power limit."),
+            "clock": self._gauge("tpflex_gpu_sm_clock_hertz", "Current SM clock."),
+            "temp": self._gauge("tpflex_gpu_temperature_celsius", "GPU temperature."),
+            "reasons": self._gauge("tpflex_gpu_clocks_event_reasons", "NVML clocks-event (throttle) reasons bitmask."),
+            "speed": self._gauge("tpflex_gpu_relative_speed_ratio", "Speed relative to a healthy GPU at the same cap."),
         }
-        throttle = self._gauge("tpflex_agent_gpu_throttle_active", "1 while a throttle reason is active.",
-                               ("gpu", "uuid", "reason"))
-        readable = self._gauge("tpflex_agent_gpu_readable", "1 when the last read of the GPU succeeded.")
+        throttle = self._gauge("tpflex_gpu_throttle_active", "1 while a throttle reason is active.",
+                               ("node", "gpu", "uuid", "reason"))
+        readable = self._gauge("tpflex_gpu_readable", "1 when the last read of the GPU succeeded.")
         for d in devices:
-            labels = [str(d.index), d.uuid]
+            labels = [self.core.node, str(d.index), d.uuid]
             g["default"].add_metric(labels, d.default_limit_w)
+            g["min"].add_metric(labels, d.min_limit_w)
+            g["max"].add_metric(labels, d.max_limit_w)
             try:
                 r = self.core.backend.read(d.index)
             except GpuError:
@@ -66,14 +71,14 @@ class AgentCollector(Collector):
         yield from self._node()
 
     def _health(self, devices) -> Iterator:
-        state = self._gauge("tpflex_agent_gpu_health_state", "1 for the GPU's current health state.",
-                            ("gpu", "uuid", "state"))
-        xids = CounterMetricFamily("tpflex_agent_gpu_xid_errors", "XID events seen since agent start.",
-                                   labels=["gpu", "uuid"])
+        state = self._gauge("tpflex_gpu_health_state", "1 for the GPU's current health state.",
+                            ("node", "gpu", "uuid", "state"))
+        xids = CounterMetricFamily("tpflex_gpu_xid_errors", "XID events seen since agent start.",
+                                   labels=["node", "gpu", "uuid"])
         states = self.core.monitor.gpu_states()
         counts = dict(self.core.monitor.xid_counts)
         for d in devices:
-            labels = [str(d.index), d.uuid]
+            labels = [self.core.node, str(d.index), d.uuid]
             current = states[d.index].state if d.index in states else None
             for value, name in HEALTH_STATES.items():
                 state.add_metric(labels + [name], 1 if current == value else 0)
@@ -90,9 +95,14 @@ class AgentCollector(Collector):
         yield reg
 
 
-def start_metrics_server(core: AgentCore, host: str, port: int, registered=None):
-    """Serve /metrics for ``core`` on host:port (0 = a free port); returns (httpd, port)."""
+def start_metrics_server(core: AgentCore, section: MetricsSection, registered=None):
+    """Serve /metrics for ``core`` on ``section.listen`` (port 0 = a free port), over HTTPS
+    when a certificate is configured; returns (httpd, bound port)."""
     registry = CollectorRegistry()
     registry.register(AgentCollector(core, registered))
-    httpd, _thread = start_http_server(port, addr=host, registry=registry)
+    host = section.host.strip("[]")
+    httpd, _thread = start_http_server(
+        section.port, addr=host, registry=registry,
+        certfile=section.tls_cert_file or None, keyfile=section.tls_key_file or None,
+    )
     return httpd, httpd.server_address[1]

@@ -104,10 +104,24 @@ def create_server(
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     core.grpc_health = health_servicer
-    port = server.add_insecure_port(settings.listen)
+    port = _bind(server, settings)
     if port == 0:
-        raise OSError(f"cannot bind gRPC listen address {settings.listen}")
+        raise OSError(f"cannot bind gRPC listen address {settings.grpc.listen}")
     return server, port
+
+
+def _bind(server: grpc.Server, settings: AgentSettings) -> int:
+    g = settings.grpc
+    if not g.tls_cert_file:
+        return server.add_insecure_port(g.listen)
+    with open(g.tls_key_file, "rb") as k, open(g.tls_cert_file, "rb") as c:
+        pair = (k.read(), c.read())
+    ca = None
+    if g.client_ca_file:
+        with open(g.client_ca_file, "rb") as f:
+            ca = f.read()
+    creds = grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+    return server.add_secure_port(g.listen, creds)
 
 
 def enter_shutdown(core: AgentCore) -> None:
