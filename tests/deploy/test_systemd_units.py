@@ -1,0 +1,128 @@
+"""The systemd units verify with systemd-analyze and keep the sandbox the services need."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.deploy.tools import DEPLOY, require_tool, run_tool
+from tests.deploy.units import (
+    exec_binary,
+    stage_dropin,
+    stage_with_stub_binaries,
+    unit_settings,
+)
+
+SYSTEMD = DEPLOY / "systemd"
+SERVICE_UNITS = sorted(SYSTEMD.glob("*.service"))
+ETCD_DROPIN = SYSTEMD / "etcd.service.d"
+DEBIAN_ETCD_UNIT = Path("/lib/systemd/system/etcd.service")
+# Exposure score of `systemd-analyze security` (0 = locked down, 10 = unprotected).
+MAX_EXPOSURE = {"tpflex-controller.service": 2.0, "tpflex-agent.service": 3.5, "etcd.service": 2.0}
+
+
+def _analyze() -> str:
+    return require_tool("systemd-analyze", "/usr/bin/systemd-analyze")
+
+
+def _verify(unit: Path) -> str:
+    """Output of `systemd-analyze verify`; it must exit 0 and say nothing to be clean."""
+    result = run_tool([_analyze(), "verify", "--man=no", str(unit)], cwd=unit.parent)
+    output = (result.stdout + result.stderr).strip()
+    assert result.returncode == 0, output
+    return output
+
+
+def _exposure(unit: Path) -> float:
+    result = run_tool([_analyze(), "security", "--offline=yes", "--no-pager", str(unit)], cwd=unit.parent)
+    match = re.search(r"Overall exposure level for \S+: ([\d.]+)", result.stdout)
+    assert match, result.stdout + result.stderr
+    return float(match.group(1))
+
+
+def _service(unit: Path) -> dict[str, list[str]]:
+    return unit_settings(unit.read_text())["Service"]
+
+
+def test_the_units_exist():
+    assert {u.name for u in SERVICE_UNITS} == {"tpflex-controller.service", "tpflex-agent.service"}
+    assert (ETCD_DROPIN / "10-tpflex.conf").is_file()
+
+
+@pytest.mark.parametrize("unit", SERVICE_UNITS, ids=lambda u: u.name)
+def test_unit_verifies_without_any_warning(unit, tmp_path):
+    staged = stage_with_stub_binaries(unit, tmp_path)
+    assert _verify(staged) == ""
+
+
+def test_the_verify_check_catches_a_misplaced_setting(tmp_path):
+    """The warning check above can fail: a [Unit]-only key in [Service] is reported."""
+    broken = tmp_path / "src" / "tpflex-controller.service"
+    broken.parent.mkdir()
+    text = (SYSTEMD / "tpflex-controller.service").read_text()
+    broken.write_text(text.replace("[Service]\n", "[Service]\nStartLimitIntervalSec=30\n", 1))
+    output = _verify(stage_with_stub_binaries(broken, tmp_path / "staged"))
+    assert "Unknown key 'StartLimitIntervalSec' in section [Service]" in output
+
+
+@pytest.mark.parametrize("unit", SERVICE_UNITS, ids=lambda u: u.name)
+def test_exec_start_runs_the_console_script_and_logs_to_journald(unit):
+    service = _service(unit)
+    name = unit.stem
+    assert service["ExecStart"] == [
+        f"/opt/tpflex/venv/bin/{name} --config /etc/tpflex/{name.removeprefix('tpflex-')}.toml"
+    ]
+    assert not re.search(r"\b(sh|bash)\b|[>|&;]", service["ExecStart"][0])
+    assert service["StandardOutput"] == ["journal"] and service["StandardError"] == ["journal"]
+    assert service["Restart"] == ["on-failure"]
+    assert service["EnvironmentFile"] == [f"-/etc/tpflex/{name.removeprefix('tpflex-')}.env"]
+    assert exec_binary(service["ExecStart"][0]).startswith("/opt/tpflex/venv/bin/")
+
+
+def test_controller_runs_unprivileged_with_no_capabilities():
+    service = _service(SYSTEMD / "tpflex-controller.service")
+    assert service["User"] == ["tpflex"] and service["Group"] == ["tpflex"]
+    assert service["CapabilityBoundingSet"] == [""]
+    for key in ("NoNewPrivileges", "ProtectHome", "PrivateTmp", "PrivateDevices", "MemoryDenyWriteExecute"):
+        assert service[key] == ["yes"], key
+    assert service["ProtectSystem"] == ["strict"]
+    assert "ReadWritePaths" not in service  # state lives in etcd, logs in journald
+
+
+def test_agent_is_root_with_only_the_nvml_capability_and_nvidia_devices():
+    service = _service(SYSTEMD / "tpflex-agent.service")
+    assert "User" not in service  # root: NVML set calls need CAP_SYS_ADMIN
+    assert service["CapabilityBoundingSet"] == ["CAP_SYS_ADMIN"]
+    assert service["DevicePolicy"] == ["closed"]
+    assert service["DeviceAllow"] == ["char-nvidia* rw"]
+    assert "PrivateDevices" not in service  # it would hide /dev/nvidia*
+    assert service["ProtectSystem"] == ["strict"] and service["NoNewPrivileges"] == ["yes"]
+
+
+@pytest.mark.parametrize("unit", SERVICE_UNITS, ids=lambda u: u.name)
+def test_sandbox_exposure_stays_low(unit, tmp_path):
+    staged = stage_with_stub_binaries(unit, tmp_path)
+    assert _exposure(staged) <= MAX_EXPOSURE[unit.name]
+
+
+def _staged_etcd(dest: Path) -> Path:
+    if not DEBIAN_ETCD_UNIT.exists():
+        pytest.skip("Debian's etcd-server unit /lib/systemd/system/etcd.service not installed")
+    return stage_dropin(DEBIAN_ETCD_UNIT, ETCD_DROPIN, dest)
+
+
+def test_etcd_dropin_verifies_on_the_packaged_unit(tmp_path):
+    assert _verify(_staged_etcd(tmp_path)) == ""
+
+
+def test_etcd_dropin_is_applied_and_hardens_the_packaged_unit(tmp_path):
+    bare = tmp_path / "bare" / "etcd.service"
+    bare.parent.mkdir()
+    bare.write_text(DEBIAN_ETCD_UNIT.read_text() if DEBIAN_ETCD_UNIT.exists() else "")
+    with_dropin = _staged_etcd(tmp_path / "dropin")
+    assert _exposure(with_dropin) <= MAX_EXPOSURE["etcd.service"] < _exposure(bare)
+    dropin = unit_settings((ETCD_DROPIN / "10-tpflex.conf").read_text())["Service"]
+    assert dropin["EnvironmentFile"] == ["/etc/tpflex/etcd.env"]
+    assert dropin["ReadWritePaths"] == ["/var/lib/etcd"]

@@ -1,0 +1,46 @@
+"""Helpers for the deploy artifact tests: repository paths, tools, development certs."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DEPLOY = REPO / "deploy"
+CERTS_SCRIPT = DEPLOY / "certs" / "make-dev-certs.sh"
+
+
+def require_tool(name: str, path: str | None = None) -> str:
+    """Absolute path of a command-line tool, or skip the test naming the missing package."""
+    found = shutil.which(name) or (path if path and Path(path).exists() else None)
+    if not found:
+        pytest.skip(f"{name} not installed (Debian packages: systemd, prometheus, openssl, etcd-server)")
+    return found
+
+
+def run_tool(args: list[str], cwd: Path | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def make_certs(out: Path, extra_sans: str = "") -> subprocess.CompletedProcess:
+    """Run deploy/certs/make-dev-certs.sh into ``out``."""
+    require_tool("openssl")
+    env = {"PATH": "/usr/bin:/bin", "TPFLEX_CERT_SANS": extra_sans}
+    return subprocess.run(
+        ["bash", str(CERTS_SCRIPT), str(out)], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def metric_catalog() -> dict:
+    """deploy/prometheus/metrics.toml as {name: MetricSpec}."""
+    import tomllib
+
+    from tests.deploy.promql import MetricSpec
+
+    data = tomllib.loads((DEPLOY / "prometheus" / "metrics.toml").read_text())
+    return {
+        m["name"]: MetricSpec(m["name"], m["type"], frozenset(m["labels"])) for m in data["metric"]
+    }
