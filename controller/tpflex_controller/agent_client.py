@@ -63,8 +63,10 @@ class AgentPusher:
         backoff_initial: float = 0.1,
         backoff_max: float = 5.0,
         on_failure: Callable[[], None] | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
     ) -> None:
         self._on_result = on_result
+        self._credentials = credentials
         self._on_failure = on_failure
         self._timeout = timeout
         self._backoff = (backoff_initial, backoff_max)
@@ -184,13 +186,14 @@ class AgentPusher:
         with self._cv:
             ch = self._channels.get(address)
             if ch is None:
-                ch = grpc.insecure_channel(
-                    address,
-                    options=[
-                        ("grpc.initial_reconnect_backoff_ms", 100),
-                        ("grpc.max_reconnect_backoff_ms", 1000),
-                    ],
-                )
+                options = [
+                    ("grpc.initial_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 1000),
+                ]
+                if self._credentials is not None:
+                    ch = grpc.secure_channel(address, self._credentials, options=options)
+                else:
+                    ch = grpc.insecure_channel(address, options=options)
                 self._channels[address] = ch
             return ch
 

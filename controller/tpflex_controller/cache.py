@@ -56,7 +56,8 @@ class PlanRecord:
 
 
 class ClusterView:
-    def __init__(self, event_log_size: int = 1000) -> None:
+    def __init__(self, event_log_size: int = 1000, default_policy: str = "ntp-pw") -> None:
+        self.default_policy = default_policy  # for specs that do not choose a policy
         self.snap = Snapshot()
         self.racks: dict[str, RackInfo] = {}
         self.node_rack: dict[str, str] = {}
@@ -88,8 +89,13 @@ class ClusterView:
         """The planner's view of a job's spec (cached); raises PlanningError."""
         spec = self._job_specs.get(job)
         if spec is None:
+            proto = self.snap.jobs[job]
+            if not proto.policy:
+                proto = types_pb2.JobSpec()
+                proto.CopyFrom(self.snap.jobs[job])
+                proto.policy = self.default_policy
             try:
-                spec = convert.job_spec(self.snap.jobs[job], self.racks)
+                spec = convert.job_spec(proto, self.racks)
             except PlanningError as exc:
                 spec = exc
             except ValueError as exc:

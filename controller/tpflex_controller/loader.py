@@ -13,10 +13,12 @@ from tpflex_controller.cache import ClusterView
 _VALUE_PREFIXES = (keys.RACKS, keys.NODES, keys.HEALTH, keys.OVERRIDES, keys.POWER)
 
 
-def load_view(etcd: Etcd, event_log_size: int = 1000) -> tuple[ClusterView, int]:
+def load_view(
+    etcd: Etcd, event_log_size: int = 1000, default_policy: str = "ntp-pw"
+) -> tuple[ClusterView, int]:
     """A view of everything under ``/tpflex/v1/``; returns it and the revision of the first
     read (a watch started after it replays anything newer; folding is idempotent)."""
-    view = ClusterView(event_log_size)
+    view = ClusterView(event_log_size, default_policy)
     first_rev = 0
     for prefix in _VALUE_PREFIXES:
         kvs, rev = etcd.get_prefix(prefix)

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import grpc
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import Etcd, EtcdError, WatchEvent
 
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 class _Dirty:
     cause: str
     detected_at: float  # wall clock when the change was seen
+    revision: int = 0  # etcd revision of the latest change that marked it
     not_before: float = 0.0  # monotonic; retry backoff
     attempts: int = 0
 
@@ -52,6 +54,8 @@ class Reconciler:
         event_log_size: int = 1000,
         history_size: int = 100,
         agent_timeout: float = 2.0,
+        agent_credentials: grpc.ChannelCredentials | None = None,
+        default_policy: str = "ntp-pw",
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.etcd = etcd
@@ -60,7 +64,8 @@ class Reconciler:
         self._event_log_size = event_log_size
         self._history_size = history_size
         self._clock = clock
-        self.view = ClusterView(event_log_size)
+        self._default_policy = default_policy
+        self.view = ClusterView(event_log_size, default_policy)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._session: LeaderSession | None = None
         self._dirty: dict[str, _Dirty] = {}
@@ -75,6 +80,7 @@ class Reconciler:
             lambda r: self._inbox.put(("push", r, time.time())),
             timeout=agent_timeout,
             on_failure=metrics.agent_push_failures.inc,
+            credentials=agent_credentials,
         )
         self._encoder = PlanEncoder()
         self._repush_after_load = False
@@ -140,7 +146,7 @@ class Reconciler:
         return s is not None and s.active and not self._need_load
 
     def _load(self) -> None:
-        view, rev = load_view(self.etcd, self._event_log_size)
+        view, rev = load_view(self.etcd, self._event_log_size, self._default_policy)
         self.view, self._loaded_rev, self._need_load = view, rev, False
         if self._watch is None:
             self._watch = self.etcd.watch_prefix(
@@ -191,8 +197,10 @@ class Reconciler:
         for ev in events:
             if ev.mod_revision <= self._loaded_rev:
                 continue
+            if not self._leading():
+                self._forget_handled(ev)
             for job, cause in self.view.fold(ev.kind, ev.key, ev.value, ev.mod_revision):
-                self._mark(job, cause, at)
+                self._mark(job, cause, at, ev.mod_revision)
             self._after_fold(ev, racks, acked)
         for rack in racks:
             if rack in self.view.racks:
@@ -228,12 +236,23 @@ class Reconciler:
         elif rest == "spec" and job in self.view.snap.jobs:
             self.metrics.job_seen(job, len(self.view.snap.jobs[job].replicas))
 
-    def _mark(self, job: str, cause: str, at: float) -> None:
+    def _mark(self, job: str, cause: str, at: float, revision: int = 0) -> None:
         d = self._dirty.get(job)
         if d is None:
-            self._dirty[job] = _Dirty(cause, at)
-        elif d.cause == "resync" and cause != "resync":
+            self._dirty[job] = _Dirty(cause, at, revision)
+            return
+        d.revision = max(d.revision, revision)
+        if d.cause == "resync" and cause != "resync":
             d.cause = cause
+
+    def _forget_handled(self, ev: WatchEvent) -> None:
+        """A follower sees the leader commit a plan: the changes before it are handled
+        (kept only so that a new leader reports the right cause)."""
+        split = keys.split_job_key(ev.key)
+        if split is not None and split[1] == "plan":
+            d = self._dirty.get(split[0])
+            if d is not None and d.revision < ev.mod_revision:
+                del self._dirty[split[0]]
 
     def _on_push(self, r: PushResult) -> None:
         if not r.ok:

@@ -203,6 +203,7 @@ def create_grpc_server(
     max_workers: int = 64,
     steps: StepStats | None = None,
     clock: Callable[[], float] = time.time,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.Server, int]:
     """A started-not-yet ``grpc.Server`` serving ``Trainer``, bound to ``bind``; returns it
     and the bound port (``bind`` may use port 0). Call ``server.start()``."""
@@ -212,7 +213,13 @@ def create_grpc_server(
     )
     servicer = TrainerServicer(etcd, steps=steps or StepStats(), clock=clock)
     controller_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
-    port = server.add_insecure_port(bind)
+    try:
+        if credentials is not None:
+            port = server.add_secure_port(bind, credentials)
+        else:
+            port = server.add_insecure_port(bind)
+    except RuntimeError as exc:
+        raise OSError(f"cannot bind the trainer gRPC server to {bind}: {exc}") from None
     if port == 0:
         raise OSError(f"cannot bind the trainer gRPC server to {bind}")
     return server, port

@@ -107,3 +107,102 @@ def fail_gpu(etcd: Etcd, node: str, gpus: int, failed: set[int], seq: int = 1) -
     at = time.monotonic()
     etcd.put(keys.health(node), codec.encode(synthetic.failed_health(node, gpus, failed, seq)))
     return at
+
+
+# ---- real tpflex-controller processes ----
+
+import os  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from tests.support.ports import free_ports  # noqa: E402
+
+CONTROLLER_BIN = str(Path(sys.executable).parent / "tpflex-controller")
+
+
+class ControllerProc:
+    """A real ``tpflex-controller`` process on free loopback ports."""
+
+    def __init__(self, endpoints: list[str], name: str, log_dir: Path, ttl: int = 2,
+                 extra: list[str] = (), env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.rest_port, self.trainer_port = free_ports(2)
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "ab")
+        args = [
+            CONTROLLER_BIN, "--name", name, "--etcd", ",".join(endpoints),
+            "--lease-ttl-s", str(ttl),
+            "--rest-listen", f"127.0.0.1:{self.rest_port}",
+            "--trainer-listen", f"127.0.0.1:{self.trainer_port}",
+            *extra,
+        ]
+        full_env = {k: v for k, v in os.environ.items() if not k.startswith("TPFLEX_")}
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+
+    @property
+    def rest_url(self) -> str:
+        return f"http://127.0.0.1:{self.rest_port}"
+
+    def wait_http(self, timeout: float = 30.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"controller {self.name} exited: {self.log()}"
+            try:
+                if httpx.get(self.rest_url + "/healthz", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"controller {self.name} did not serve within {timeout}s: {self.log()}")
+
+    def metric(self, name: str) -> float | None:
+        import httpx
+
+        for line in httpx.get(self.rest_url + "/metrics", timeout=5).text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        return None
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()[-3000:]
+        except OSError:
+            return "<no log>"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def terminate(self, timeout: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        self._log.close()
+        return self.proc.returncode
+
+
+def leader_id(etcd: Etcd) -> str | None:
+    kv = etcd.get(keys.LEADER)
+    return codec.decode(types_pb2.LeaderRecord, kv.value).id if kv else None
+
+
+def wait_leader(etcd: Etcd, other_than: str | None = None, timeout: float = 15.0) -> tuple[str, float]:
+    """Poll etcd until a leader (other than ``other_than``) holds the key; (id, when)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lid = leader_id(etcd)
+        if lid and lid != other_than:
+            return lid, time.monotonic()
+        time.sleep(0.02)
+    raise TimeoutError(f"no new leader within {timeout}s")

@@ -1,0 +1,222 @@
+"""``tpflex-controller``: one controller replica.
+
+Every replica serves the trainer gRPC service and the REST API and keeps its view of etcd
+warm; the elected leader also plans, commits and pushes power caps. SIGTERM/SIGINT: resign
+the leadership (a standby takes over at once), stop serving, exit 0. Bad configuration or
+an address that cannot be bound: a message on stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+
+import grpc
+from prometheus_client import CollectorRegistry
+from tpflex_proto.etcd import Etcd, EtcdTls
+
+from tpflex_controller.election import Elector
+from tpflex_controller.metrics import ControllerMetrics
+from tpflex_controller.reconcile import Reconciler
+from tpflex_controller.settings import ConfigError, ControllerSettings, load_settings, read_tokens
+from tpflex_controller.steps import StepStats
+from tpflex_controller.store import Store
+from tpflex_controller.trainer_service import create_grpc_server
+
+log = logging.getLogger("tpflex_controller")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tpflex-controller", description="tpflex controller replica")
+    p.add_argument("--config", help="TOML configuration file (see deploy/config/controller.toml)")
+    p.add_argument("--name", help="identity in leader election (default: host name + pid)")
+    p.add_argument("--etcd", help="etcd endpoints HOST:PORT[,HOST:PORT...]")
+    p.add_argument("--lease-ttl-s", dest="lease_ttl_s", type=int, help="leader lease TTL (s)")
+    p.add_argument("--rest-listen", dest="rest_listen", help="REST HOST:PORT")
+    p.add_argument("--trainer-listen", dest="trainer_listen", help="trainer gRPC HOST:PORT")
+    p.add_argument("--admin-tokens-file", dest="admin_tokens_file")
+    p.add_argument("--log-level", dest="log_level")
+    p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
+    return p
+
+
+def _arg_layers(ns: argparse.Namespace) -> dict[str, dict]:
+    return {
+        "controller": {"name": ns.name, "log_level": ns.log_level},
+        "etcd": {"endpoints": ns.etcd, "lease_ttl_s": ns.lease_ttl_s},
+        "rest": {"listen": ns.rest_listen, "admin_tokens_file": ns.admin_tokens_file},
+        "trainer": {"listen": ns.trainer_listen},
+    }
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def create_etcd(s: ControllerSettings) -> Etcd:
+    e = s.etcd
+    tls = EtcdTls(e.ca_file, e.cert_file or None, e.key_file or None) if e.ca_file else None
+    password = _read(e.password_file).decode().strip() if e.password_file else None
+    return Etcd(e.endpoints, timeout=e.dial_timeout_s, user=e.username or None, password=password, tls=tls)
+
+
+def _agent_credentials(s: ControllerSettings) -> grpc.ChannelCredentials | None:
+    a = s.agents
+    if not a.ca_file:
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(a.ca_file),
+        private_key=_read(a.key_file) if a.key_file else None,
+        certificate_chain=_read(a.cert_file) if a.cert_file else None,
+    )
+
+
+def _trainer_credentials(s: ControllerSettings) -> grpc.ServerCredentials | None:
+    t = s.trainer
+    if not t.tls_cert_file:
+        return None
+    return grpc.ssl_server_credentials(
+        [(_read(t.tls_key_file), _read(t.tls_cert_file))],
+        root_certificates=_read(t.client_ca_file) if t.client_ca_file else None,
+        require_client_auth=bool(t.client_ca_file),
+    )
+
+
+@dataclass
+class _Rest:
+    server: object
+    thread: threading.Thread
+    port: int
+
+
+def _start_rest(s: ControllerSettings, etcd: Etcd, registry: CollectorRegistry) -> _Rest:
+    import uvicorn
+
+    from tpflex_controller.api import ApiDeps, TokenConfig, create_app
+
+    tokens = TokenConfig(
+        admin=read_tokens(s.rest.admin_tokens_file), read_only=read_tokens(s.rest.readonly_tokens_file)
+    )
+    app = create_app(ApiDeps(store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry))
+    family = socket.AF_INET6 if ":" in s.rest.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((s.rest.host, s.rest.port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot bind the REST API to {s.rest.listen}: {exc.strerror}") from None
+    config = uvicorn.Config(
+        app,
+        log_level="warning",
+        ssl_certfile=s.rest.tls_cert_file or None,
+        ssl_keyfile=s.rest.tls_key_file or None,
+        lifespan="off",
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rest", daemon=True)
+    thread.start()
+    return _Rest(server, thread, sock.getsockname()[1])
+
+
+class ControllerProcess:
+    """Everything one replica runs; ``start()`` binds and starts, ``stop()`` undoes it."""
+
+    def __init__(self, settings: ControllerSettings) -> None:
+        self.settings = settings
+        self.registry = CollectorRegistry()
+        self.metrics = ControllerMetrics(self.registry)
+        self.etcd = create_etcd(settings)
+        self.steps = StepStats()
+        c = settings.controller
+        self.reconciler = Reconciler(
+            self.etcd,
+            self.metrics,
+            event_log_size=c.event_log_size,
+            history_size=c.plan_history_size,
+            agent_timeout=settings.agents.rpc_timeout_s,
+            agent_credentials=_agent_credentials(settings),
+            default_policy=c.default_policy,
+        )
+        self.grpc_server = None
+        self.rest: _Rest | None = None
+        self.elector: Elector | None = None
+
+    def start(self) -> None:
+        s = self.settings
+        self.grpc_server, port = create_grpc_server(
+            self.etcd,
+            bind=s.trainer.listen,
+            max_workers=s.trainer.max_workers,
+            steps=self.steps,
+            credentials=_trainer_credentials(s),
+        )
+        self.rest = _start_rest(s, self.etcd, self.registry)
+        self.grpc_server.start()
+        self.reconciler.start()
+        self.elector = Elector(
+            self.etcd,
+            s.controller.name,
+            address=f"{s.trainer.host}:{port}",
+            ttl=s.etcd.lease_ttl_s,
+            on_elected=self.reconciler.on_elected,
+            on_deposed=self.reconciler.on_deposed,
+        )
+        self.elector.start()
+        log.info(
+            "controller started id=%s rest_port=%d trainer_port=%d etcd=%s",
+            s.controller.name, self.rest.port, port, ",".join(s.etcd.endpoints),
+        )
+
+    def stop(self) -> None:
+        if self.elector is not None:
+            self.elector.stop(resign=True)
+        self.reconciler.stop()
+        if self.grpc_server is not None:
+            self.grpc_server.stop(grace=2.0).wait(5)
+        if self.rest is not None:
+            self.rest.server.should_exit = True
+            self.rest.thread.join(timeout=5)
+        self.etcd.close()
+        log.info("controller stopped id=%s", self.settings.controller.name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    try:
+        settings = load_settings(_arg_layers(ns), config_file=ns.config)
+    except ConfigError as exc:
+        print(f"tpflex-controller: {exc}", file=sys.stderr)
+        return 2
+    if ns.print_config:
+        print(json.dumps(settings.model_dump(), indent=2))
+        return 0
+    logging.basicConfig(
+        level=settings.controller.log_level,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    proc = ControllerProcess(settings)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        proc.start()
+    except (OSError, ConfigError) as exc:
+        print(f"tpflex-controller: {exc}", file=sys.stderr)
+        proc.stop()
+        return 2
+    stop.wait()
+    log.info("controller stopping id=%s", settings.controller.name)
+    proc.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
