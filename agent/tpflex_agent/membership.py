@@ -33,6 +33,7 @@ class Membership:
         self.ttl_s, self._clock = ttl_s, clock
         self._lock = threading.Lock()
         self._lease = 0
+        self._abandoned = 0  # a lease given up during an outage, revoked once back
         self._health: types_pb2.NodeHealth | None = None
         self._stop = threading.Event()
         self.registered = threading.Event()
@@ -83,6 +84,12 @@ class Membership:
             self._lease = lease
         self.registrations += 1
         self.registered.set()
+        old, self._abandoned = self._abandoned, 0
+        if old:
+            try:
+                self.etcd.revoke_lease(old)
+            except EtcdError as exc:
+                log.info("old lease not revoked node=%s lease=%x error=%s", self.core.node, old, exc)
         log.info("node registered node=%s rack=%s lease=%x ttl_s=%d", self.core.node,
                  self.core.rack, lease, self.ttl_s)
 
@@ -112,6 +119,7 @@ class Membership:
 
     def _drop_lease(self) -> None:
         with self._lock:
+            self._abandoned = self._lease or self._abandoned
             self._lease = 0
         self.registered.clear()
 
