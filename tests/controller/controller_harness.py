@@ -8,14 +8,13 @@ import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
-from tpflex_proto import codec, keys, types_pb2
-from tpflex_proto.etcd import Etcd
-
 from tpflex_controller import synthetic
 from tpflex_controller.cache import decode_plan
 from tpflex_controller.election import Elector
 from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.reconcile import Reconciler
+from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.etcd import Etcd
 
 
 class PlanWatcher:

@@ -6,10 +6,9 @@ import threading
 import time
 
 import pytest
+from tpflex_controller.election import Conflict, Elector, LeaderSession, NotLeader, PlanCommit
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import Cmp, Op
-
-from tpflex_controller.election import Conflict, Elector, LeaderSession, NotLeader, PlanCommit
 
 
 def _campaign(etcd, identity: str, ttl: int = 1) -> LeaderSession:
