@@ -54,6 +54,7 @@ from tpflex_controller.planner.stages import (
     replica_draft,
     spare_pool,
     touched_gpus,
+    unusable_gpus,
 )
 
 _NO_OVERRIDES = JobOverrides()
@@ -97,13 +98,14 @@ def _drafts(
 ) -> list[ReplicaDraft | None]:
     """A draft per replica that may differ from the identity plan; None for the others."""
     touched = touched_gpus(cluster)
+    unusable = unusable_gpus(cluster)
     live = cluster.live_nodes
     can_be_identity = full_degree == job.base_tp
     pins = overrides.pins
     return [
         None
         if can_be_identity and i not in pins and replica_clean(rep, touched, live)
-        else replica_draft(cluster, job, i, rep, touched, pins.get(i), full_degree)
+        else replica_draft(cluster, job, i, rep, touched, unusable, pins.get(i), full_degree)
         for i, rep in enumerate(job.replicas)
     ]
 
@@ -200,7 +202,11 @@ def _assemble(
         assignment, stage_caps = _assign(d, cluster, job, model)
         replicas.append(assignment)
         caps.update(stage_caps)
-        reasons.extend(replica_reasons(d, assignment, job, eff, stage_caps, cluster.gpu_speed, model))
+        reasons.extend(
+            replica_reasons(
+                d, assignment, job, eff, stage_caps, cluster.gpu_speed, cluster.power_pins, model
+            )
+        )
     return tuple(replicas), caps, tuple(reasons)
 
 
@@ -231,9 +237,9 @@ def _assign(
     rels: list[float] = []
     for s in d.stages:
         stage_caps = power.gpu_caps(s, cluster.power_pins)
-        speed = power.stage_speed(stage_caps, s.rack, cluster.gpu_speed, model)
+        speed = power.stage_speed(s, stage_caps, cluster.gpu_speed, model)
         rels.append(min(1.0, s.degree * speed / job.base_tp))
-        caps.update((g, w) for g, w in stage_caps.items() if w != s.rack.tdp_w)
+        caps.update(stage_caps)
     rel = min(rels)
     batch = max(1, math.floor(job.local_batch * rel + 1e-9))
     stages = tuple(StageAssignment(s.rack.name, s.degree, s.used, s.spec_index) for s in d.stages)

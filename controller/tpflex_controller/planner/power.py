@@ -34,9 +34,14 @@ def pinned_w(rack: RackInfo, pin_w: float) -> float:
     return min(max(pin_w, rack.min_w), rack.max_w)
 
 
+def slowest_speed(gpus: tuple[GpuKey, ...], speeds: Mapping[GpuKey, float]) -> float:
+    if not speeds:
+        return 1.0
+    return min((speeds[g] for g in speeds.keys() & set(gpus)), default=1.0)
+
+
 def stage_speed_need(stage: StageDraft, base_tp: int, speeds: Mapping[GpuKey, float]) -> float:
-    slowest = min((speeds.get(g, 1.0) for g in stage.used), default=1.0)
-    return base_tp / (stage.degree * slowest)
+    return base_tp / (stage.degree * slowest_speed(stage.used, speeds))
 
 
 def plan_boosts(
@@ -94,18 +99,27 @@ def water_level(wants: list[float], counts: list[int], available_w: float) -> fl
 
 
 def gpu_caps(stage: StageDraft, pins: Mapping[GpuKey, float]) -> dict[GpuKey, float]:
-    """Cap of every used GPU of the stage (TDP unless boosted or pinned)."""
+    """Caps of the stage's used GPUs that differ from TDP (boosted or pinned)."""
     rack = stage.rack
-    base = stage.cap_w if stage.cap_w is not None else rack.tdp_w
-    caps = dict.fromkeys(stage.used, base)
-    for g in pins.keys() & caps.keys():
-        caps[g] = pinned_w(rack, pins[g])
-    return caps
+    caps = {} if stage.cap_w is None else dict.fromkeys(stage.used, stage.cap_w)
+    if pins:
+        for g in pins.keys() & set(stage.used):
+            caps[g] = pinned_w(rack, pins[g])
+    return {g: w for g, w in caps.items() if w != rack.tdp_w} if pins else caps
 
 
 def stage_speed(
-    caps: Mapping[GpuKey, float], rack: RackInfo, speeds: Mapping[GpuKey, float], model: PowerModel
+    stage: StageDraft,
+    caps: Mapping[GpuKey, float],
+    speeds: Mapping[GpuKey, float],
+    model: PowerModel,
 ) -> float:
-    """Relative speed of the stage's slowest GPU (TP is synchronous)."""
-    tdp = rack.tdp_w
-    return min(speeds.get(g, 1.0) * model.throughput(w / tdp) for g, w in caps.items())
+    """Relative speed of the stage's slowest used GPU (TP is synchronous): its own speed
+    times the model's throughput at its cap. ``caps`` holds the non-TDP caps only."""
+    tdp = stage.rack.tdp_w
+    at_cap = {w: model.throughput(w / tdp) for w in set(caps.values())}
+    slowest = min(at_cap.values()) if len(caps) == stage.degree else min([1.0, *at_cap.values()])
+    if speeds:
+        for g in speeds.keys() & set(stage.used):
+            slowest = min(slowest, speeds[g] * at_cap.get(caps.get(g, tdp), 1.0))
+    return slowest

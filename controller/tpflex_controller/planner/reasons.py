@@ -34,6 +34,7 @@ def replica_reasons(
     policy: Policy,
     caps: Mapping[GpuKey, float],
     speeds: Mapping[GpuKey, float],
+    pins: Mapping[GpuKey, float],
     model: PowerModel,
 ) -> list[str]:
     head = f"replica {d.index}:"
@@ -51,7 +52,7 @@ def replica_reasons(
             f"{head} {_health(worst)} -> all {len(d.stages)} stage(s) at TP {a.tp_degree}, "
             f"{_batch(a, job)}"
         )
-    lines += _slow_and_pinned(head, d, caps, speeds)
+    lines += _slow_and_pinned(head, d, caps, speeds, pins)
     if a.relative_throughput < 1.0 - 1e-12 and policy is Policy.NTP_PW:
         lines.append(f"{head} boost falls short -> {_batch(a, job)}")
     return lines
@@ -76,13 +77,21 @@ def _ntp_pw_line(head: str, s: StageDraft, job: JobSpec, model: PowerModel) -> s
 
 
 def _slow_and_pinned(
-    head: str, d: ReplicaDraft, caps: Mapping[GpuKey, float], speeds: Mapping[GpuKey, float]
+    head: str,
+    d: ReplicaDraft,
+    caps: Mapping[GpuKey, float],
+    speeds: Mapping[GpuKey, float],
+    pins: Mapping[GpuKey, float],
 ) -> list[str]:
-    lines = []
+    lines: list[str] = []
+    if not speeds and not pins:
+        return lines
     for s in d.stages:
+        if not speeds and not pins.keys() & set(s.used):
+            continue
         for g in s.used:
             if speeds.get(g, 1.0) < 1.0:
                 lines.append(f"{head} GPU {g[0]}:{g[1]} on rack {s.rack.name} runs at {speeds[g]:.2f}x speed")
-            if g in caps and s.cap_w != caps[g]:
-                lines.append(f"{head} GPU {g[0]}:{g[1]} on rack {s.rack.name} power pinned to {caps[g]:.0f} W")
+            if g in pins:
+                lines.append(f"{head} GPU {g[0]}:{g[1]} on rack {s.rack.name} power pinned to {caps.get(g, s.rack.tdp_w):.0f} W")
     return lines

@@ -22,6 +22,7 @@ from tpflex_controller.planner.model import (
 )
 
 _node_of = itemgetter(0)
+_NOT_USABLE = (GpuStatus.FAILED, GpuStatus.DRAINED)
 _STAGE_SETS: IdentityMemo[tuple[frozenset[GpuKey], frozenset[str]]] = IdentityMemo()
 
 
@@ -74,6 +75,11 @@ class ReplicaDraft:
         return any(s.lost for s in self.stages)
 
 
+def unusable_gpus(cluster: ClusterState) -> set[GpuKey]:
+    """Listed GPUs that are failed or drained (dead nodes are checked separately)."""
+    return {g for g, st in cluster.gpu_status.items() if st in _NOT_USABLE}
+
+
 def touched_gpus(cluster: ClusterState) -> set[GpuKey]:
     """GPUs that need a per-GPU look: non-healthy, slow or power-pinned."""
     touched = set(cluster.gpu_status)
@@ -88,6 +94,7 @@ def replica_draft(
     index: int,
     spec: ReplicaSpec,
     touched: set[GpuKey],
+    unusable: set[GpuKey],
     pin: int | None,
     full_degree: int,
 ) -> ReplicaDraft:
@@ -105,10 +112,19 @@ def replica_draft(
             stages.append(StageDraft(s_idx, rack, gpus, gpus, (), full_degree))
             continue
         clean = False
-        usable = tuple(g for g in gpus if cluster.usable(g))
-        lost = tuple((g, cluster.status(g)) for g in gpus if not cluster.usable(g))
+        usable = tuple(g for g in gpus if g not in unusable and (live is None or g[0] in live))
+        lost = _lost(cluster, gpus, usable)
         stages.append(StageDraft(s_idx, rack, gpus, usable, lost, min(len(usable), full_degree)))
     return ReplicaDraft(index, stages, clean, pin)
+
+
+def _lost(
+    cluster: ClusterState, gpus: tuple[GpuKey, ...], usable: tuple[GpuKey, ...]
+) -> tuple[tuple[GpuKey, GpuStatus], ...]:
+    if len(usable) == len(gpus):
+        return ()
+    keep = set(usable)
+    return tuple((g, cluster.status(g)) for g in gpus if g not in keep)
 
 
 def cap_degrees(draft: ReplicaDraft) -> None:

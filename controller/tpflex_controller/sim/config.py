@@ -1,0 +1,230 @@
+"""Simulation settings, their validation and the paper presets (pure)."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field, replace
+
+from tpflex_controller.planner.model import Policy
+
+# Meta's Llama 3 report: 419 unexpected interruptions in 54 days on 16,384 H100s.
+LLAMA3_INTERRUPTIONS = 419
+LLAMA3_DAYS = 54
+LLAMA3_GPUS = 16_384
+LLAMA3_RATE_PER_GPU_HOUR = LLAMA3_INTERRUPTIONS / (LLAMA3_DAYS * 24 * LLAMA3_GPUS)
+
+
+class SimConfigError(ValueError):
+    """A setting is invalid; ``param`` names it (as the CLI spells it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+class Blast(enum.StrEnum):
+    GPU = "gpu"
+    NODE = "node"
+    DOMAIN = "domain"
+
+
+class Placement(enum.StrEnum):
+    UNPACKED = "unpacked"  # replica r always uses domains [r*P, (r+1)*P)
+    PACKED = "packed"  # on every event, degraded domains packed into the fewest replicas
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """The simulated cluster and job. Domain size = the job's base TP degree T."""
+
+    gpus: int = 32_000
+    domain_size: int = 32
+    pp: int = 8  # pipeline stages (domains) per DP replica
+    gpus_per_node: int = 4
+    spares: int = 0  # spare domains beyond the job's
+    min_tp: int = 0  # 0 = T // 2
+    tdp_w: float = 1000.0
+    max_w: float = 1300.0
+    rack_headroom: float = 0.30  # rack budget = T * TDP * (1 + headroom)
+    heads: int = 128  # unit count of the sharded weights (the 480B model's heads)
+
+    @property
+    def domains(self) -> int:
+        return self.gpus // self.domain_size
+
+    @property
+    def replicas(self) -> int:
+        return (self.domains - self.spares) // self.pp
+
+    @property
+    def replica_gpus(self) -> int:
+        return self.pp * self.domain_size
+
+    @property
+    def effective_min_tp(self) -> int:
+        return self.min_tp or max(1, self.domain_size // 2)
+
+    def validate(self) -> ClusterConfig:
+        _positive_int("--gpus", self.gpus)
+        _positive_int("--domain-size", self.domain_size)
+        _positive_int("--pp", self.pp)
+        _positive_int("--gpus-per-node", self.gpus_per_node)
+        if self.gpus % self.domain_size:
+            raise SimConfigError("--domain-size", f"{self.domain_size} does not divide --gpus {self.gpus}")
+        if self.domain_size % self.gpus_per_node:
+            raise SimConfigError(
+                "--gpus-per-node", f"{self.gpus_per_node} does not divide --domain-size {self.domain_size}"
+            )
+        if not 0 <= self.spares < self.domains:
+            raise SimConfigError("--spares", f"must be in 0..{self.domains - 1}, got {self.spares}")
+        if (self.domains - self.spares) % self.pp:
+            raise SimConfigError(
+                "--pp", f"{self.pp} does not divide the {self.domains - self.spares} non-spare domains"
+            )
+        if not 0 <= self.min_tp <= self.domain_size:
+            raise SimConfigError("--min-tp", f"must be in 0..{self.domain_size}, got {self.min_tp}")
+        _non_negative("--rack-headroom", self.rack_headroom)
+        if not 0 < self.tdp_w <= self.max_w:
+            raise SimConfigError("--tdp-w", f"must be > 0 and <= the max limit {self.max_w}")
+        if self.heads < self.domain_size:
+            raise SimConfigError("--heads", f"{self.heads} is fewer than --domain-size {self.domain_size}")
+        return self
+
+
+@dataclass(frozen=True)
+class FailureConfig:
+    """Failure process: Poisson per working GPU, with a hardware/software split."""
+
+    rate_per_gpu_hour: float = LLAMA3_RATE_PER_GPU_HOUR
+    rate_scale: float = 1.0
+    hw_fraction: float = 0.78
+    hw_repair_days: tuple[float, float] = (3.0, 5.0)  # uniform
+    sw_repair_hours: float = 3.0
+    blast: Blast = Blast.GPU
+
+    def validate(self) -> FailureConfig:
+        _non_negative("--rate", self.rate_per_gpu_hour)
+        _non_negative("--rate-scale", self.rate_scale)
+        if not 0 <= self.hw_fraction <= 1:
+            raise SimConfigError("--hw-fraction", f"must be in [0, 1], got {self.hw_fraction}")
+        lo, hi = self.hw_repair_days
+        _non_negative("--hw-repair-days", lo)
+        if hi < lo:
+            raise SimConfigError("--hw-repair-days", f"max {hi} is below min {lo}")
+        _non_negative("--sw-repair-hours", self.sw_repair_hours)
+        return self
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    failures: FailureConfig = field(default_factory=FailureConfig)
+    days: float = 15.0
+    warmup_days: float = 0.0
+    policies: tuple[Policy, ...] = tuple(Policy)
+    placement: Placement = Placement.UNPACKED
+    seed: int = 1
+
+    def validate(self) -> SimConfig:
+        self.cluster.validate()
+        self.failures.validate()
+        _non_negative("--days", self.days)
+        _non_negative("--warmup-days", self.warmup_days)
+        if not self.policies:
+            raise SimConfigError("--policy", "at least one policy is needed")
+        return self
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """Static snapshots: i.i.d. failures at fraction f, many placements averaged."""
+
+    gpus: int = 32_000  # about this many; per domain size the job is R * P * T GPUs
+    pp: int = 8
+    domain_sizes: tuple[int, ...] = (8, 32, 64, 72)
+    fractions: tuple[float, ...] = (0.0005, 0.001, 0.002, 0.003, 0.004, 0.006, 0.008)
+    policies: tuple[Policy, ...] = tuple(Policy)
+    placements: tuple[Placement, ...] = (Placement.UNPACKED, Placement.PACKED)
+    samples: int = 8
+    spare_fraction: float = 0.02  # spare domains, as a fraction of the job's domains
+    rack_headroom: float = 0.30
+    seed: int = 1
+
+    def cluster(self, domain_size: int) -> ClusterConfig:
+        replicas = max(1, round(self.gpus / (self.pp * domain_size)))
+        spares = round(self.spare_fraction * replicas * self.pp)
+        gpn = 4 if domain_size % 4 == 0 else 1
+        return ClusterConfig(
+            gpus=(replicas * self.pp + spares) * domain_size,
+            domain_size=domain_size,
+            pp=self.pp,
+            gpus_per_node=gpn,
+            spares=spares,
+            rack_headroom=self.rack_headroom,
+            heads=max(128, domain_size),
+        ).validate()
+
+    def validate(self) -> SweepConfig:
+        _positive_int("--gpus", self.gpus)
+        _positive_int("--pp", self.pp)
+        _positive_int("--samples", self.samples)
+        for t in self.domain_sizes:
+            _positive_int("--domain-sizes", t)
+        for f in self.fractions:
+            if not 0 <= f < 1:
+                raise SimConfigError("--fractions", f"each must be in [0, 1), got {f}")
+        _non_negative("--rack-headroom", self.rack_headroom)
+        if not 0 <= self.spare_fraction < 1:
+            raise SimConfigError("--spare-fraction", f"must be in [0, 1), got {self.spare_fraction}")
+        if not self.policies:
+            raise SimConfigError("--policy", "at least one policy is needed")
+        return self
+
+
+def _positive_int(param: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise SimConfigError(param, f"must be a positive integer, got {value}")
+
+
+def _non_negative(param: str, value: float) -> None:
+    if not math.isfinite(value) or value < 0:
+        raise SimConfigError(param, f"must be a finite number >= 0, got {value}")
+
+
+PAPER_NVL32 = SimConfig(
+    cluster=ClusterConfig(gpus=32_000, domain_size=32, pp=8, gpus_per_node=4),
+    failures=FailureConfig(hw_repair_days=(5.0, 5.0)),  # Fig 7: Llama 3.1 rates, 5-day repair
+    days=15.0,
+)
+PAPER_TP64 = SimConfig(
+    cluster=ClusterConfig(gpus=32_000, domain_size=64, pp=1, gpus_per_node=4),
+    days=15.0,
+    policies=(Policy.DP_DROP, Policy.NTP, Policy.NTP_PW),
+)
+LLAMA3 = SimConfig(
+    cluster=ClusterConfig(gpus=16_384, domain_size=8, pp=16, gpus_per_node=8, tdp_w=700.0, max_w=910.0),
+    days=54.0,
+)
+NVL72 = SimConfig(
+    cluster=ClusterConfig(gpus=32_256, domain_size=72, pp=8, gpus_per_node=4, tdp_w=1200.0, max_w=1560.0),
+)
+
+PRESETS: dict[str, SimConfig] = {
+    "paper-nvl32": PAPER_NVL32,
+    "paper-tp64": PAPER_TP64,
+    "llama3": LLAMA3,
+    "nvl72": NVL72,
+}
+
+SWEEP_PRESETS: dict[str, SweepConfig] = {
+    "paper": SweepConfig(),
+    "paper-nvl32": SweepConfig(domain_sizes=(32,)),
+    "paper-tp64": SweepConfig(pp=1, domain_sizes=(64,), fractions=(0.0005, 0.001, 0.002, 0.004)),
+    "quick": SweepConfig(gpus=4096, domain_sizes=(8, 32), samples=3, fractions=(0.001, 0.004)),
+}
+
+
+def with_changes(cfg, **changes):
+    """``dataclasses.replace`` that skips None values (unset CLI options)."""
+    return replace(cfg, **{k: v for k, v in changes.items() if v is not None})
