@@ -37,6 +37,10 @@ $(PROTO_OUT): $(PROTO_SRC) | $(STAMP)
 	  --grpc_python_out=proto $(PROTO_SRC)
 	@touch $@
 
+.PHONY: certs
+certs: ## development CA and TLS certificates in .certs/ (idempotent; TPFLEX_CERT_SANS adds SANs)
+	deploy/certs/make-dev-certs.sh .certs
+
 fake-nvml: $(FAKE_NVML) ## build the fake libnvidia-ml.so.1 used by the NVML backend tests
 
 $(FAKE_NVML): $(wildcard agent/fake_nvml/*.c agent/fake_nvml/*.h)

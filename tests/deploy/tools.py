@@ -44,3 +44,24 @@ def metric_catalog() -> dict:
     return {
         m["name"]: MetricSpec(m["name"], m["type"], frozenset(m["labels"])) for m in data["metric"]
     }
+
+
+SECRET_FILES = {
+    "secrets/etcd-controller.password": "dev-password\n",
+    "secrets/etcd-agent.password": "dev-password\n",
+    "secrets/admin.tokens": "# admin tokens\ndev-admin-token\n",
+    "secrets/readonly.tokens": "dev-readonly-token\n",
+}
+
+
+def stage_etc_tpflex(dest: Path, certs: Path) -> Path:
+    """A stand-in for /etc/tpflex: the example configs with their paths pointed at ``dest``,
+    the development certificates under tls/ and dummy secret files under secrets/."""
+    shutil.copytree(certs, dest / "tls")
+    for rel, content in SECRET_FILES.items():
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        (dest / rel).write_text(content)
+    for name in ("controller.toml", "agent.toml"):
+        text = (DEPLOY / "config" / name).read_text()
+        (dest / name).write_text(text.replace("/etc/tpflex/", f"{dest}/"))
+    return dest
