@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import pytest
-from tpflex_agent.backend import THROTTLE_HW_THERMAL, THROTTLE_SW_POWER_CAP, GpuEvent, GpuEventKind, GpuReading
+from tpflex_agent.backend import (
+    THROTTLE_HW_THERMAL,
+    THROTTLE_SW_POWER_CAP,
+    GpuEvent,
+    GpuEventKind,
+    GpuReading,
+)
 from tpflex_agent.errors import GpuError, GpuErrorCode
 from tpflex_agent.health import (
     DEGRADED,

@@ -1,0 +1,81 @@
+"""The tpflex-agent command line and its settings: precedence and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tpflex_agent.main import main
+from tpflex_agent.settings import ConfigError, load_settings
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("TPFLEX_"):
+            monkeypatch.delenv(name)
+    monkeypatch.delenv("FAKE_NVML_STATE", raising=False)
+
+
+def test_precedence_argument_over_environment_over_file_over_default(tmp_path):
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('[agent]\nrack = "from-file"\nnode = "n-file"\n[etcd]\nlease_ttl_s = 7\n')
+    env = {"TPFLEX_AGENT__RACK": "from-env", "TPFLEX_ETCD__ENDPOINTS": "127.0.0.1:1,127.0.0.1:2"}
+    s = load_settings({"agent": {"rack": "from-arg"}}, env, str(cfg))
+    assert (s.rack, s.node, s.etcd.lease_ttl_s) == ("from-arg", "n-file", 7)
+    assert s.etcd.endpoints == ["127.0.0.1:1", "127.0.0.1:2"]
+    assert load_settings({}, env, str(cfg)).rack == "from-env"
+    assert load_settings({}, {}, str(cfg)).rack == "from-file"
+    assert load_settings({}, {}).rack == "rack0" and load_settings({}, {}).health.debounce_s == 1.0
+
+
+def test_the_deploy_example_has_only_known_keys():
+    with pytest.raises(ConfigError) as err:  # its TLS files do not exist here
+        load_settings({}, {}, "deploy/config/agent.toml")
+    assert "unknown configuration key" not in str(err.value)
+    assert "is not a readable file" in str(err.value)
+
+
+@pytest.mark.parametrize("argv,env,file_text,words", [
+    (["--sim-gpus", "0"], {}, None, "agent.sim_gpus (from command line)"),
+    ([], {"TPFLEX_ETCD__LEASE_TTL_S": "0"}, None, "etcd.lease_ttl_s (from environment TPFLEX_ETCD__LEASE_TTL_S)"),
+    ([], {"TPFLEX_AGENT__COLOUR": "red"}, None, "unknown configuration key 'agent.colour' in environment variable TPFLEX_AGENT__COLOUR"),
+    ([], {}, "[agent]\nbakend = 'sim'\n", "unknown configuration key 'agent.bakend' in config file"),
+    ([], {}, "[agent\n", "is not valid TOML"),
+    (["--listen", "nowhere"], {}, None, "listen must be HOST:PORT"),
+    (["--etcd", "localhost:99999"], {}, None, "etcd endpoint must be HOST:PORT"),
+    (["--node", "bad/name"], {}, None, "agent.node (from command line)"),
+])
+def test_bad_configuration_exits_2_with_a_message(tmp_path, monkeypatch, capsys, argv, env, file_text, words):
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    if file_text is not None:
+        cfg = tmp_path / "agent.toml"
+        cfg.write_text(file_text)
+        argv = [*argv, "--config", str(cfg)]
+    assert main(["--backend", "sim", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tpflex-agent: error: ") and words in err and "Traceback" not in err
+
+
+def test_unknown_flag_and_bad_backend_exit_2(capsys):
+    assert main(["--backend", "cuda"]) == 2
+    assert "agent.backend (from command line): Input should be 'nvml' or 'sim'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["--frobnicate"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --frobnicate" in capsys.readouterr().err
+
+
+def test_missing_nvidia_driver_is_a_clear_error(capsys):
+    assert main(["--backend", "nvml", "--listen", "127.0.0.1:0", "--metrics-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "no NVIDIA driver found; use --backend sim" in err and "Traceback" not in err
+
+
+def test_print_config(capsys):
+    assert main(["--backend", "sim", "--rack", "r9", "--metrics-port", "0", "--print-config"]) == 0
+    cfg = json.loads(capsys.readouterr().out)
+    assert cfg["agent"]["rack"] == "r9" and cfg["metrics"]["listen"] == "0.0.0.0:0"
