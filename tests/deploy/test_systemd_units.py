@@ -126,3 +126,14 @@ def test_etcd_dropin_is_applied_and_hardens_the_packaged_unit(tmp_path):
     dropin = unit_settings((ETCD_DROPIN / "10-tpflex.conf").read_text())["Service"]
     assert dropin["EnvironmentFile"] == ["/etc/tpflex/etcd.env"]
     assert dropin["ReadWritePaths"] == ["/var/lib/etcd"]
+
+
+def test_sysusers_creates_the_user_the_controller_runs_as(tmp_path):
+    sysusers = require_tool("systemd-sysusers", "/usr/bin/systemd-sysusers")
+    (tmp_path / "etc").mkdir()
+    conf = (DEPLOY / "sysusers.d" / "tpflex.conf").resolve()
+    result = run_tool([sysusers, f"--root={tmp_path}", str(conf)])
+    assert result.returncode == 0, result.stderr
+    users = {line.split(":")[0]: line.split(":") for line in (tmp_path / "etc" / "passwd").read_text().splitlines()}
+    user = _service(SYSTEMD / "tpflex-controller.service")["User"][0]
+    assert users[user][6] == "/usr/sbin/nologin" and int(users[user][2]) < 1000  # system user
