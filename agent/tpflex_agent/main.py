@@ -104,9 +104,10 @@ def _serve(settings, backend: GpuBackend) -> int:
     from .service import create_server, enter_shutdown
 
     core = AgentCore(settings, backend)
+    registered = threading.Event()
     try:
         server, port = create_server(settings, backend, core=core)
-        httpd, metrics_port = start_metrics_server(core, settings.metrics)
+        httpd, metrics_port = start_metrics_server(core, settings.metrics, registered)
     except (OSError, RuntimeError) as exc:
         return _fail(f"cannot bind: {exc}")
     core.start()
@@ -119,7 +120,7 @@ def _serve(settings, backend: GpuBackend) -> int:
         etcd = _etcd_client(settings)
         membership = Membership(etcd, core, agent_address=settings.grpc.advertised(port),
                                 metrics_address=settings.metrics.advertised(metrics_port),
-                                ttl_s=settings.etcd.lease_ttl_s).start()
+                                ttl_s=settings.etcd.lease_ttl_s, registered=registered).start()
         follower = DesiredPowerFollower(etcd, core).start()
     else:
         log.warning("no etcd endpoints configured: running standalone node=%s", settings.node)

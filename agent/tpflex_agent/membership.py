@@ -27,6 +27,7 @@ class Membership:
     def __init__(
         self, etcd: Etcd, core: AgentCore, *, agent_address: str, metrics_address: str = "",
         ttl_s: int = 5, clock: Callable[[], float] = time.time,
+        registered: threading.Event | None = None,
     ) -> None:
         self.etcd, self.core = etcd, core
         self.agent_address, self.metrics_address = agent_address, metrics_address
@@ -36,7 +37,7 @@ class Membership:
         self._abandoned = 0  # a lease given up during an outage, revoked once back
         self._health: types_pb2.NodeHealth | None = None
         self._stop = threading.Event()
-        self.registered = threading.Event()
+        self.registered = registered if registered is not None else threading.Event()
         self.registrations = 0
         self._thread = threading.Thread(target=self._run, name="membership", daemon=True)
 

@@ -241,6 +241,9 @@ def load_settings(
         for err in exc.errors():
             loc = [str(p) for p in err["loc"]]
             key = ".".join(loc[:2]) if loc else "?"
-            origin = source.get(tuple(loc[:2]), "default") if len(loc) >= 2 else "configuration"
+            if len(loc) >= 2:
+                origin = source.get((loc[0], loc[1]), "default")
+            else:  # a check across keys of a section: name where its keys came from
+                origin = ", ".join(sorted({w for (sec, _), w in source.items() if loc and sec == loc[0]})) or "default"
             problems.append(f"{key} (from {origin}): {err['msg']}")
         raise ConfigError("invalid configuration: " + "; ".join(problems)) from exc

@@ -124,4 +124,5 @@ def test_nvml_agent_process_on_the_fake_library(etcd_server, etcd, tmp_path):
         assert 'tpflex_gpu_health_state{gpu="0",node="g1",state="failed",uuid="GPU-fake-0000"} 1.0' in text
         assert 'tpflex_gpu_xid_errors_total{gpu="0",node="g1",uuid="GPU-fake-0000"} 1.0' in text
         assert 'tpflex_gpu_power_limit_watts{gpu="1",node="g1",uuid="GPU-fake-0001"} 700.0' in text
+        assert "tpflex_agent_registered 1.0" in text and "tpflex_agent_power_plan_generation 2.0" in text
         assert a.terminate() == 0, a.stderr()
