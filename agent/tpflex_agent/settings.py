@@ -9,6 +9,7 @@ refused, naming the key and where it came from.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -79,6 +80,12 @@ class EtcdSection(_Section):
     @field_validator("endpoints", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
+        """Environment values: a JSON list or comma-separated HOST:PORTs."""
+        if isinstance(v, str) and v.lstrip().startswith("["):
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON list: {exc}") from exc
         return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
 
     @field_validator("endpoints")
