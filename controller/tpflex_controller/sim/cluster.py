@@ -6,14 +6,17 @@ GPUs are numbered 0..N-1; GPU g is local rank g % T of domain g // T. Domains
 with a failed GPU are handed to the production planner (as one job, in replica order,
 with every spare rack), because a replica without one always gets the identity plan and
 the planner decides replicas independently except for the spare pool, which it hands out
-in replica order; the result equals planning the whole job.
+in replica order; the result equals planning the whole job (a test checks it). Outside the
+spare policy, outcomes are memoised per replica failure pattern, so a replay re-plans only
+the replicas an event changed.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tpflex_proto.powermodel import DEFAULT_POWER_MODEL, PowerModel
 
@@ -30,6 +33,18 @@ from tpflex_controller.planner import (
     plan,
 )
 from tpflex_controller.sim.config import ClusterConfig, Placement
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaOutcome:
+    """What the planner decided for one affected replica, reduced to what costs count."""
+
+    rel: float
+    dropped: bool
+    used_gpus: int
+    boosted_gpus: int
+    boost_w: float
+    on_spare: int  # stages placed on spare domains
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +82,8 @@ class SimCluster:
         self.job_domains = cfg.replicas * cfg.pp
         self.spare_names = tuple(f"d{d}" for d in range(self.job_domains, cfg.domains))
         self._units = {"heads": cfg.heads}
+        self._memo: dict[tuple, ReplicaOutcome] = {}
+        self.plan_seconds = 0.0  # time spent inside the planner (for planner calls/s)
 
     def domain_of(self, gpu: int) -> int:
         return gpu // self.cfg.domain_size
@@ -108,9 +125,39 @@ class SimCluster:
         failed = list(failed)
         by_domain = self.failed_by_domain(failed)
         groups = self.affected_replicas(by_domain, placement)
-        cfg = self.cfg
         if not groups:
             return Snapshot(1.0, 0, 0, 0, 1.0, 0.0, 0, False, 0)
+        outcomes, calls = self._outcomes(groups, failed, policy)
+        snap = self._snapshot(outcomes, groups, by_domain, policy, spares_available)
+        return replace(snap, planner_calls=calls)
+
+    def _outcomes(
+        self, groups: list[list[int]], failed: list[int], policy: Policy
+    ) -> tuple[list[ReplicaOutcome], int]:
+        """Outcome per affected replica. Outside the spare policy a replica's plan depends
+        only on its own domains' failures, so outcomes are memoised on those and only the
+        replicas whose failures changed are handed to the planner (one call)."""
+        t = self.cfg.domain_size
+        by_dom: dict[int, list[int]] = {}
+        for g in failed:
+            by_dom.setdefault(g // t, []).append(g)
+        keys = [(policy, tuple(g), tuple(x for d in g for x in sorted(by_dom.get(d, ())))) for g in groups]
+        cacheable = policy is not Policy.SPARE
+        missing = [i for i, k in enumerate(keys) if not cacheable or k not in self._memo]
+        if missing:
+            planned = self._plan([groups[i] for i in missing], failed, policy)
+            if len(self._memo) > 200_000:
+                self._memo.clear()
+            fresh = dict(zip(missing, planned, strict=True))
+            if cacheable:
+                self._memo.update((keys[i], o) for i, o in fresh.items())
+        else:
+            fresh = {}
+        outcomes = [fresh[i] if i in fresh else self._memo[k] for i, k in enumerate(keys)]
+        return outcomes, 1 if missing else 0
+
+    def _plan(self, groups: list[list[int]], failed: list[int], policy: Policy) -> list[ReplicaOutcome]:
+        cfg = self.cfg
         job = JobSpec(
             name="sim",
             base_tp=cfg.domain_size,
@@ -120,31 +167,45 @@ class SimCluster:
             spare_racks=self.spare_names if policy is Policy.SPARE else (),
         )
         status = dict.fromkeys((self.keys[g] for g in failed), GpuStatus.FAILED)
+        started = time.perf_counter()
         result = plan(ClusterState(self.racks, status), job, policy=policy, power_model=self.model)
-        return self._snapshot(result.replicas, result.power_caps, groups, by_domain, policy, spares_available)
+        self.plan_seconds += time.perf_counter() - started
+        caps = result.power_caps
+        spare = set(self.spare_names)
+        out = []
+        for r in result.replicas:
+            used = [g for s in r.stages for g in s.gpus]
+            boosted = [caps[g] for g in used if g in caps]
+            out.append(
+                ReplicaOutcome(
+                    rel=r.relative_throughput,
+                    dropped=r.state is ReplicaState.DROPPED,
+                    used_gpus=len(used),
+                    boosted_gpus=len(boosted),
+                    boost_w=sum(boosted) - len(boosted) * cfg.tdp_w,
+                    on_spare=sum(1 for s in r.stages if s.rack in spare),
+                )
+            )
+        return out
 
-    def _snapshot(self, replicas, caps, groups, by_domain, policy, spares_available) -> Snapshot:
+    def _snapshot(self, outcomes, groups, by_domain, policy, spares_available) -> Snapshot:
         cfg = self.cfg
-        rel_sum = sum(r.relative_throughput for r in replicas)
-        capacity = cfg.replicas - len(replicas) + rel_sum
-        dropped = sum(r.state is ReplicaState.DROPPED for r in replicas)
-        used = sum(s.tp_degree for r in replicas for s in r.stages)
-        working = (cfg.replicas - len(replicas)) * cfg.replica_gpus + used
-        boost_w = sum(caps.values()) - len(caps) * cfg.tdp_w
+        capacity = cfg.replicas - len(outcomes) + sum(o.rel for o in outcomes)
+        used = sum(o.used_gpus for o in outcomes)
+        working = (cfg.replicas - len(outcomes)) * cfg.replica_gpus + used
+        boost_w = sum(o.boost_w for o in outcomes)
         power_ratio = (working * cfg.tdp_w + boost_w) / (cfg.replicas * cfg.replica_gpus * cfg.tdp_w)
         deficit = cfg.replicas - capacity
-        short = [g for g, r in zip(groups, replicas, strict=True) if r.relative_throughput < 1 - 1e-9]
+        short = [g for g, o in zip(groups, outcomes, strict=True) if o.rel < 1 - 1e-9]
         short_domains = sum(1 for g in short for d in g if d in by_domain)
         need = 0 if deficit <= 1e-9 else min(short_domains, cfg.pp * math.ceil(deficit - 1e-9))
-        if policy is Policy.SPARE:  # spares the planner already placed count as needed
-            spare = set(self.spare_names)
-            need += sum(1 for r in replicas for s in r.stages if s.rack in spare)
+        need += sum(o.on_spare for o in outcomes)  # spares the planner placed count as needed
         paused = deficit > 1e-9 if policy is Policy.SPARE else need > spares_available
         return Snapshot(
             throughput_ratio=capacity / cfg.replicas,
-            dropped_replicas=dropped,
+            dropped_replicas=sum(o.dropped for o in outcomes),
             degraded_domains=sum(1 for d in by_domain if d < self.job_domains),
-            boosted_gpus=len(caps),
+            boosted_gpus=sum(o.boosted_gpus for o in outcomes),
             power_ratio=power_ratio,
             boost_w=boost_w,
             spares_needed=need,

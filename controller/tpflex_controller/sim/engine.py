@@ -4,7 +4,6 @@ progress is reported through an optional callback)."""
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -88,9 +87,9 @@ def replay(
             ev = trace[i]
             (down.update if ev.failed else down.difference_update)(ev.gpus)
             i += 1
-        started = time.perf_counter()
+        before = sim.plan_seconds
         snap = sim.evaluate(down, policy, cfg.placement, spares)
-        spent += time.perf_counter() - started
+        spent += sim.plan_seconds - before
         calls += snap.planner_calls
         run.timeline.append(Sample(max(t, 0.0), len(down), snap))
         if i % 64 == 0:
