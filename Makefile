@@ -20,9 +20,11 @@ help: ## list the targets
 install: $(STAMP) $(PROTO_OUT) ## install etcd-server (apt), the venv and every component (idempotent)
 
 $(STAMP): $(PYPROJECTS)
-	@command -v etcd >/dev/null || { echo "installing Debian's etcd-server"; \
+	@{ command -v etcd && command -v promtool; } >/dev/null || { \
+	  echo "installing Debian's etcd-server and prometheus (promtool)"; \
 	  SUDO=$$( [ $$(id -u) -eq 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq etcd-server >/dev/null; }
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	    etcd-server prometheus >/dev/null; }
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
