@@ -1,0 +1,115 @@
+"""Training scenarios run by every worker process of the parity tests.
+
+A scenario is plain data (picklable): the model, the job's base TP, the initial plan and
+plan changes at given steps (optionally killing a member first). Each worker trains with
+``NtpRuntime`` and returns the global loss of every step it was active in.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from tpflex_trainer.ntp.config import GPTConfig
+from tpflex_trainer.ntp.layout import Member, ReplicaPlacement
+from tpflex_trainer.ntp.runtime import AdamSettings, NtpRuntime
+
+from tests.trainer.harness import init_gloo
+
+LR = 3e-3
+SEED = 7
+
+
+@dataclass(frozen=True)
+class Change:
+    step: int
+    placements: tuple[ReplicaPlacement, ...]
+    kill: Member | None = None  # this member's process exits before the change
+    rejoin_port: int = 0  # survivors re-initialise the default group on this port
+    checkpoint: str | None = None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    cfg: GPTConfig
+    base_tp: int
+    placements: tuple[ReplicaPlacement, ...]
+    steps: int
+    changes: tuple[Change, ...] = ()
+    members: tuple[Member, ...] = ()  # process rank i plays members[i]
+    save_at: int = -1  # save a checkpoint before this step
+    checkpoint_dir: str = ""
+    bucket_bytes: int = 32 * 1024
+    extra: dict = field(default_factory=dict)
+
+
+def global_batch(cfg: GPTConfig, step: int, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Deterministic tokens for a step: a noisy arithmetic sequence (learnable)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    start = torch.randint(0, cfg.vocab, (samples, 1), generator=gen)
+    stride = torch.randint(1, 4, (samples, 1), generator=gen)
+    seq = (start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab
+    noise = torch.rand(seq.shape, generator=gen) < 0.1
+    seq = torch.where(noise, torch.randint(0, cfg.vocab, seq.shape, generator=gen), seq)
+    return seq[:, :-1], seq[:, 1:]
+
+
+def local_batch(rt: NtpRuntime, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    layout = rt.layout
+    tokens, targets = global_batch(rt.cfg, step, layout.global_batch)
+    offset = 0
+    for rep in layout.replicas:
+        if rep.replica == rt.me.replica:
+            return tokens[offset : offset + rep.local_batch], targets[offset : offset + rep.local_batch]
+        offset += rep.local_batch
+    raise AssertionError("member's replica is not in the layout")
+
+
+def _summary(report) -> dict:
+    return {
+        "source": report.source,
+        "step": report.step,
+        "units_moved": report.units_moved,
+        "peer_units": report.peer_units,
+        "bytes_moved": report.bytes_moved,
+        "lower_bound_bytes": report.lower_bound_bytes,
+        "bytes_sent": report.bytes_sent,
+    }
+
+
+def _rejoin(me: Member, members: list[Member], dead: Member, port: int) -> list[Member]:
+    """Survivors re-initialise the default group in-process without the dead member."""
+    dist.destroy_process_group()
+    survivors = [m for m in members if m != dead]
+    init_gloo(survivors.index(me), len(survivors), port)
+    return survivors
+
+
+def run_scenario(rank: int, world_size: int, sc: Scenario) -> dict:
+    members = list(sc.members)
+    me = members[rank]
+    rt = NtpRuntime(sc.cfg, sc.base_tp, me, adam=AdamSettings(lr=LR), seed=SEED, bucket_bytes=sc.bucket_bytes)
+    reports = [_summary(rt.start(sc.placements, {m: i for i, m in enumerate(members)}))]
+    changes = {c.step: c for c in sc.changes}
+    losses: dict[int, float] = {}
+    step = 0
+    while step < sc.steps:
+        if step == sc.save_at:
+            rt.save_checkpoint(sc.checkpoint_dir)
+        change = changes.pop(step, None)
+        if change is not None:
+            if change.kill is not None:
+                if me == change.kill:
+                    os._exit(0)  # a GPU is gone: no goodbye to the peers
+                members = _rejoin(me, members, change.kill, change.rejoin_port)
+            report = rt.apply_plan(change.placements, {m: i for i, m in enumerate(members)}, change.checkpoint)
+            reports.append(_summary(report))
+            step = report.step
+        if rt.active:
+            tokens, targets = local_batch(rt, step)
+            losses[step] = rt.train_step(tokens, targets)
+        step += 1
+    rt.close()
+    return {"member": tuple(me), "losses": losses, "reports": reports}

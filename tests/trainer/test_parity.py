@@ -1,0 +1,101 @@
+"""What the NTP runtime must show: loss parity (1e-5 relative, fp32) with a single-process
+reference on the same global batch, across degrees, live transitions, unequal batches and
+peer recovery. Real gloo processes on loopback."""
+
+from __future__ import annotations
+
+import pytest
+from tpflex_trainer.ntp.config import GPTConfig
+from tpflex_trainer.ntp.layout import Member, ReplicaPlacement
+from tpflex_trainer.ntp.reference import reference_losses
+
+from tests.support.ports import free_port
+from tests.trainer.harness import run_workers
+from tests.trainer.scenarios import LR, SEED, Change, Scenario, global_batch, run_scenario
+
+pytestmark = pytest.mark.slow
+
+CFG = GPTConfig(n_layers=2, hidden=32, n_heads=8, n_kv_groups=4, ffn_hidden=64, ffn_block=8, vocab=64, vocab_block=8, seq_len=16)
+REL_TOL = 1e-5
+
+
+def rp(replica: int, slots, batch: int = 2) -> ReplicaPlacement:
+    return ReplicaPlacement(replica, tuple(slots), batch)
+
+
+def members_of(*placements: ReplicaPlacement) -> tuple[Member, ...]:
+    return tuple(Member(p.replica, s) for p in placements for s in p.slots)
+
+
+def reference(steps: int, batch_at) -> list[float]:
+    return reference_losses(CFG, SEED, [global_batch(CFG, s, batch_at(s)) for s in range(steps)], lr=LR)
+
+
+def assert_parity(results: dict, ref: list[float], steps: int) -> None:
+    by_step: dict[int, set[float]] = {}
+    for res in results.values():
+        for step, loss in res["losses"].items():
+            by_step.setdefault(step, set()).add(loss)
+    assert sorted(by_step) == list(range(steps))
+    for step in range(steps):
+        values = by_step[step]
+        assert len(values) == 1, f"active members disagree on the loss at step {step}: {values}"
+        loss = values.pop()
+        assert abs(loss - ref[step]) <= REL_TOL * abs(ref[step]), (step, loss, ref[step])
+    assert ref[-1] < ref[0]  # it trains
+
+
+def test_tp4_and_tp3_from_the_start():
+    start = (rp(0, range(4)), rp(1, range(3)))
+    sc = Scenario(CFG, 4, start, steps=20, members=members_of(*start))
+    results = run_workers(run_scenario, len(sc.members), (sc,))
+    assert_parity(results, reference(20, lambda s: 4), 20)
+
+
+def test_live_transition_4_4_to_4_3_and_back():
+    start = (rp(0, range(4)), rp(1, range(4)))
+    drained = (rp(0, range(4)), rp(1, (0, 1, 2)))
+    sc = Scenario(
+        CFG, 4, start, steps=20, members=members_of(*start),
+        changes=(Change(8, drained), Change(14, start)),
+    )
+    results = run_workers(run_scenario, len(sc.members), (sc,))
+    assert_parity(results, reference(20, lambda s: 4), 20)
+    drained_member = next(r for r in results.values() if r["member"] == (1, 3))
+    assert set(drained_member["losses"]) == set(range(8)) | set(range(14, 20))
+    to_43, back = results[0]["reports"][1:]
+    assert to_43["source"] == back["source"] == "live"
+    assert 0 < to_43["bytes_moved"] == to_43["lower_bound_bytes"]
+    assert 0 < back["bytes_moved"] == back["lower_bound_bytes"]
+    assert sum(r["reports"][1]["bytes_sent"] for r in results.values()) == to_43["bytes_moved"]
+
+
+def test_three_degrees_in_one_job():
+    start = (rp(0, range(4)), rp(1, range(3)), rp(2, (1, 3)))
+    sc = Scenario(CFG, 4, start, steps=12, members=members_of(*start))
+    results = run_workers(run_scenario, len(sc.members), (sc,))
+    assert_parity(results, reference(12, lambda s: 6), 12)
+
+
+def test_unequal_local_batches_plain_ntp():
+    start = (rp(0, range(4), batch=4), rp(1, range(3), batch=3))
+    sc = Scenario(CFG, 4, start, steps=12, members=members_of(*start))
+    results = run_workers(run_scenario, len(sc.members), (sc,))
+    assert_parity(results, reference(12, lambda s: 7), 12)
+
+
+def test_peer_recovery_of_a_dead_rank():
+    start = (rp(0, range(4)), rp(1, range(4)))
+    degraded = (rp(0, range(4)), rp(1, (0, 1, 3)))
+    dead = Member(1, 2)
+    sc = Scenario(
+        CFG, 4, start, steps=16, members=members_of(*start),
+        changes=(Change(6, degraded, kill=dead, rejoin_port=free_port()),),
+    )
+    results = run_workers(run_scenario, len(sc.members), (sc,), expect_exits=1)
+    assert len(results) == 7 and all(r["member"] != tuple(dead) for r in results.values())
+    assert_parity(results, reference(16, lambda s: 4), 16)
+    recovery = results[0]["reports"][1]
+    assert recovery["source"] == "live" and recovery["step"] == 6
+    assert recovery["peer_units"] > 0
+    assert recovery["bytes_moved"] == recovery["lower_bound_bytes"]

@@ -1,0 +1,214 @@
+"""``NtpRuntime``: one process's view of a nonuniform-TP job, the API the trainer hooks use.
+
+Every live process of the job's default process group (active or idle) calls
+``apply_plan`` with the same plan; it validates the plan (typed errors, before any
+collective), agrees with the others on who still holds state, computes the new layout,
+rebuilds the process groups, reshards weights + Adam state (peer recovery for units of
+lost members, checkpoint fallback) and switches gradient sync. Active members then call
+``train_step`` once per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tpflex_trainer.ntp import checkpoint as ckpt
+from tpflex_trainer.ntp.config import GPTConfig, param_specs
+from tpflex_trainer.ntp.errors import PlanError, UnitsUnavailableError
+from tpflex_trainer.ntp.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
+from tpflex_trainer.ntp.groups import NtpGroups, build_groups, check_world, device_for_backend
+from tpflex_trainer.ntp.layout import (
+    JobLayout,
+    Member,
+    ReplicaPlacement,
+    plan_layout,
+    validate_request,
+)
+from tpflex_trainer.ntp.model import ShardedGPT
+from tpflex_trainer.ntp.optim import AdamSettings, adam_step
+from tpflex_trainer.ntp.reshard import execute_plan
+from tpflex_trainer.ntp.reshard_plan import lower_bound_units, plan_reshard
+from tpflex_trainer.ntp.state import (
+    LocalState,
+    build_state,
+    init_local_state,
+    member_units,
+    payload_numel,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReshardReport:
+    source: str  # "live" (reshard/peer recovery), "checkpoint" or "init"
+    step: int  # the step training resumes from
+    units_moved: int
+    peer_units: int  # units recovered from another replica
+    bytes_moved: int  # whole job, all members
+    lower_bound_bytes: int  # whole job: one copy of each unit a member needs and lacks
+    bytes_sent: int  # by this member, measured on the wire buffers
+    seconds: float
+    layout: JobLayout
+
+
+class NtpRuntime:
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        base_tp: int,
+        me: Member | tuple[int, int],
+        *,
+        adam: AdamSettings = AdamSettings(),
+        seed: int = 0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout: timedelta = timedelta(seconds=60),
+    ) -> None:
+        self.cfg, self.base_tp, self.me = cfg, base_tp, Member(*me)
+        self.adam, self.seed, self.bucket_bytes, self.timeout = adam, seed, bucket_bytes, timeout
+        self.specs = param_specs(cfg)
+        self.unit_bytes = {f: 4 * payload_numel(self.specs, f) for f in [*cfg.unit_counts(), "_replicated"]}
+        self.layout: JobLayout | None = None
+        self.world: dict[Member, int] = {}
+        self.state: LocalState | None = None
+        self.groups = NtpGroups()
+        self.model: ShardedGPT | None = None
+        self.sync: GradSync | None = None
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def active(self) -> bool:
+        return self.model is not None
+
+    @property
+    def step(self) -> int:
+        return self.state.step if self.state is not None else 0
+
+    # ------------------------------------------------------------------ plans
+    def start(self, placements: Sequence[ReplicaPlacement], world: Mapping[Member, int], checkpoint: str | os.PathLike | None = None) -> ReshardReport:
+        """First layout of a job: from ``checkpoint`` when given, else from the seed."""
+        return self.apply_plan(placements, world, checkpoint=checkpoint, allow_init=True)
+
+    def apply_plan(
+        self,
+        placements: Sequence[ReplicaPlacement],
+        world: Mapping[Member, int],
+        checkpoint: str | os.PathLike | None = None,
+        allow_init: bool = False,
+    ) -> ReshardReport:
+        """Collective over the default group: every live process calls it with the same
+        ``placements`` and ``world`` (member -> rank in the current default group)."""
+        t0 = time.perf_counter()
+        placements = tuple(placements)
+        world = {Member(*m): r for m, r in world.items()}
+        validate_request(self.cfg.unit_counts(), placements, self.base_tp)
+        check_world(placements, world, self.me, dist.get_world_size(), dist.get_rank())
+        reader = ckpt.CheckpointReader(checkpoint, self.cfg) if checkpoint is not None else None
+        previous, holders, step = self._agree()
+        new = plan_layout(self.cfg.unit_counts(), placements, self.base_tp, previous, holders)
+        plan = plan_reshard(previous, new, holders)
+        source = "live"
+        if not holders:
+            source = "checkpoint" if reader is not None else "init"
+            if source == "init" and not allow_init:
+                raise UnitsUnavailableError({f: list(range(n)) for f, n in self.cfg.unit_counts().items()})
+        elif plan.missing:
+            if reader is None:
+                raise UnitsUnavailableError({f: list(u) for f, u in plan.missing.items()})
+            source = "checkpoint"
+        self._teardown()
+        self.groups = build_groups(new, world, self.me, self.timeout)
+        mine = new.member(self.me)
+        units = member_units(mine.units) if mine is not None else None
+        device = device_for_backend()
+        sent, moved, peer = 0, 0, 0
+        lower = sum(self.unit_bytes[f] * n for f, n in lower_bound_units(previous, new, holders).items())
+        if source == "live":
+            self.state, sent = execute_plan(plan, self.me, world, self.state, units, self.specs, step, device)
+            moved, peer = len(plan.transfers), plan.peer_units()
+        elif source == "checkpoint":
+            step = reader.step
+            self.state = build_state(self.specs, units, step, device, reader.payload) if units else None
+            lower = sum(self.unit_bytes[f] * n for f, n in lower_bound_units(None, new, []).items())
+        else:
+            self.state = init_local_state(self.specs, units, self.seed, device) if units else None
+        self.layout, self.world = new, world
+        if self.state is not None:
+            self._build_training()
+        bytes_moved = plan.bytes_moved(self.unit_bytes) if source == "live" else 0
+        report = ReshardReport(source, step, moved, peer, bytes_moved, lower, sent, time.perf_counter() - t0, new)
+        log.info(
+            "ntp plan applied member=%s source=%s step=%d units_moved=%d peer_units=%d bytes_moved=%d seconds=%.3f",
+            tuple(self.me), source, step, moved, peer, bytes_moved, report.seconds,
+        )
+        return report
+
+    def _agree(self) -> tuple[JobLayout | None, list[Member], int]:
+        """Who still holds state, at which step, and the layout they hold it in."""
+        mine = (tuple(self.me), self.state is not None, self.step, self.layout if self.state is not None else None)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, mine)
+        holders = [Member(*m) for m, has, _, _ in gathered if has]
+        steps = {s for _, has, s, _ in gathered if has}
+        if len(steps) > 1:
+            raise PlanError(f"members hold state from different steps: {sorted(steps)}")
+        previous = next((lay for _, has, _, lay in gathered if has), None)
+        return previous, holders, (steps.pop() if steps else 0)
+
+    def _teardown(self) -> None:
+        if self.sync is not None:
+            self.sync.close()
+        self.model = self.sync = None
+        self.groups.destroy()
+
+    def _build_training(self) -> None:
+        assert self.state is not None and self.layout is not None
+        self.model = ShardedGPT(self.cfg, self.state.units, self.state.tensors["param"], self.groups.tp)
+        params = self.model.params_in_spec_order()
+        self.sync = GradSync(params, self.layout, self.me, self.world, self.groups, self.bucket_bytes)
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+        """One optimizer step on this replica's local batch; returns the global mean loss
+        (the same on every active member)."""
+        if self.model is None or self.layout is None or self.state is None:
+            raise PlanError(f"member {tuple(self.me)} is not active in the current plan")
+        rep = self.layout.replica(self.me.replica)
+        if tokens.shape[0] != rep.local_batch or tokens.shape != targets.shape:
+            raise PlanError(f"local batch must be {rep.local_batch} samples, got tokens {tuple(tokens.shape)}")
+        device = self.state.tensors["param"]["pos.weight"].device
+        self.sync.begin(rep.local_batch / self.layout.global_batch)
+        loss = self.model.loss(tokens.to(device), targets.to(device))
+        loss.backward()
+        global_loss = self.sync.finish(loss.detach())
+        adam_step(self.state, {s.name: p.grad for s, p in self.model.params_in_spec_order()}, self.adam)
+        return global_loss
+
+    def save_checkpoint(self, path: str | os.PathLike) -> None:
+        """Collective over the active members: replica ``layout.replicas[0]`` writes its
+        units, then the meta file marking the checkpoint complete."""
+        if self.layout is None:
+            raise PlanError("no layout yet: call start() first")
+        path = Path(path)
+        writers = self.layout.replicas[0]
+        mine = self.layout.member(self.me)
+        if mine is not None and self.me.replica == writers.replica and self.state is not None:
+            ckpt.write_member_units(path, mine, self.state, self.specs)
+        if self.groups.active is not None:
+            dist.barrier(group=self.groups.active)
+        if mine is not None and self.me.replica == writers.replica and mine.tp_rank == 0:
+            ckpt.write_meta(path, self.cfg, self.step, [ckpt.member_file(m) for m in writers.members])
+        if self.groups.active is not None:
+            dist.barrier(group=self.groups.active)
+
+    def close(self) -> None:
+        self._teardown()
+        self.state = None
