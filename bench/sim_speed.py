@@ -28,7 +28,7 @@ def main() -> None:
     sim_s = time.perf_counter() - started
 
     started = time.perf_counter()
-    sweep, tp64, paper_trace = paper_results()
+    paper = paper_results()
     paper_s = time.perf_counter() - started
 
     print(json.dumps({
@@ -40,7 +40,8 @@ def main() -> None:
         "gpus": cfg.cluster.gpus,
         "policies": len(cfg.policies),
         "trace_only_s": round(trace_only_s, 3),
-        "paper_sweep_rows": len(sweep) + len(tp64),
+        "paper_sweep_rows": len(paper.sweep) + len(paper.tp64) + len(paper.no_headroom),
+        "paper_traces": len(paper.blast),
         "goal_sim_32k_15d_s": 10,
         "goal_paper_sweep_s": 60,
     }))

@@ -192,8 +192,9 @@ def _non_negative(param: str, value: float) -> None:
         raise SimConfigError(param, f"must be a finite number >= 0, got {value}")
 
 
+# 32,000 job GPUs (125 replicas of PP8 x NVL32) plus 16 spare domains (Fig 7's NTP count)
 PAPER_NVL32 = SimConfig(
-    cluster=ClusterConfig(gpus=32_000, domain_size=32, pp=8, gpus_per_node=4),
+    cluster=ClusterConfig(gpus=32_512, domain_size=32, pp=8, gpus_per_node=4, spares=16),
     failures=FailureConfig(hw_repair_days=(5.0, 5.0)),  # Fig 7: Llama 3.1 rates, 5-day repair
     days=15.0,
 )

@@ -1,34 +1,54 @@
 """Reproduce the NTP paper's figures: the computations (pure) and `tpflex-sim paper`.
 
-``paper_results`` runs the sweeps and the 15-day trace; ``claims_table`` sets what the
+``paper_results`` runs the sweeps and the 15-day traces; ``claims_table`` sets what the
 paper reports next to what this simulator gets. Nothing here is tuned to a number.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpflex_controller.planner import Policy
-from tpflex_controller.sim.config import PAPER_NVL32, SWEEP_PRESETS, Placement
+from tpflex_controller.sim.config import PAPER_NVL32, SWEEP_PRESETS, Blast, Placement
 from tpflex_controller.sim.engine import SimResult, simulate
 from tpflex_controller.sim.sweep import SweepRow, run_sweep
 
 FIG6_MAX_FRACTION = 0.004
 
 
-def paper_results(samples: int = 8, progress=None) -> tuple[list[SweepRow], list[SweepRow], SimResult]:
-    """(loss sweep over domain sizes, TP64 PP1 sweep, NVL32 15-day trace)."""
+@dataclass
+class PaperResults:
+    sweep: list[SweepRow]  # loss vs failed fraction, domain sizes 8/32/64/72, PP8
+    tp64: list[SweepRow]  # TP64 domains without PP (Fig 3)
+    no_headroom: list[SweepRow]  # NVL32 PP8 ntp-pw with rack budget = T x TDP
+    trace: SimResult  # NVL32 PP8 over 15 days, 5-day repair (Fig 4, Fig 7)
+    blast: dict[str, SimResult]  # the same at GPU / node / domain blast radius (Fig 10)
+
+
+def paper_results(samples: int = 8, progress=None) -> PaperResults:
     def part(lo: float, hi: float):
         if progress is None:
             return None
         return lambda f: progress(lo + (hi - lo) * f)
 
-    sweep = run_sweep(replace(SWEEP_PRESETS["paper"], samples=samples), part(0.0, 0.6))
-    tp64 = run_sweep(replace(SWEEP_PRESETS["paper-tp64"], samples=samples), part(0.6, 0.7))
-    trace = simulate(PAPER_NVL32, part(0.7, 1.0))
-    return sweep, tp64, trace
+    sweep = run_sweep(replace(SWEEP_PRESETS["paper"], samples=samples), part(0.0, 0.55))
+    tp64 = run_sweep(replace(SWEEP_PRESETS["paper-tp64"], samples=samples), part(0.55, 0.6))
+    no_headroom = run_sweep(
+        replace(SWEEP_PRESETS["paper-nvl32"], samples=samples, rack_headroom=0.0,
+                policies=(Policy.NTP_PW,), placements=(Placement.UNPACKED,)),
+        part(0.6, 0.65),
+    )
+    trace = simulate(PAPER_NVL32, part(0.65, 0.8))
+    blast = {}
+    three = (Policy.NTP_PW, Policy.NTP, Policy.DP_DROP)
+    for i, radius in enumerate((Blast.NODE, Blast.DOMAIN)):
+        cfg = replace(PAPER_NVL32, policies=three,
+                      failures=replace(PAPER_NVL32.failures, blast=radius))
+        blast[radius.value] = simulate(cfg, part(0.8 + 0.1 * i, 0.9 + 0.1 * i))
+    blast[Blast.GPU.value] = trace
+    return PaperResults(sweep, tp64, no_headroom, trace, blast)
 
 
 def _pick(rows: list[SweepRow], t: int, policy: Policy, placement: Placement) -> list[SweepRow]:
@@ -39,10 +59,11 @@ def _pick(rows: list[SweepRow], t: int, policy: Policy, placement: Placement) ->
     ]
 
 
-def claims_table(sweep: list[SweepRow], tp64: list[SweepRow], trace: SimResult) -> list[tuple[str, str, str]]:
+def claims_table(res: PaperResults) -> list[tuple[str, str, str]]:
     """(claim, paper, this simulator) rows."""
-    def worst(policy: Policy, placement: Placement) -> str:
-        rows = _pick(sweep, 32, policy, placement)
+    sweep, tp64, trace = res.sweep, res.tp64, res.trace
+    def worst(policy: Policy, placement: Placement, rows: list[SweepRow] = sweep) -> str:
+        rows = _pick(rows, 32, policy, placement)
         r = max(rows, key=lambda x: x.loss_mean)
         return f"{100 * r.loss_mean:.1f}% ± {100 * r.loss_sem:.1f} at f={r.failed_fraction:g}"
 
@@ -60,12 +81,25 @@ def claims_table(sweep: list[SweepRow], tp64: list[SweepRow], trace: SimResult) 
         ("Fig 6: ntp max loss (f <= 4e-3)", "at most ~3%",
          f"unpacked {worst(Policy.NTP, u)}; packed {worst(Policy.NTP, k)}"),
         ("Fig 6: ntp-pw max loss (f <= 4e-3)", "< 1%",
-         f"unpacked {worst(Policy.NTP_PW, u)}; packed {worst(Policy.NTP_PW, k)}"),
+         f"unpacked {worst(Policy.NTP_PW, u)}; packed {worst(Policy.NTP_PW, k)}; "
+         f"no rack headroom: {worst(Policy.NTP_PW, u, res.no_headroom)}"),
         ("Fig 7: spare domains to never pause a fixed batch (15 days, 5-day repair)",
          "ntp ~16, dp-drop ~90, ntp-pw 0",
          f"ntp {spares[Policy.NTP]}, dp-drop {spares[Policy.DP_DROP]}, ntp-pw {spares[Policy.NTP_PW]}"),
         ("Fig 4: time with > 0.1% of GPUs down (15-day trace)", "81%", f"{100 * over:.0f}%"),
+        ("Fig 10: 15-day loss by blast radius (GPU / node / domain)",
+         "dp-drop stays high; ntp, ntp-pw degrade but stay far better", _blast_cell(res.blast)),
     ]
+
+
+def _blast_cell(blast: dict[str, SimResult]) -> str:
+    parts = []
+    for policy in (Policy.DP_DROP, Policy.NTP, Policy.NTP_PW):
+        losses = " / ".join(
+            f"{100 * blast[r].runs[policy].summary['loss']:.1f}%" for r in ("gpu", "node", "domain")
+        )
+        parts.append(f"{policy.value} {losses}")
+    return "; ".join(parts)
 
 
 def markdown_table(rows: list[tuple[str, str, str]]) -> str:
@@ -111,13 +145,14 @@ def cmd_paper(args: argparse.Namespace) -> int:
 
     out: Path = args.out_dir
     bar = None if args.no_progress else ProgressBar("paper")
-    sweep, tp64, trace = paper_results(args.samples, bar)
-    table = markdown_table(claims_table(sweep, tp64, trace))
+    res = paper_results(args.samples, bar)
+    table = markdown_table(claims_table(res))
     print(table)
     out.mkdir(parents=True, exist_ok=True)
     (out / "paper_table.md").write_text(table + "\n")
-    write_csv(out / "loss_vs_failed.csv", (r.as_dict() for r in sweep + tp64), sweep_fields())
-    write_json(out / "nvl32_15d.json", sim_summary(trace))
-    plot_sweep(sweep, out / "loss_vs_failed.png")
-    plot_timeline(trace, out / "nvl32_15d.png")
+    rows = res.sweep + res.tp64 + res.no_headroom
+    write_csv(out / "loss_vs_failed.csv", (r.as_dict() for r in rows), sweep_fields())
+    write_json(out / "nvl32_15d.json", {b: sim_summary(r) for b, r in res.blast.items()})
+    plot_sweep(res.sweep, out / "loss_vs_failed.png")
+    plot_timeline(res.trace, out / "nvl32_15d.png")
     return 0

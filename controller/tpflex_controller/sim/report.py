@@ -86,7 +86,8 @@ def plot_timeline(result: SimResult, path: Path) -> None:
     for policy, run in result.runs.items():
         xs = [s.time_h / 24 for s in run.timeline] + [result.config.days]
         ys = [s.snapshot.throughput_ratio for s in run.timeline]
-        top.step(xs, ys + ys[-1:], where="post", label=policy.value)
+        style = "--" if policy.value == "spare" else "-"
+        top.step(xs, ys + ys[-1:], style, where="post", label=policy.value)
     first = next(iter(result.runs.values()))
     xs = [s.time_h / 24 for s in first.timeline]
     bottom.step(xs, [100 * s.failed_gpus / result.config.cluster.gpus for s in first.timeline], where="post")
