@@ -8,11 +8,12 @@ plan changes at given steps (optionally killing a member first). Each worker tra
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from tpflex_trainer.ntp.config import GPTConfig
+from tpflex_trainer.ntp.errors import UnitsUnavailableError
 from tpflex_trainer.ntp.layout import Member, ReplicaPlacement
 from tpflex_trainer.ntp.runtime import AdamSettings, NtpRuntime
 
@@ -29,6 +30,7 @@ class Change:
     kill: Member | None = None  # this member's process exits before the change
     rejoin_port: int = 0  # survivors re-initialise the default group on this port
     checkpoint: str | None = None
+    expect_unavailable: bool = False  # first try without the checkpoint: must be refused
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class Scenario:
     save_at: int = -1  # save a checkpoint before this step
     checkpoint_dir: str = ""
     bucket_bytes: int = 32 * 1024
-    extra: dict = field(default_factory=dict)
+    start_checkpoint: str | None = None
 
 
 def global_batch(cfg: GPTConfig, step: int, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,10 +93,11 @@ def run_scenario(rank: int, world_size: int, sc: Scenario) -> dict:
     members = list(sc.members)
     me = members[rank]
     rt = NtpRuntime(sc.cfg, sc.base_tp, me, adam=AdamSettings(lr=LR), seed=SEED, bucket_bytes=sc.bucket_bytes)
-    reports = [_summary(rt.start(sc.placements, {m: i for i, m in enumerate(members)}))]
+    first = rt.start(sc.placements, {m: i for i, m in enumerate(members)}, sc.start_checkpoint)
+    reports = [_summary(first)]
     changes = {c.step: c for c in sc.changes}
     losses: dict[int, float] = {}
-    step = 0
+    step = first.step
     while step < sc.steps:
         if step == sc.save_at:
             rt.save_checkpoint(sc.checkpoint_dir)
@@ -104,7 +107,14 @@ def run_scenario(rank: int, world_size: int, sc: Scenario) -> dict:
                 if me == change.kill:
                     os._exit(0)  # a GPU is gone: no goodbye to the peers
                 members = _rejoin(me, members, change.kill, change.rejoin_port)
-            report = rt.apply_plan(change.placements, {m: i for i, m in enumerate(members)}, change.checkpoint)
+            world = {m: i for i, m in enumerate(members)}
+            if change.expect_unavailable:
+                try:
+                    rt.apply_plan(change.placements, world)
+                    raise AssertionError("a plan with unrecoverable units was accepted")
+                except UnitsUnavailableError as exc:
+                    reports.append({"refused": exc.code})
+            report = rt.apply_plan(change.placements, world, change.checkpoint)
             reports.append(_summary(report))
             step = report.step
         if rt.active:

@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 import torch
+
 from tpflex_trainer.ntp.config import REPLICATED, GPTConfig
 from tpflex_trainer.ntp.errors import CheckpointError, CheckpointMismatchError
 from tpflex_trainer.ntp.layout import MemberLayout

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+
 from tpflex_trainer.ntp.config import ParamSpec
 from tpflex_trainer.ntp.layout import JobLayout, Member
 

@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
 from tpflex_trainer.ntp.errors import PlanError
 from tpflex_trainer.ntp.layout import JobLayout, Member, ReplicaPlacement
 

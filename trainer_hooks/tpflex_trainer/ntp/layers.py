@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
 from tpflex_trainer.ntp.errors import LayoutError
 
 Group = dist.ProcessGroup | None

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 from torch import nn
+
 from tpflex_trainer.ntp.config import GPTConfig, ParamSpec, param_specs
 from tpflex_trainer.ntp.layers import (
     ColumnParallelLinear,

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from tpflex_trainer.ntp.state import LocalState
 
 

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
+
 from tpflex_trainer.ntp.config import GPTConfig, param_specs
 from tpflex_trainer.ntp.state import full_init
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+
 from tpflex_trainer.ntp.config import ParamSpec
 from tpflex_trainer.ntp.layout import Member
 from tpflex_trainer.ntp.reshard_plan import ReshardPlan, Transfer

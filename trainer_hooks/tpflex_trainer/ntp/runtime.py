@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from tpflex_trainer.ntp import checkpoint as ckpt
 from tpflex_trainer.ntp.config import GPTConfig, param_specs
 from tpflex_trainer.ntp.errors import PlanError, UnitsUnavailableError

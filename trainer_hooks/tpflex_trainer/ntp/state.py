@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
+
 from tpflex_trainer.ntp.config import REPLICATED, ParamSpec
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")

@@ -1,0 +1,52 @@
+"""Bad requests to the runtime raise typed errors on every rank before any collective
+(no rank is left waiting), and the job keeps its layout and trains on."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from tpflex_trainer.ntp.errors import CheckpointError, LayoutError, PlanError
+from tpflex_trainer.ntp.layout import Member
+from tpflex_trainer.ntp.optim import AdamSettings
+from tpflex_trainer.ntp.runtime import NtpRuntime
+
+from tests.trainer.harness import run_workers
+from tests.trainer.scenarios import LR, SEED, global_batch, local_batch
+from tests.trainer.test_parity import CFG, rp
+
+pytestmark = pytest.mark.slow
+
+
+def _bad_requests(rank: int, world_size: int) -> dict:
+    members = [Member(0, 0), Member(0, 1)]
+    world = {m: i for i, m in enumerate(members)}
+    rt = NtpRuntime(CFG, 2, members[rank], adam=AdamSettings(lr=LR), seed=SEED)
+    rt.start((rp(0, (0, 1)),), world)
+    layout = rt.layout
+    codes = []
+    bad_calls = [
+        lambda: rt.apply_plan((rp(0, (0, 1, 2)),), world),  # degree above the domain
+        lambda: rt.apply_plan((rp(0, ()),), world),  # degree 0
+        lambda: rt.apply_plan((rp(0, (0, 1)),), {Member(0, 0): 0, Member(0, 5): 1}),  # world map
+        lambda: rt.apply_plan((rp(0, (0, 1)),), world, checkpoint="/nonexistent/ckpt"),
+        lambda: rt.train_step(*global_batch(CFG, 0, 3)),  # wrong local batch size
+    ]
+    for call in bad_calls:
+        try:
+            call()
+            codes.append("accepted")
+        except (LayoutError, PlanError, CheckpointError) as exc:
+            codes.append(exc.code)
+    assert rt.layout is layout
+    loss = rt.train_step(*local_batch(rt, 0))
+    return {"codes": codes, "loss": loss}
+
+
+def test_bad_requests_are_refused_on_every_rank_without_a_hang():
+    results = run_workers(_bad_requests, 2, timeout_s=60)
+    expected = ["degree_above_domain", "degree_zero", "invalid_plan", "checkpoint_invalid", "invalid_plan"]
+    for res in results.values():
+        assert res["codes"] == expected
+        assert math.isfinite(res["loss"])
+    assert results[0]["loss"] == results[1]["loss"]
