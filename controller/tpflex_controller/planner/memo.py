@@ -2,7 +2,10 @@
 between plans (a job's stage GPU tuples, its replica specs). It keeps each key object
 alive while memoised, so an id is never reused for another object under its entry; it
 empties itself when full. The planner stays a pure function: a hit returns exactly what
-a miss computes."""
+a miss computes.
+
+The default limit (8,192 entries) covers a few 1,024-replica jobs while bounding memory
+when a caller rebuilds its specs for every plan (each entry then goes stale)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ V = TypeVar("V")
 
 
 class IdentityMemo(Generic[V]):
-    def __init__(self, limit: int = 1 << 17) -> None:
+    def __init__(self, limit: int = 1 << 13) -> None:
         self._entries: dict[int, tuple[Any, V]] = {}
         self._limit = limit
 

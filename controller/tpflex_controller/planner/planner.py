@@ -20,6 +20,11 @@ Semantics (DESIGN.md "NTP math"):
   speed times the power model's throughput at its cap. Its local batch is
   ``max(1, floor(local_batch * relative_throughput))``; 0 when dropped.
 - ``expected_throughput_ratio`` is the mean relative throughput over replicas.
+- Shards may be uneven (64 heads on 7 GPUs: 9,9,9,9,9,9,10), so a degree need not divide
+  the unit counts; it may only not exceed the smallest one.
+- Speed: replicas whose GPUs are all healthy, live, unpinned and at full speed get the
+  identity assignment without per-GPU work (set checks memoised on the spec objects, see
+  ``memo.py``); reuse JobSpec objects between plans to benefit.
 """
 
 from __future__ import annotations
