@@ -109,6 +109,10 @@ class ClusterView:
         name = self.node_rack.get(node)
         return self.racks.get(name) if name is not None else None
 
+    def node_gpu_indices(self, node: str) -> range:
+        rack = self.snap.racks.get(self.node_rack.get(node, ""))
+        return range(rack.gpus_per_node) if rack is not None else range(0)
+
     def healthy_gpus(self, rack: str) -> int:
         info = self.racks.get(rack)
         if info is None:

@@ -170,6 +170,7 @@ class Elector:
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._session: LeaderSession | None = None
+        self._last: LeaderSession | None = None  # the latest session, to resume after an outage
         self._thread = threading.Thread(target=self._run, name="elector", daemon=True)
         self._watch = None
         self.leader_id: str = ""  # last known leader (any process); "" = none known
@@ -246,7 +247,7 @@ class Elector:
         current = self.etcd.get(keys.LEADER)
         if current is not None:
             self._note_leader(current.value)
-            return None
+            return self._resume(current)
         granted = time.monotonic()
         lease = self.etcd.grant_lease(self.ttl)
         record = types_pb2.LeaderRecord(id=self.identity, address=self.address, since=time.time())
@@ -274,6 +275,25 @@ class Elector:
             valid_until=granted + self.ttl * _SAFETY,
         )
 
+    def _resume(self, current) -> LeaderSession | None:
+        """The key is still ours (we stepped down while etcd was unreachable, but the lease
+        survived): refresh the lease and lead again under the same fence."""
+        last = self._last
+        if last is None or (current.lease, current.create_revision) != (last.lease_id, last.create_revision):
+            return None
+        sent = time.monotonic()
+        if self.etcd.keepalive_once(last.lease_id) <= 0:
+            return None
+        log.info("leadership resumed id=%s revision=%d", self.identity, last.create_revision)
+        return LeaderSession(
+            self.etcd,
+            last.record,
+            last.lease_id,
+            last.create_revision,
+            on_lost=self._lost,
+            valid_until=sent + self.ttl * _SAFETY,
+        )
+
     def _note_leader(self, value: bytes) -> None:
         try:
             self.leader_id = codec.decode(types_pb2.LeaderRecord, value, keys.LEADER).id
@@ -284,7 +304,7 @@ class Elector:
         self._wake.set()
 
     def _lead(self, session: LeaderSession) -> None:
-        self._session = session
+        self._session = self._last = session
         try:
             self._on_elected(session)
         except Exception:

@@ -13,11 +13,14 @@ from __future__ import annotations
 from tpflex_proto import codec, types_pb2
 
 from tpflex_controller import convert
-from tpflex_controller.planner.model import PlanResult, ReplicaAssignment
+from tpflex_controller.planner.model import PlanResult, Policy, ReplicaAssignment
 
 
 class PlanEncoder:
     def __init__(self, max_cached: int = 100_000) -> None:
+        # by identity first (the planner reuses its memoised healthy assignments), then by
+        # value; each identity entry keeps its key alive so that an id is never reused
+        self._by_id: dict[int, tuple[ReplicaAssignment, bytes]] = {}
         self._replicas: dict[ReplicaAssignment, bytes] = {}
         self._max = max_cached
 
@@ -41,12 +44,21 @@ class PlanEncoder:
         return b"".join(parts)
 
     def _replica_bytes(self, replica: ReplicaAssignment) -> bytes:
-        cached = self._replicas.get(replica)
-        if cached is not None:
-            return cached
+        hit = self._by_id.get(id(replica))
+        if hit is not None and hit[0] is replica:
+            return hit[1]
+        data = self._replicas.get(replica)
+        if data is None:
+            data = self._build(replica)
+        if len(self._by_id) >= self._max:
+            self._by_id.clear()
+        self._by_id[id(replica)] = (replica, data)
+        return data
+
+    def _build(self, replica: ReplicaAssignment) -> bytes:
         one = PlanResult(
             job="",
-            policy=convert.Policy.NTP_PW,
+            policy=Policy.NTP_PW,
             replicas=(replica,),
             power_caps={},
             expected_throughput_ratio=0.0,

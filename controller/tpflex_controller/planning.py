@@ -76,17 +76,19 @@ def desired_power(
 ) -> dict[str, types_pb2.NodePowerPlan]:
     """The new desired power plan of every node whose caps change.
 
-    Candidates are the nodes with a non-TDP cap in the old or the new plan; a candidate's
-    desired caps (every GPU of the node: the plan's cap or the rack's TDP) are compared with
-    what ``power/<node>`` holds now (all TDP when absent). Level-triggered and O(changes).
+    Candidates are the nodes of GPUs whose cap differs between the old and the new plan; a
+    candidate's desired caps (every GPU of the node: the plan's cap or the rack's TDP) are
+    compared with what ``power/<node>`` holds now (all TDP when absent), so a repeated pass
+    writes nothing. O(changed GPUs), not O(boosted GPUs).
     """
     out: dict[str, types_pb2.NodePowerPlan] = {}
-    nodes = {g[0] for g in old_caps} | {g[0] for g in new_caps}
-    for node in sorted(nodes):
+    changed = {g for g, w in new_caps.items() if old_caps.get(g) != w}
+    changed.update(g for g in old_caps if g not in new_caps)
+    for node in sorted({g[0] for g in changed}):
         rack = view.rack_of(node)
         if rack is None:
             continue
-        indices = [i for n, i in rack.gpus if n == node]
+        indices = view.node_gpu_indices(node)
         want = {i: float(new_caps.get((node, i), rack.tdp_w)) for i in indices}
         current = view.power.get(node)
         have = (
@@ -106,4 +108,3 @@ def desired_power(
             ],
         )
     return out
-

@@ -10,6 +10,7 @@ owns the view; the watch, the elector and the agent pusher talk to it through it
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 import threading
@@ -83,6 +84,8 @@ class Reconciler:
             credentials=agent_credentials,
         )
         self._encoder = PlanEncoder()
+        self._unwritten: dict[int, Rollout] = {}  # event records with phases not yet stored
+        self._freeze_after_pass = False
         self._repush_after_load = False
         self._thread = threading.Thread(target=self._run, name="reconcile", daemon=True)
 
@@ -122,6 +125,11 @@ class Reconciler:
             self._drain(self._wait_time())
             if self._leading():
                 self._reconcile_dirty()
+                if self._inbox.empty():
+                    self._flush_events()
+            if self._freeze_after_pass and not self._dirty:
+                self._freeze_after_pass = False
+                gc.freeze()  # the long-lived state (view, memoised plans) leaves the GC's scans
 
     def _drain(self, timeout: float) -> None:
         try:
@@ -166,6 +174,7 @@ class Reconciler:
         for rack in view.racks:
             self.metrics.rack_healthy_gpus.labels(rack=rack).set(view.healthy_gpus(rack))
         self.ready.set()
+        self._freeze_after_pass = True
         log.info("controller state loaded revision=%d jobs=%d racks=%d", rev, len(view.snap.jobs), len(view.racks))
 
     # ---- messages ----
@@ -181,14 +190,18 @@ class Reconciler:
         elif kind == "elected":
             self._session = payload
             self.metrics.is_leader.set(1)
-            self._need_load = True  # re-read: finish whatever the previous leader left
+            # the watch kept the view current; look at every job again (a stale view only
+            # costs a lost compare-and-swap and a re-read) and re-send the desired caps
             self._repush_after_load = True
+            for job in self.view.snap.jobs:
+                self._mark(job, "resync", at)
         elif kind == "deposed":
             self._session = None
             self.metrics.is_leader.set(0)
             self.pusher.cancel_all()
             self._rollouts.clear()
             self._dirty.clear()
+            self._unwritten.clear()
             log.warning("controller stopped acting reason=%s", payload)
 
     def _on_watch(self, events: list[WatchEvent], at: float) -> None:
@@ -330,8 +343,7 @@ class Reconciler:
         rollout = Rollout(p.job, commit.generation, event, {n: np.generation for n, np in power.items()}, ranks)
         for phase in self._rollouts.start(rollout, p.detected_at, committed_at):
             if phase is not Phase.DETECTED:
-                self._phase_reached(rollout, phase, write=phase is not Phase.COMMITTED)
-        self._write_event(rollout)
+                self._phase_reached(rollout, phase)
         for node, np in power.items():
             self._push(node, np)
 
@@ -343,22 +355,27 @@ class Reconciler:
         for node, (plan, _) in self.view.power.items():
             self._push(node, plan)
 
-    def _phase_reached(self, r: Rollout, phase: Phase, *, write: bool = True) -> None:
+    def _phase_reached(self, r: Rollout, phase: Phase) -> None:
         self.metrics.phase(phase.value, r.reached[phase] - r.reached[Phase.DETECTED])
         log.info("reconfiguration phase reached job=%s generation=%d phase=%s", r.job, r.generation, phase.value)
-        if write:
-            self._write_event(r)
+        self._unwritten[r.event.seq] = r  # stored when the loop is idle (off the hot path)
 
-    def _write_event(self, r: Rollout) -> None:
+    def _flush_events(self) -> None:
+        """Store the phases reached since the last flush in their decisions' event records."""
         session = self._session
-        if session is None or not session.active:
-            return
-        del r.event.phases[:]
-        r.event.phases.extend(event_phases(r))
-        try:
-            session.put(keys.event(r.event.seq), codec.encode(r.event))
-        except (NotLeader, EtcdError) as exc:
-            log.warning("event update failed job=%s seq=%d error=%s", r.job, r.event.seq, exc)
+        while self._unwritten and session is not None and session.active:
+            seq, r = next(iter(self._unwritten.items()))
+            if seq not in self.view.event_seqs:
+                del self._unwritten[seq]  # trimmed from the bounded log meanwhile
+                continue
+            del r.event.phases[:]
+            r.event.phases.extend(event_phases(r))
+            try:
+                session.put(keys.event(seq), codec.encode(r.event))
+            except (NotLeader, EtcdError) as exc:
+                log.warning("event update failed job=%s seq=%d error=%s", r.job, seq, exc)
+                return
+            del self._unwritten[seq]
 
     def _record_unplannable(self, job: str, reason: str, d: _Dirty) -> None:
         if self._unplannable.get(job) == reason:

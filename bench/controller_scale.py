@@ -1,0 +1,169 @@
+"""Controller at scale: 1,024 simulated NVL72 racks (73,728 GPUs) in a real etcd.
+
+Prints one JSON line:
+- ``failure_to_commit_p50_ms`` / ``_p99_ms``: from just before a GPU-failure health write
+  (``health/<node>`` with one GPU_FAILED) to the committed plan generation arriving at an
+  independent etcd watcher on ``jobs/<job>/plan``. The real reconcile loop (in-process:
+  watch -> fold -> plan -> fenced CAS commit) does the work in between.
+- ``full_replan_ms``: the planner over the whole job (1,024 replicas x TP 72) on the
+  current cluster state, with 1% of the GPUs failed across random racks (median of runs).
+- ``etcd_put_p50_ms``: a bare etcd put round trip of a health-sized value, same run.
+- ``commit_vs_etcd_put_ratio``: failure_to_commit_p50_ms / etcd_put_p50_ms.
+Goals (issue 2): p99 failure->commit <= 100 ms, full re-plan <= 50 ms.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import statistics
+import sys
+import threading
+import time
+
+from prometheus_client import CollectorRegistry
+from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.etcd import Etcd
+
+from tests.support.etcd_server import EtcdCluster
+from tpflex_controller import convert, synthetic
+from tpflex_controller.election import Elector
+from tpflex_controller.loader import load_view
+from tpflex_controller.metrics import ControllerMetrics
+from tpflex_controller.planner import plan
+from tpflex_controller.planner.model import ClusterState, GpuStatus
+from tpflex_controller.reconcile import Reconciler
+
+RACKS, NODES_PER_RACK, GPUS_PER_NODE = 1024, 18, 4
+TP = NODES_PER_RACK * GPUS_PER_NODE
+FAILURES = 60
+PUTS = 200
+REPLANS = 9
+JOB = "big"
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+class _PlanArrivals:
+    def __init__(self, etcd: Etcd) -> None:
+        self._cv = threading.Condition()
+        self.latest = 0
+        self.arrived: dict[int, float] = {}
+        self._watch = etcd.watch_prefix(keys.job_plan(JOB), self._on_events)
+        self._watch.established.wait(10)
+
+    def _on_events(self, events) -> None:
+        now = time.perf_counter()
+        for ev in events:
+            if ev.kind == "put" and ev.key == keys.job_plan(JOB):
+                gen = types_pb2.Plan.FromString(ev.value).generation
+                with self._cv:
+                    self.arrived[gen] = now
+                    self.latest = max(self.latest, gen)
+                    self._cv.notify_all()
+
+    def wait(self, generation: int, timeout: float = 30.0) -> float:
+        with self._cv:
+            if not self._cv.wait_for(lambda: self.latest >= generation, timeout):
+                raise TimeoutError(f"generation {generation} not committed within {timeout}s")
+            return self.arrived[generation]
+
+    def close(self) -> None:
+        self._watch.cancel()
+
+
+def _seed(etcd: Etcd) -> list[types_pb2.Rack]:
+    racks = [synthetic.rack(f"r{i:04d}", NODES_PER_RACK, GPUS_PER_NODE) for i in range(RACKS)]
+    synthetic.store_cluster(etcd, racks)
+    spec = synthetic.job(JOB, [r.name for r in racks], TP, units={"heads": 144, "ffn": 576, "vocab": 288})
+    etcd.put(keys.job_spec(JOB), codec.encode(spec))
+    return racks
+
+
+def _full_replan_ms(etcd: Etcd, racks: list[types_pb2.Rack], rng: random.Random) -> tuple[float, int]:
+    view, _ = load_view(etcd)
+    job = view.job_spec(JOB)
+    failed = {}
+    for _ in range(len(racks) * TP // 100):
+        r = rng.choice(racks)
+        failed[(rng.choice(list(r.nodes)), rng.randrange(GPUS_PER_NODE))] = GpuStatus.FAILED
+    state = ClusterState(racks=view.racks, gpu_status=failed, live_nodes=frozenset(view.live_nodes))
+    times = []
+    for _ in range(REPLANS):
+        t0 = time.perf_counter()
+        plan(state, job, overrides=convert.job_overrides(None))
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times), len(failed)
+
+
+def _failure_to_commit(etcd: Etcd, racks, rng: random.Random, arrivals: _PlanArrivals) -> list[float]:
+    samples = []
+    gen = arrivals.latest
+    for i, r in enumerate(rng.sample(racks, FAILURES)):
+        node = rng.choice(list(r.nodes))
+        health = synthetic.failed_health(node, GPUS_PER_NODE, {rng.randrange(GPUS_PER_NODE)}, seq=i + 1)
+        value = codec.encode(health)
+        t0 = time.perf_counter()
+        etcd.put(keys.health(node), value)
+        gen += 1
+        samples.append((arrivals.wait(gen) - t0) * 1000)
+    return samples
+
+
+def _put_p50_ms(etcd: Etcd) -> float:
+    value = codec.encode(synthetic.failed_health("probe", GPUS_PER_NODE, set()))
+    times = []
+    for _ in range(PUTS):
+        t0 = time.perf_counter()
+        etcd.put("/bench/put-probe", value)
+        times.append((time.perf_counter() - t0) * 1000)
+    return statistics.median(times)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    rng = random.Random(7)
+    with EtcdCluster(1) as cluster:
+        etcd = Etcd(cluster.endpoints, timeout=10.0)
+        t0 = time.perf_counter()
+        racks = _seed(etcd)
+        print(f"# seeded {RACKS} racks in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        replan_ms, replan_failed = _full_replan_ms(etcd, racks, rng)
+        arrivals = _PlanArrivals(etcd)
+        reconciler = Reconciler(etcd, ControllerMetrics(CollectorRegistry()), history_size=8)
+        elector = Elector(etcd, "bench", ttl=5, on_elected=reconciler.on_elected,
+                          on_deposed=reconciler.on_deposed)
+        reconciler.start()
+        elector.start()
+        try:
+            arrivals.wait(1, timeout=120)
+            print("# initial plan committed", file=sys.stderr)
+            put_p50 = _put_p50_ms(etcd)
+            samples = _failure_to_commit(etcd, racks, rng, arrivals)
+            put_p50 = statistics.median([put_p50, _put_p50_ms(etcd)])
+        finally:
+            elector.stop()
+            reconciler.stop()
+            arrivals.close()
+            etcd.close()
+    p50 = statistics.median(samples)
+    print(json.dumps({
+        "racks": RACKS,
+        "gpus": RACKS * TP,
+        "failure_to_commit_p50_ms": round(p50, 2),
+        "failure_to_commit_p99_ms": round(_pct(samples, 0.99), 2),
+        "full_replan_ms": round(replan_ms, 2),
+        "etcd_put_p50_ms": round(put_p50, 3),
+        "commit_vs_etcd_put_ratio": round(p50 / put_p50, 1),
+        "failures": len(samples),
+        "full_replan_failed_gpus": replan_failed,
+    }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
