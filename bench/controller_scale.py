@@ -23,10 +23,6 @@ import threading
 import time
 
 from prometheus_client import CollectorRegistry
-from tpflex_proto import codec, keys, types_pb2
-from tpflex_proto.etcd import Etcd
-
-from tests.support.etcd_server import EtcdCluster
 from tpflex_controller import convert, synthetic
 from tpflex_controller.election import Elector
 from tpflex_controller.loader import load_view
@@ -34,6 +30,10 @@ from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.planner import plan
 from tpflex_controller.planner.model import ClusterState, GpuStatus
 from tpflex_controller.reconcile import Reconciler
+from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.etcd import Etcd
+
+from tests.support.etcd_server import EtcdCluster
 
 RACKS, NODES_PER_RACK, GPUS_PER_NODE = 1024, 18, 4
 TP = NODES_PER_RACK * GPUS_PER_NODE
@@ -150,6 +150,7 @@ def main() -> int:
             reconciler.stop()
             arrivals.close()
             etcd.close()
+    print("# samples_ms " + " ".join(f"{s:.0f}" for s in samples), file=sys.stderr)
     p50 = statistics.median(samples)
     print(json.dumps({
         "racks": RACKS,
