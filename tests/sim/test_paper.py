@@ -52,3 +52,17 @@ def test_fig7_fixed_batch_spares_and_fig4_time_above_0_1_percent():
     pw = result.runs[Policy.NTP_PW].summary
     assert pw["loss"] < 0.01 and pw["paused_fraction"] == 0
     assert 0.6 <= pw["time_over_0_1pct_failed"] <= 0.95  # "81% of the time"
+
+
+def test_table1_tp30_and_tp28_are_fully_covered_by_the_boost():
+    from tpflex_controller.sim.cluster import SimCluster
+    from tpflex_controller.sim.config import ClusterConfig
+
+    sim = SimCluster(ClusterConfig(gpus=32, domain_size=32, pp=1, gpus_per_node=4))
+    caps = {}
+    for degree in (30, 28):
+        snap = sim.evaluate(range(32 - degree), Policy.NTP_PW, U, 0)
+        assert snap.throughput_ratio == 1.0 and snap.boosted_gpus == degree
+        caps[degree] = 1 + snap.boost_w / snap.boosted_gpus / sim.cfg.tdp_w
+        assert sim.model.throughput(caps[degree]) >= 32 / degree
+    assert 1.0 < caps[30] < 1.1 < caps[28] <= 1.3

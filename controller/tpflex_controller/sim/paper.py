@@ -11,7 +11,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tpflex_controller.planner import Policy
-from tpflex_controller.sim.config import PAPER_NVL32, SWEEP_PRESETS, Blast, Placement
+from tpflex_controller.sim.cluster import SimCluster
+from tpflex_controller.sim.config import (
+    PAPER_NVL32,
+    SWEEP_PRESETS,
+    Blast,
+    ClusterConfig,
+    Placement,
+)
 from tpflex_controller.sim.engine import SimResult, simulate
 from tpflex_controller.sim.sweep import SweepRow, run_sweep
 
@@ -87,9 +94,26 @@ def claims_table(res: PaperResults) -> list[tuple[str, str, str]]:
          "ntp ~16, dp-drop ~90, ntp-pw 0",
          f"ntp {spares[Policy.NTP]}, dp-drop {spares[Policy.DP_DROP]}, ntp-pw {spares[Policy.NTP_PW]}"),
         ("Fig 4: time with > 0.1% of GPUs down (15-day trace)", "81%", f"{100 * over:.0f}%"),
+        ("Table 1: boost for TP 32 -> 30 / 28 and its perf/W cost",
+         "perf/W -2.8% at 1.1x power, -6.5% at 1.2x", boost_cells()),
         ("Fig 10: 15-day loss by blast radius (GPU / node / domain)",
          "dp-drop stays high; ntp, ntp-pw degrade but stay far better", _blast_cell(res.blast)),
     ]
+
+
+def boost_cells(t: int = 32, reduced: tuple[int, ...] = (30, 28)) -> str:
+    """Table 1: the planner's boost for one NVL32 domain at TP30 / TP28, and the per-GPU
+    perf/W change it costs (throughput ratio over power ratio, minus 1)."""
+    sim = SimCluster(ClusterConfig(gpus=t, domain_size=t, pp=1, gpus_per_node=4))
+    cells = []
+    for degree in reduced:
+        snap = sim.evaluate(range(t - degree), Policy.NTP_PW, Placement.UNPACKED, 0)
+        cap = sim.cfg.tdp_w + snap.boost_w / snap.boosted_gpus
+        ratio = cap / sim.cfg.tdp_w
+        perf_w = sim.model.throughput(ratio) / ratio - 1
+        cells.append(f"TP{degree}: {ratio:.3f}x TDP ({cap:.0f} W), perf/W {100 * perf_w:+.1f}%, "
+                     f"throughput {snap.throughput_ratio:.3f}")
+    return "; ".join(cells)
 
 
 def _blast_cell(blast: dict[str, SimResult]) -> str:
