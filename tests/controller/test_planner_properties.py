@@ -40,7 +40,11 @@ def scenarios(draw):
     nodes = sorted({g[0] for g in gpus})
     dead = draw(st.sets(st.sampled_from(nodes), max_size=2)) if draw(st.booleans()) else set()
     live = frozenset(nodes) - dead if draw(st.booleans()) or dead else None
-    cluster = ClusterState(racks, gpu_status, speed, live)
+    pins = {}
+    if draw(st.booleans()):
+        pinned = draw(st.sets(st.sampled_from(gpus), max_size=3))
+        pins = {g: draw(st.sampled_from([200.0, 650.0, 800.0, 5000.0])) for g in sorted(pinned)}
+    cluster = ClusterState(racks, gpu_status, speed, live, pins)
     job = make_job(racks, tp, stages, min_tp=draw(st.integers(1, tp)), local_batch=draw(st.integers(1, 16)))
     return cluster, job
 
@@ -61,17 +65,21 @@ def _check_invariants(cluster: ClusterState, job: JobSpec, result: PlanResult) -
             assert 0 < rep.relative_throughput <= 1 and 1 <= rep.local_batch <= job.local_batch
     for rack in cluster.racks.values():
         caps = [result.power_caps.get(g, rack.tdp_w) for g in rack.gpus if cluster.usable(g)]
-        assert all(c <= rack.max_w for c in caps)  # never above the GPU's max limit
-        assert sum(caps) <= rack.power_budget_w + 1e-6  # never above the rack budget
+        assert all(rack.min_w <= c <= rack.max_w for c in caps)  # within the GPU's limits
+        if not cluster.power_pins.keys() & set(rack.gpus):  # operator pins may overrule it
+            assert sum(caps) <= rack.power_budget_w + 1e-6  # never above the rack budget
     for g, cap in result.power_caps.items():
-        assert cluster.usable(g) and cap != cluster.racks[_rack_of(cluster, g)].tdp_w
+        rack = cluster.racks[_rack_of(cluster, g)]
+        assert cluster.usable(g) and cap != rack.tdp_w
+        if g in cluster.power_pins:
+            assert cap == min(max(cluster.power_pins[g], rack.min_w), rack.max_w)
 
 
 def _rack_of(cluster: ClusterState, gpu) -> str:
     return next(name for name, r in cluster.racks.items() if gpu in r.gpus)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(scenarios())
 def test_invariants_and_policy_order(scenario):
     cluster, job = scenario
@@ -92,6 +100,7 @@ def test_same_input_same_plan(scenario, policy):
         dict(reversed(list(cluster.gpu_status.items()))),
         dict(cluster.gpu_speed),
         cluster.live_nodes,
+        dict(cluster.power_pins),
     )
     job_copy = JobSpec(**{f: getattr(job, f) for f in job.__dataclass_fields__})
     assert plan(cluster, job, policy=policy) == plan(copy, job_copy, policy=policy)

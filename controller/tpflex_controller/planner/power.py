@@ -90,6 +90,8 @@ def water_level(wants: list[float], counts: list[int], available_w: float) -> fl
     remaining_n = sum(counts)
     remaining_w = available_w
     for want, n in sorted(zip(wants, counts, strict=True)):
+        if remaining_n == 0:
+            break
         if want * remaining_n <= remaining_w + 1e-6:
             remaining_w -= want * n
             remaining_n -= n

@@ -199,7 +199,7 @@ def decide_spare(
     for i in degraded:
         old, rack = draft.stages[i], pool.pop(0)
         gpus = rack.gpus[: job.base_tp]
-        degree = min(job.base_tp, *job.units.values())
+        degree = min([job.base_tp, *job.units.values()])
         draft.stages[i] = StageDraft(
             old.spec_index, rack, gpus, gpus, (), degree, spare_for=old.rack.name
         )
