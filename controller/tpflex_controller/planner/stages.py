@@ -64,7 +64,6 @@ class StageDraft:
 class ReplicaDraft:
     index: int
     stages: list[StageDraft]
-    clean: bool  # every GPU healthy and live, no pin, no power pin, no slow GPU
     pin: int | None
     state: ReplicaState = ReplicaState.HEALTHY
     why: str = ""  # why a replica is dropped
@@ -104,18 +103,16 @@ def replica_draft(
     no per-GPU Python work."""
     live = cluster.live_nodes
     stages: list[StageDraft] = []
-    clean = pin is None and full_degree == job.base_tp
     for s_idx, stage in enumerate(spec.stages):
         rack = cluster.racks[stage.rack]
         gpus = stage.gpus
         if stage_clean(gpus, touched, live):
             stages.append(StageDraft(s_idx, rack, gpus, gpus, (), full_degree))
             continue
-        clean = False
         usable = tuple(g for g in gpus if g not in unusable and (live is None or g[0] in live))
         lost = _lost(cluster, gpus, usable)
         stages.append(StageDraft(s_idx, rack, gpus, usable, lost, min(len(usable), full_degree)))
-    return ReplicaDraft(index, stages, clean, pin)
+    return ReplicaDraft(index, stages, pin)
 
 
 def _lost(
