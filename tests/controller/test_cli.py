@@ -1,0 +1,139 @@
+"""``tpflexctl`` against a live controller API (real etcd, real uvicorn): human tables,
+``--json``, the server's error messages and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tpflex_controller import cli
+from tpflex_proto import keys
+from tpflex_proto.etcd import Etcd
+
+from tests.controller import api_harness as h
+from tests.support.etcd_server import EtcdCluster
+from tests.support.ports import free_port
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    base = tmp_path_factory.mktemp("cli")
+    cluster = EtcdCluster(1, base / "etcd").start()
+    etcd = Etcd(cluster.endpoints, timeout=2.0)
+    served = h.serve(etcd, h.write_token_file(base))
+    served.admin_file = base / "admin.token"
+    served.admin_file.write_text(h.ADMIN + "\n")
+    served.reader_file = base / "reader.token"
+    served.reader_file.write_text(f"# read-only\n{h.READER}\n")
+    try:
+        yield served
+    finally:
+        served.http.close()
+        served.app_server.stop()
+        etcd.close()
+        cluster.stop()
+
+
+@pytest.fixture
+def ctl(served, capsys, monkeypatch):
+    h.seed(served.store)
+    monkeypatch.delenv("TPFLEX_TOKEN_FILE", raising=False)
+    monkeypatch.setenv("TPFLEX_URL", served.url)
+
+    def run(*argv: str, token: Path | None = None) -> tuple[int, str, str]:
+        args = (["--token-file", str(token)] if token else []) + list(argv)
+        code = cli.main(args)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    run.served = served
+    return run
+
+
+def test_read_commands_print_tables(ctl):
+    code, out, _ = ctl("racks")
+    assert code == 0 and out.splitlines()[0].split()[:3] == ["RACK", "DOMAIN", "NODES"]
+    assert "rack-a" in out and "rack-b" in out
+    code, out, _ = ctl("nodes")
+    assert code == 0 and "rack-b-n1" in out and "sim" in out
+    code, out, _ = ctl("jobs")
+    assert code == 0 and h.JOB in out and "8,8" in out
+    code, out, _ = ctl("plan", h.JOB)
+    assert code == 0 and "generation 1" in out and "REPLICA" in out
+    code, out, _ = ctl("plan", h.JOB, "--history")
+    assert code == 0 and out.splitlines()[1].split()[0] == "1"
+    code, out, _ = ctl("events", "--limit", "2")
+    assert code == 0 and "cause-3" in out and "cause-1" not in out
+    code, out, _ = ctl("status")
+    assert code == 0 and "leader:   ctl-1" in out and "healthy=16" in out
+    code, out, _ = ctl("gpus", "--state", "healthy")
+    assert code == 0 and len(out.splitlines()) == 1 + 16
+
+
+def test_json_output_is_the_server_response(ctl):
+    code, out, _ = ctl("--json", "jobs")
+    assert code == 0
+    jobs = json.loads(out)
+    assert jobs == ctl.served.http.get("/v1/jobs").json()
+
+
+def test_drain_undrain_and_reconfigure_with_a_token_file(ctl):
+    store = ctl.served.store
+    code, out, _ = ctl("drain", "rack-a-n0", "1", "--reason", "bad fan", token=ctl.served.admin_file)
+    assert code == 0 and "drained GPU rack-a-n0:1" in out
+    assert store.gpu_overrides()[("rack-a-n0", 1)].reason == "bad fan"
+    code, out, _ = ctl("undrain", "rack-a-n0", "1", token=ctl.served.admin_file)
+    assert code == 0 and "undrained" in out and store.gpu_overrides() == {}
+    code, out, _ = ctl("reconfigure", h.JOB, "--pin", "1=6", "--policy", "ntp", token=ctl.served.admin_file)
+    assert code == 0 and "replica 1 -> TP 6" in out
+    override = store.job_override(h.JOB)
+    assert [(p.replica, p.tp_degree) for p in override.pins] == [(1, 6)] and override.policy == "ntp"
+
+
+def test_dry_run_commits_nothing(ctl):
+    before = ctl.served.etcd.get(keys.job_plan(h.JOB)).mod_revision
+    code, out, _ = ctl("dry-run", h.JOB, "--fail", "rack-b-n1:0", "--fail", "rack-b-n1:1")
+    assert code == 0 and "nothing committed" in out and "rack-b-n1:0" in out
+    code, out, _ = ctl("--json", "dry-run", h.JOB, "--fail", "rack-b-n1:0")
+    assert json.loads(out)["plan"]["replicas"][1]["tp_degree"] == 7
+    assert ctl.served.etcd.get(keys.job_plan(h.JOB)).mod_revision == before
+
+
+def test_server_errors_are_printed_and_exit_2(ctl):
+    code, out, err = ctl("drain", "rack-a-n0", "1", "--reason", "x")
+    assert code == 2 and out == "" and "missing bearer token" in err and "401" in err
+    code, _, err = ctl("drain", "rack-a-n0", "1", "--reason", "x", token=ctl.served.reader_file)
+    assert code == 2 and "read-only" in err and "403" in err
+    code, _, err = ctl("reconfigure", h.JOB, "--pin", "0=9", token=ctl.served.admin_file)
+    assert code == 2 and "above the job's base TP degree 8" in err
+    code, _, err = ctl("plan", "nope")
+    assert code == 2 and "job 'nope' not found" in err
+    code, _, err = ctl("dry-run", h.JOB, "--fail", "rack-a-n0:9")
+    assert code == 2 and "does not exist" in err
+    assert ctl.served.store.gpu_overrides() == {}
+
+
+def test_usage_and_connection_errors(ctl, tmp_path):
+    code, _, err = ctl("reconfigure", h.JOB, "--pin", "one=7")
+    assert code == 2 and "expected REPLICA=TP" in err
+    code, _, err = ctl("dry-run", h.JOB, "--fail", "nocolon")
+    assert code == 2 and "NODE:GPU" in err
+    code, _, err = ctl("drain", "n", "0", "--reason", "x", token=tmp_path / "missing")
+    assert code == 2 and "cannot read token file" in err
+    code, _, err = ctl("--url", f"http://127.0.0.1:{free_port()}", "status")
+    assert code == 1 and "cannot reach the tpflex controller" in err
+    code, _, err = ctl("--url", "ftp://x", "status")
+    assert code == 2 and "invalid --url" in err
+
+
+def test_console_script_runs_as_a_process(ctl):
+    exe = Path(sys.executable).with_name("tpflexctl")
+    env = {**os.environ, "TPFLEX_URL": ctl.served.url, "TPFLEX_TOKEN_FILE": str(ctl.served.reader_file)}
+    ok = subprocess.run([str(exe), "racks"], env=env, capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0 and "rack-a" in ok.stdout
+    bad = subprocess.run([str(exe), "undrain", "rack-a-n0", "0"], env=env, capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "read-only" in bad.stderr and "Traceback" not in bad.stderr
