@@ -97,7 +97,10 @@ class Reconciler:
     def stop(self) -> None:
         self._stop.set()
         self._inbox.put(("stop", None, 0.0))
-        self._thread.join(timeout=10)
+        if self._thread.ident is not None:
+            self._thread.join(timeout=10)
+        self._session = None
+        self.metrics.is_leader.set(0)
         if self._watch is not None:
             self._watch.cancel()
         self.pusher.close()

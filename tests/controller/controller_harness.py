@@ -205,3 +205,15 @@ def wait_leader(etcd: Etcd, other_than: str | None = None, timeout: float = 15.0
             return lid, time.monotonic()
         time.sleep(0.02)
     raise TimeoutError(f"no new leader within {timeout}s")
+
+
+def eventually(check, timeout: float = 10.0, interval: float = 0.02):
+    """Poll ``check()`` until it returns a truthy value (for state another thread updates
+    right after an etcd write the test can observe, e.g. metrics); returns that value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got or time.monotonic() > deadline:
+            assert got, f"condition not met within {timeout}s"
+            return got
+        time.sleep(interval)
