@@ -364,6 +364,16 @@ def decode_plan(value: bytes, key: str) -> types_pb2.Plan:
     return plan
 
 
+def node_of_key(key: str) -> str | None:
+    """The node a health, registration or GPU-override key is about."""
+    for prefix in (keys.HEALTH, keys.NODES):
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    if key.startswith(keys.GPU_OVERRIDES):
+        return key[len(keys.GPU_OVERRIDES):].rpartition("/")[0] or None
+    return None
+
+
 def _gpu_override_key(key: str) -> GpuKey | None:
     node, _, idx = key[len(keys.GPU_OVERRIDES):].rpartition("/")
     if not idx.isdigit() or not node:

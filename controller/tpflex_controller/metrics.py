@@ -119,6 +119,15 @@ class ControllerMetrics:
         for replica, degree in degrees:
             self.replica_tp_degree.labels(job=job, replica=str(replica)).set(degree)
 
+    def plan_proto_observed(self, job: str, plan) -> None:
+        """A stored ``types_pb2.Plan`` (any replica follows the plans in etcd)."""
+        degrees = [(r.index, r.tp_degree) for r in plan.replicas]
+        self.plan_observed(job, plan.generation, plan.expected_throughput_ratio, degrees)
+
+    def node_power_observed(self, node: str, plan) -> None:
+        """A stored ``types_pb2.NodePowerPlan``."""
+        self.power_observed(node, [(c.gpu.index, c.cap_w) for c in plan.caps])
+
     def power_observed(self, node: str, caps: Iterable[tuple[int, float]]) -> None:
         for index, cap in caps:
             self.gpu_power_cap_watts.labels(node=node, gpu=str(index)).set(cap)

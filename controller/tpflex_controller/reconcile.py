@@ -24,7 +24,7 @@ from tpflex_proto.etcd import Etcd, EtcdError, WatchEvent
 
 from tpflex_controller import convert
 from tpflex_controller.agent_client import AgentPusher, PushResult
-from tpflex_controller.cache import ClusterView
+from tpflex_controller.cache import ClusterView, node_of_key
 from tpflex_controller.election import Conflict, LeaderSession, NotLeader
 from tpflex_controller.loader import load_view
 from tpflex_controller.metrics import ControllerMetrics
@@ -171,9 +171,10 @@ class Reconciler:
             self.metrics.job_seen(job, len(spec.replicas))
             self._mark(job, "resync", now)
         for job, rec in view.plans.items():
-            self._observe_plan(job, rec.proto)
+            if rec.proto is not None:
+                self.metrics.plan_proto_observed(job, rec.proto)
         for node, (plan, _) in view.power.items():
-            self._observe_power(node, plan)
+            self.metrics.node_power_observed(node, plan)
         for rack in view.racks:
             self.metrics.rack_healthy_gpus.labels(rack=rack).set(view.healthy_gpus(rack))
         self.ready.set()
@@ -228,7 +229,7 @@ class Reconciler:
 
     def _after_fold(self, ev: WatchEvent, racks: set[str], acked: set[str]) -> None:
         key = ev.key
-        node = _node_of(key)
+        node = node_of_key(key)
         if node is not None:
             rack = self.view.node_rack.get(node)
             if rack is not None:
@@ -240,15 +241,15 @@ class Reconciler:
         elif key.startswith(keys.POWER) and ev.kind == "put":
             rec = self.view.power.get(key[len(keys.POWER):])
             if rec is not None:
-                self._observe_power(rec[0].node or key[len(keys.POWER):], rec[0])
+                self.metrics.node_power_observed(rec[0].node or key[len(keys.POWER):], rec[0])
         split = keys.split_job_key(key)
         if split is None:
             return
         job, rest = split
         if rest.startswith("acks/"):
             acked.add(job)
-        elif rest == "plan" and job in self.view.plans:
-            self._observe_plan(job, self.view.plans[job].proto)
+        elif rest == "plan" and job in self.view.plans and self.view.plans[job].proto is not None:
+            self.metrics.plan_proto_observed(job, self.view.plans[job].proto)
         elif rest == "spec" and job in self.view.snap.jobs:
             self.metrics.job_seen(job, len(self.view.snap.jobs[job].replicas))
 
@@ -337,7 +338,9 @@ class Reconciler:
         committed_at = self._clock()
         self.view.record_commit(p, commit, power, rev)
         self.metrics.reconfigurations.labels(job=p.job, cause=p.cause).inc()
-        self._observe_plan(p.job, None, p)
+        degrees = [(r.index, r.tp_degree) for r in p.result.replicas]
+        ratio = p.result.expected_throughput_ratio
+        self.metrics.plan_observed(p.job, commit.generation, ratio, degrees)
         log.info(
             "plan committed job=%s generation=%d cause=%s ratio=%.4f nodes=%d",
             p.job, commit.generation, p.cause, p.result.expected_throughput_ratio, len(power),
@@ -395,26 +398,3 @@ class Reconciler:
         self.view.event_seqs.append(seq)
         self._unplannable[job] = reason
         self.metrics.unplannable_jobs.set(len(self._unplannable))
-
-    # ---- metrics ----
-
-    def _observe_plan(self, job: str, proto: types_pb2.Plan | None, p: Planned | None = None) -> None:
-        if p is not None:
-            degrees = [(r.index, r.tp_degree) for r in p.result.replicas]
-            gen = self.view.plans[job].generation
-            self.metrics.plan_observed(job, gen, p.result.expected_throughput_ratio, degrees)
-        elif proto is not None:
-            degrees = [(r.index, r.tp_degree) for r in proto.replicas]
-            self.metrics.plan_observed(job, proto.generation, proto.expected_throughput_ratio, degrees)
-
-    def _observe_power(self, node: str, plan: types_pb2.NodePowerPlan) -> None:
-        self.metrics.power_observed(node, [(c.gpu.index, c.cap_w) for c in plan.caps])
-
-
-def _node_of(key: str) -> str | None:
-    for prefix in (keys.HEALTH, keys.NODES):
-        if key.startswith(prefix):
-            return key[len(prefix):]
-    if key.startswith(keys.GPU_OVERRIDES):
-        return key[len(keys.GPU_OVERRIDES):].rpartition("/")[0] or None
-    return None
