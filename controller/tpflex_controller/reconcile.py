@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 from tpflex_proto import codec, keys, types_pb2
-from tpflex_proto.etcd import Etcd, EtcdError, WatchEvent
+from tpflex_proto.etcd import Etcd, EtcdError, Op, WatchEvent
 
 from tpflex_controller import convert
 from tpflex_controller.agent_client import AgentPusher, PushResult
@@ -394,7 +394,14 @@ class Reconciler:
         event = types_pb2.Event(
             seq=seq, at=self._clock(), kind="plan_failed", job=job, cause=d.cause, reasons=[reason]
         )
-        session.put(keys.event(seq), codec.encode(event))
-        self.view.event_seqs.append(seq)
+        ops = [Op.put(keys.event(seq), codec.encode(event))]
+        seqs = self.view.event_seqs
+        trim = seqs[0] if len(seqs) >= self._event_log_size else 0
+        if trim:
+            ops.append(Op.delete(keys.event(trim)))  # keep the log bounded
+        session.txn(success=ops)
+        if trim:
+            seqs.popleft()
+        seqs.append(seq)
         self._unplannable[job] = reason
         self.metrics.unplannable_jobs.set(len(self._unplannable))

@@ -129,3 +129,24 @@ def test_all_ranks_acked_completes_the_rollout(etcd_server, etcd):
     finally:
         ctl.stop()
         watcher.close()
+
+
+def test_event_log_stays_bounded_and_generations_contiguous(etcd_server, etcd):
+    racks = small_cluster(etcd)
+    put_job(etcd, racks)
+    watcher = PlanWatcher(etcd, "job1")
+    ctl = start_controller(etcd_server.endpoints, event_log_size=4, history_size=3)
+    try:
+        watcher.wait_generation(1)
+        for flap in range(6):  # fail / recover the same GPU: one generation each
+            fail_gpu(etcd, "rack0-n00", 2, {0} if flap % 2 == 0 else set(), seq=flap + 1)
+            watcher.wait_generation(flap + 2)
+        kvs, _ = etcd.get_prefix(keys.EVENTS)
+        seqs = [codec.decode(types_pb2.Event, kv.value).seq for kv in kvs]
+        assert seqs == list(range(4, 8))  # the newest 4 of 7 decisions
+        history, _ = etcd.get_prefix(keys.job_plan_history("job1", 0)[:-12])
+        assert [codec.decode(types_pb2.Plan, kv.value).generation for kv in history] == [5, 6, 7]
+        assert [p.generation for p in watcher.plans] == list(range(1, 8))
+    finally:
+        ctl.stop()
+        watcher.close()

@@ -140,3 +140,18 @@ def test_report_step_feeds_the_goodput_window(etcd, trainer):
     code, _ = _code(lambda: stub.ReportStep(controller_pb2.StepReport(job="zz", step_seconds=1), timeout=5))
     assert code == grpc.StatusCode.NOT_FOUND
     assert steps.achieved_samples_per_second("zz") is None
+
+
+def test_plan_feed_shares_one_watch_and_drops_it_with_the_last_stream(etcd):
+    from tpflex_controller.planfeed import PlanFeed
+
+    feed = PlanFeed(etcd)
+    a, b = feed.subscribe("j"), feed.subscribe("j")
+    assert len(feed._watches) == 1
+    _plan(etcd, "j", 1)
+    assert a.get(timeout=5).generation == 1 and b.get(timeout=5).generation == 1
+    feed.unsubscribe(a)
+    assert len(feed._watches) == 1
+    b.close()
+    feed.unsubscribe(b)
+    assert feed._watches == {} and b.get(timeout=0.1) is None
