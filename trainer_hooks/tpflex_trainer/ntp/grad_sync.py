@@ -16,6 +16,7 @@ gradient of the mean loss over the global batch, whatever the local batches and 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -87,6 +88,8 @@ class GradSync:
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in params]
         self.next_pre = 0
         self.next_reduce = 0
+        self.finish_seconds = 0.0  # time the last step spent in finish() (not overlapped)
+        self.sent_bytes = 0  # pre-sync bytes this member handed to the TP group, cumulative
 
     # ------------------------------------------------------------------ construction
     def _flat_for(self, params: list[tuple[ParamSpec, nn.Parameter]], extra: int = 0) -> torch.Tensor:
@@ -193,6 +196,7 @@ class GradSync:
             b.pre = dist.all_to_all_single(b.recv, send, b.splits, [0] * len(b.splits), group=self.groups.tp_grad, async_op=True)
         else:
             send = b.flat.index_select(0, b.send_idx)
+            self.sent_bytes += send.numel() * send.element_size()
             b.recv = torch.empty(0, dtype=torch.float32, device=self.device)
             b.pre = dist.all_to_all_single(b.recv, send, [0] * len(b.splits), b.splits, group=self.groups.tp_grad, async_op=True)
 
@@ -221,17 +225,19 @@ class GradSync:
 
     def finish(self, loss: torch.Tensor) -> float:
         """Complete the sync after backward; returns the global mean loss."""
+        t0 = time.perf_counter()
         if not all(self._complete(b) for b in [*self.buckets, self.repl]):
             raise RuntimeError("backward did not produce every gradient before finish()")
         while self.next_pre < len(self.buckets):
             self._launch_pre(self.buckets[self.next_pre])
             self.next_pre += 1
         self._progress(block=True)
-        scale = self.weight / self.rep.degree
+        # every TP member holds the same replicated gradients: each adds 1/t_r of them
+        scale = self.weight / self.rep.degree if self.multi else self.weight
         self.repl.flat.mul_(scale)
         self.repl.flat[-1] = float(loss) * scale
         repl_work = None
-        if self.multi or self.rep.degree > 1:
+        if self.multi:
             repl_work = dist.all_reduce(self.repl.flat, group=self.groups.active, async_op=True)
         for b in self.buckets:
             self._launch_post(b)
@@ -242,6 +248,7 @@ class GradSync:
                     b.flat.index_copy_(0, b.send_idx, b.post_out)
         if repl_work is not None:
             repl_work.wait()
+        self.finish_seconds = time.perf_counter() - t0
         return float(self.repl.flat[-1])
 
     def _launch_post(self, b: _Bucket) -> None:

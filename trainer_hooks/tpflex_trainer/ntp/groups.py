@@ -1,12 +1,13 @@
 """Process groups of one layout: per replica its TP group (model collectives) and a second
 TP group for gradient moves, one core group per core index across replicas, and the group
-of all active members. Every process of the default group calls ``build_groups`` with the
-same arguments (``new_group`` is collective over the default group)."""
+of all active members. ``GroupCache.build`` is collective over the default group: every
+process calls it with the same layout. Groups whose members did not change are reused
+(while the default group is the same), single-member groups are not created."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -15,25 +16,17 @@ import torch.distributed as dist
 from tpflex_trainer.ntp.errors import PlanError
 from tpflex_trainer.ntp.layout import JobLayout, Member, ReplicaPlacement
 
+GroupKey = tuple[str, tuple[int, ...]]  # (purpose, sorted ranks)
+
 
 @dataclass
 class NtpGroups:
+    """The groups this member uses (None: not a member, or a single-member group)."""
+
     tp: dist.ProcessGroup | None = None
     tp_grad: dist.ProcessGroup | None = None
     core: dist.ProcessGroup | None = None
     active: dist.ProcessGroup | None = None
-    created: list[dist.ProcessGroup] = field(default_factory=list)
-
-    def destroy(self) -> None:
-        """Destroy the groups; those already gone with a destroyed default group (after
-        a member died and the default group was re-initialised) are skipped."""
-        for g in self.created:
-            try:
-                dist.destroy_process_group(g)
-            except ValueError:
-                pass  # torch: "Invalid process group specified" = already destroyed
-        self.created.clear()
-        self.tp = self.tp_grad = self.core = self.active = None
 
 
 def device_for_backend() -> torch.device:
@@ -44,7 +37,7 @@ def device_for_backend() -> torch.device:
 
 
 def check_world(
-    placements: list[ReplicaPlacement] | tuple[ReplicaPlacement, ...],
+    placements: tuple[ReplicaPlacement, ...],
     world: Mapping[Member, int],
     me: Member,
     world_size: int,
@@ -64,29 +57,68 @@ def check_world(
                 raise PlanError(f"member {(p.replica, s)} of the plan is not in the world map")
 
 
-def _new_group(ranks: list[int], timeout: timedelta, out: NtpGroups) -> dist.ProcessGroup | None:
-    group = dist.new_group(ranks=sorted(ranks), timeout=timeout)
-    if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
-        out.created.append(group)
-        return group
-    return None
-
-
-def build_groups(layout: JobLayout, world: Mapping[Member, int], me: Member, timeout: timedelta) -> NtpGroups:
-    out = NtpGroups()
-    mine = layout.member(me)
+def wanted_groups(layout: JobLayout, world: Mapping[Member, int]) -> list[GroupKey]:
+    """Every multi-member group of ``layout``, in the order all processes create them. A
+    single replica needs only its TP group (no gradient sync across replicas)."""
+    keys: list[GroupKey] = []
     for rep in layout.replicas:
-        ranks = [world[m.member] for m in rep.members]
-        tp = _new_group(ranks, timeout, out)
-        tp_grad = _new_group(ranks, timeout, out)
-        if mine is not None and me.replica == rep.replica and len(ranks) > 1:
-            out.tp, out.tp_grad = tp, tp_grad
+        ranks = tuple(sorted(world[m.member] for m in rep.members))
+        keys.append(("tp", ranks))
+        if len(layout.replicas) > 1:
+            keys.append(("tp_grad", ranks))
+    if len(layout.replicas) == 1:
+        return [k for k in keys if len(k[1]) > 1]
     for p in range(layout.t_min):
-        ranks = [world[rep.members[p].member] for rep in layout.replicas]
-        core = _new_group(ranks, timeout, out)
-        if mine is not None and mine.core and mine.tp_rank == p and len(ranks) > 1:
-            out.core = core
-    active = _new_group([world[m.member] for m in layout.members()], timeout, out)
-    if mine is not None:
-        out.active = active
-    return out
+        keys.append(("core", tuple(sorted(world[rep.members[p].member] for rep in layout.replicas))))
+    keys.append(("active", tuple(sorted(world[m.member] for m in layout.members()))))
+    return [k for k in keys if len(k[1]) > 1]
+
+
+class GroupCache:
+    def __init__(self, timeout: timedelta) -> None:
+        self.timeout = timeout
+        self.groups: dict[GroupKey, dist.ProcessGroup | None] = {}
+        self.world_group: object = None
+
+    def build(self, layout: JobLayout, world: Mapping[Member, int], me: Member) -> NtpGroups:
+        if self.world_group is not dist.group.WORLD:
+            self.forget()  # the default group was re-initialised: old groups are gone
+            self.world_group = dist.group.WORLD
+        wanted = wanted_groups(layout, world)
+        for key in [k for k in self.groups if k not in wanted]:
+            self._destroy(self.groups.pop(key))
+        for key in wanted:
+            if key not in self.groups:
+                group = dist.new_group(ranks=list(key[1]), timeout=self.timeout)
+                self.groups[key] = None if group == dist.GroupMember.NON_GROUP_MEMBER else group
+        return self._mine(layout, world, me)
+
+    def _mine(self, layout: JobLayout, world: Mapping[Member, int], me: Member) -> NtpGroups:
+        out = NtpGroups()
+        mine = layout.member(me)
+        if mine is None:
+            return out
+        rep = layout.replica(me.replica)
+        tp_ranks = tuple(sorted(world[m.member] for m in rep.members))
+        out.tp = self.groups.get(("tp", tp_ranks))
+        out.tp_grad = self.groups.get(("tp_grad", tp_ranks))
+        if mine.core:
+            core = tuple(sorted(world[r.members[mine.tp_rank].member] for r in layout.replicas))
+            out.core = self.groups.get(("core", core))
+        out.active = self.groups.get(("active", tuple(sorted(world[m.member] for m in layout.members()))))
+        return out
+
+    @staticmethod
+    def _destroy(group: dist.ProcessGroup | None) -> None:
+        if group is not None:
+            dist.destroy_process_group(group)
+
+    def forget(self) -> None:
+        """Drop every group without destroying it (its default group is already gone)."""
+        self.groups.clear()
+
+    def close(self) -> None:
+        if self.world_group is dist.group.WORLD and dist.is_initialized():
+            for group in self.groups.values():
+                self._destroy(group)
+        self.groups.clear()

@@ -13,7 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -25,7 +26,7 @@ from tpflex_trainer.ntp import checkpoint as ckpt
 from tpflex_trainer.ntp.config import GPTConfig, param_specs
 from tpflex_trainer.ntp.errors import PlanError, UnitsUnavailableError
 from tpflex_trainer.ntp.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
-from tpflex_trainer.ntp.groups import NtpGroups, build_groups, check_world, device_for_backend
+from tpflex_trainer.ntp.groups import GroupCache, NtpGroups, check_world, device_for_backend
 from tpflex_trainer.ntp.layout import (
     JobLayout,
     Member,
@@ -57,8 +58,34 @@ class ReshardReport:
     bytes_moved: int  # whole job, all members
     lower_bound_bytes: int  # whole job: one copy of each unit a member needs and lacks
     bytes_sent: int  # by this member, measured on the wire buffers
-    seconds: float
+    seconds: float  # the whole apply_plan
+    phases: dict[str, float]  # agree_s, groups_s, transfer_s (P2P or checkpoint load), rebuild_s
     layout: JobLayout
+
+
+@contextmanager
+def _phase(phases: dict[str, float], name: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        phases[name] = time.perf_counter() - t0
+
+
+def _choose_source(plan, holders: list[Member], reader, allow_init: bool, cfg: GPTConfig) -> str:
+    """live (reshard + peer recovery), checkpoint (nothing live, or units lost on every
+    replica: the whole job rolls back) or init (a new job); else UnitsUnavailableError."""
+    if not holders:
+        if reader is not None:
+            return "checkpoint"
+        if allow_init:
+            return "init"
+        raise UnitsUnavailableError({f: list(range(n)) for f, n in cfg.unit_counts().items()})
+    if plan.missing:
+        if reader is None:
+            raise UnitsUnavailableError({f: list(u) for f, u in plan.missing.items()})
+        return "checkpoint"
+    return "live"
 
 
 class NtpRuntime:
@@ -81,6 +108,7 @@ class NtpRuntime:
         self.world: dict[Member, int] = {}
         self.state: LocalState | None = None
         self.groups = NtpGroups()
+        self.group_cache = GroupCache(timeout)
         self.model: ShardedGPT | None = None
         self.sync: GradSync | None = None
 
@@ -108,67 +136,81 @@ class NtpRuntime:
         """Collective over the default group: every live process calls it with the same
         ``placements`` and ``world`` (member -> rank in the current default group)."""
         t0 = time.perf_counter()
+        phases: dict[str, float] = {}
         placements = tuple(placements)
         world = {Member(*m): r for m, r in world.items()}
         validate_request(self.cfg.unit_counts(), placements, self.base_tp)
         check_world(placements, world, self.me, dist.get_world_size(), dist.get_rank())
         reader = ckpt.CheckpointReader(checkpoint, self.cfg) if checkpoint is not None else None
-        previous, holders, step = self._agree()
+        with _phase(phases, "agree_s"):
+            previous, holders, step = self._agree()
         new = plan_layout(self.cfg.unit_counts(), placements, self.base_tp, previous, holders)
         plan = plan_reshard(previous, new, holders)
-        source = "live"
-        if not holders:
-            source = "checkpoint" if reader is not None else "init"
-            if source == "init" and not allow_init:
-                raise UnitsUnavailableError({f: list(range(n)) for f, n in self.cfg.unit_counts().items()})
-        elif plan.missing:
-            if reader is None:
-                raise UnitsUnavailableError({f: list(u) for f, u in plan.missing.items()})
-            source = "checkpoint"
-        self._teardown()
-        self.groups = build_groups(new, world, self.me, self.timeout)
-        mine = new.member(self.me)
-        units = member_units(mine.units) if mine is not None else None
-        device = device_for_backend()
-        sent, moved, peer = 0, 0, 0
-        lower = sum(self.unit_bytes[f] * n for f, n in lower_bound_units(previous, new, holders).items())
-        if source == "live":
-            self.state, sent = execute_plan(plan, self.me, world, self.state, units, self.specs, step, device)
-            moved, peer = len(plan.transfers), plan.peer_units()
-        elif source == "checkpoint":
-            step = reader.step
-            self.state = build_state(self.specs, units, step, device, reader.payload) if units else None
-            lower = sum(self.unit_bytes[f] * n for f, n in lower_bound_units(None, new, []).items())
-        else:
-            self.state = init_local_state(self.specs, units, self.seed, device) if units else None
-        self.layout, self.world = new, world
-        if self.state is not None:
-            self._build_training()
-        bytes_moved = plan.bytes_moved(self.unit_bytes) if source == "live" else 0
-        report = ReshardReport(source, step, moved, peer, bytes_moved, lower, sent, time.perf_counter() - t0, new)
+        source = _choose_source(plan, holders, reader, allow_init, self.cfg)
+        with _phase(phases, "groups_s"):
+            self._teardown()
+            self.groups = self.group_cache.build(new, world, self.me)
+        with _phase(phases, "transfer_s"):
+            step, sent = self._load_state(source, plan, new, world, step, reader)
+        with _phase(phases, "rebuild_s"):
+            self.layout, self.world = new, world
+            if self.state is not None:
+                self._build_training()
+        live = source == "live"
+        lower = lower_bound_units(previous, new, holders) if live else lower_bound_units(None, new, [])
+        report = ReshardReport(
+            source=source,
+            step=step,
+            units_moved=len(plan.transfers) if live else 0,
+            peer_units=plan.peer_units() if live else 0,
+            bytes_moved=plan.bytes_moved(self.unit_bytes) if live else 0,
+            lower_bound_bytes=sum(self.unit_bytes[f] * n for f, n in lower.items()),
+            bytes_sent=sent,
+            seconds=time.perf_counter() - t0,
+            phases=phases,
+            layout=new,
+        )
         log.info(
             "ntp plan applied member=%s source=%s step=%d units_moved=%d peer_units=%d bytes_moved=%d seconds=%.3f",
-            tuple(self.me), source, step, moved, peer, bytes_moved, report.seconds,
+            tuple(self.me), source, step, report.units_moved, report.peer_units, report.bytes_moved, report.seconds,
         )
         return report
 
+    def _load_state(self, source, plan, new: JobLayout, world, step: int, reader) -> tuple[int, int]:
+        """This member's state in the new layout; returns (step, bytes sent)."""
+        mine = new.member(self.me)
+        units = member_units(mine.units) if mine is not None else None
+        device = device_for_backend()
+        if source == "live":
+            self.state, sent = execute_plan(plan, self.me, world, self.state, units, self.specs, step, device)
+            return step, sent
+        if source == "checkpoint":
+            self.state = build_state(self.specs, units, reader.step, device, reader.payload) if units else None
+            return reader.step, 0
+        self.state = init_local_state(self.specs, units, self.seed, device) if units else None
+        return 0, 0
+
     def _agree(self) -> tuple[JobLayout | None, list[Member], int]:
-        """Who still holds state, at which step, and the layout they hold it in."""
-        mine = (tuple(self.me), self.state is not None, self.step, self.layout if self.state is not None else None)
+        """Who still holds state, at which step, and the layout they hold it in (sent once,
+        by the lowest rank holding state)."""
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, mine)
-        holders = [Member(*m) for m, has, _, _ in gathered if has]
-        steps = {s for _, has, s, _ in gathered if has}
+        dist.all_gather_object(gathered, (tuple(self.me), self.state is not None, self.step))
+        holders = [Member(*m) for m, has, _ in gathered if has]
+        steps = {s for _, has, s in gathered if has}
         if len(steps) > 1:
             raise PlanError(f"members hold state from different steps: {sorted(steps)}")
-        previous = next((lay for _, has, _, lay in gathered if has), None)
-        return previous, holders, (steps.pop() if steps else 0)
+        if not holders:
+            return None, [], 0
+        src = next(rank for rank, (_, has, _) in enumerate(gathered) if has)
+        box = [self.layout if dist.get_rank() == src else None]
+        dist.broadcast_object_list(box, src=src)
+        return box[0], holders, steps.pop()
 
     def _teardown(self) -> None:
         if self.sync is not None:
             self.sync.close()
         self.model = self.sync = None
-        self.groups.destroy()
+        self.groups = NtpGroups()
 
     def _build_training(self) -> None:
         assert self.state is not None and self.layout is not None
@@ -203,13 +245,15 @@ class NtpRuntime:
         mine = self.layout.member(self.me)
         if mine is not None and self.me.replica == writers.replica and self.state is not None:
             ckpt.write_member_units(path, mine, self.state, self.specs)
-        if self.groups.active is not None:
-            dist.barrier(group=self.groups.active)
+        sync_group = self.groups.active or self.groups.tp
+        if sync_group is not None:
+            dist.barrier(group=sync_group)
         if mine is not None and self.me.replica == writers.replica and mine.tp_rank == 0:
             ckpt.write_meta(path, self.cfg, self.step, [ckpt.member_file(m) for m in writers.members])
-        if self.groups.active is not None:
-            dist.barrier(group=self.groups.active)
+        if sync_group is not None:
+            dist.barrier(group=sync_group)
 
     def close(self) -> None:
         self._teardown()
+        self.group_cache.close()
         self.state = None
