@@ -161,8 +161,12 @@ def _replicas(plan: dict) -> str:
         for r in plan["replicas"]
     ]
     out = [table(["REPLICA", "STATE", "TP", "BATCH", "THROUGHPUT", "STAGES", "REASON"], rows)]
-    if plan["power_caps"]:
-        out.append("power caps: " + ", ".join(f"{c['node']}:{c['index']}={c['cap_w']:.0f}W" for c in plan["power_caps"]))
+    by_cap: dict[float, list[str]] = {}
+    for c in plan["power_caps"]:
+        by_cap.setdefault(c["cap_w"], []).append(f"{c['node']}:{c['index']}")
+    for cap, gpus in sorted(by_cap.items()):
+        shown = ", ".join(gpus[:4]) + (f", ... ({len(gpus)} GPUs)" if len(gpus) > 4 else "")
+        out.append(f"power cap {cap:.0f} W: {shown}")
     out += [f"- {reason}" for reason in plan["reasons"]]
     return "\n".join(out)
 

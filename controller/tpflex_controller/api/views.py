@@ -74,7 +74,8 @@ def _gpu_view(gpu, rack, state, snap, health, device) -> s.GpuView:
     if health is not None:
         view.power_draw_w, view.temperature_c = health.power_draw_w, health.temperature_c
         view.relative_speed = health.relative_speed or 1.0
-        view.xids, view.health_updated_at = list(health.xids), health.updated_at
+        view.xids = list(health.xids)
+        view.health_updated_at = health.updated_at or snap.health[gpu[0]].updated_at
         view.power_limit_w = health.power_limit_w or view.power_limit_w
     return view
 

@@ -15,6 +15,7 @@ from tpflex_controller.api.checks import check_gpus_exist, check_pins
 from tpflex_controller.api.deps import Admin, ApiDeps, Deps
 from tpflex_controller.api.errors import invalid, not_found
 from tpflex_controller.api.state import job_spec, planner_job, read_cluster
+from tpflex_controller.planner import plan
 from tpflex_controller.planner.model import GpuStatus, JobOverrides
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -116,8 +117,4 @@ def _job_overrides(deps: ApiDeps, job: str) -> JobOverrides:
 
 
 def _planner(deps: ApiDeps):
-    if deps.planner is not None:
-        return deps.planner
-    from tpflex_controller.planner.planner import plan
-
-    return plan
+    return deps.planner if deps.planner is not None else plan
