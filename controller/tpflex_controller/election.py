@@ -222,6 +222,8 @@ class Elector:
                     self.leader_id = rec.id
                 except codec.MalformedValue:
                     self.leader_id = "?"
+                if s is not None and self.leader_id != self.identity:
+                    s.deactivate("another process holds the leader key")
         self._wake.set()
 
     # ---- campaign ----

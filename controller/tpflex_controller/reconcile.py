@@ -19,19 +19,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
-from tpflex_proto import codec, keys, types_pb2
-from tpflex_proto.etcd import Etcd, EtcdError, Op, WatchEvent
+from tpflex_proto import keys, types_pb2
+from tpflex_proto.etcd import Etcd, EtcdError, WatchEvent
 
 from tpflex_controller import convert
 from tpflex_controller.agent_client import AgentPusher, PushResult
 from tpflex_controller.cache import ClusterView, node_of_key
 from tpflex_controller.election import Conflict, LeaderSession, NotLeader
+from tpflex_controller.events import append_event, store_phases
 from tpflex_controller.loader import load_view
 from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.planbytes import PlanEncoder
 from tpflex_controller.planner.model import PlanningError
 from tpflex_controller.planning import PlanFn, Planned, build_commit, default_plan_fn
-from tpflex_controller.rollout import Phase, Rollout, RolloutTracker, event_phases
+from tpflex_controller.rollout import Phase, Rollout, RolloutTracker
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,10 @@ class Reconciler:
         except queue.Empty:
             return
         while True:
-            self._handle(*msg)
+            try:
+                self._handle(*msg)
+            except Exception:
+                log.exception("controller message handling failed kind=%s", msg[0])
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
@@ -307,6 +311,10 @@ class Reconciler:
                 d.attempts += 1
                 d.not_before = now + min(2.0, 0.05 * 2**d.attempts)
                 log.warning("plan commit failed job=%s attempt=%d error=%s", job, d.attempts, exc)
+            except Exception:  # a bug must not stop the loop for every other job
+                d.attempts += 1
+                d.not_before = now + min(30.0, 0.5 * 2**d.attempts)
+                log.exception("reconcile failed job=%s attempt=%d", job, d.attempts)
 
     def _reconcile_job(self, job: str, d: _Dirty) -> None:
         if job not in self.view.snap.jobs:
@@ -337,6 +345,8 @@ class Reconciler:
         rev = session.commit_plan(commit)
         committed_at = self._clock()
         self.view.record_commit(p, commit, power, rev)
+        for node, np in power.items():
+            self.metrics.node_power_observed(node, np)
         self.metrics.reconfigurations.labels(job=p.job, cause=p.cause).inc()
         degrees = [(r.index, r.tp_degree) for r in p.result.replicas]
         ratio = p.result.expected_throughput_ratio
@@ -367,21 +377,7 @@ class Reconciler:
         self._unwritten[r.event.seq] = r  # stored when the loop is idle (off the hot path)
 
     def _flush_events(self) -> None:
-        """Store the phases reached since the last flush in their decisions' event records."""
-        session = self._session
-        while self._unwritten and session is not None and session.active:
-            seq, r = next(iter(self._unwritten.items()))
-            if seq not in self.view.event_seqs:
-                del self._unwritten[seq]  # trimmed from the bounded log meanwhile
-                continue
-            del r.event.phases[:]
-            r.event.phases.extend(event_phases(r))
-            try:
-                session.put(keys.event(seq), codec.encode(r.event))
-            except (NotLeader, EtcdError) as exc:
-                log.warning("event update failed job=%s seq=%d error=%s", r.job, seq, exc)
-                return
-            del self._unwritten[seq]
+        store_phases(self._session, self.view, self._unwritten)
 
     def _record_unplannable(self, job: str, reason: str, d: _Dirty) -> None:
         if self._unplannable.get(job) == reason:
@@ -390,18 +386,9 @@ class Reconciler:
         session = self._session
         if session is None:
             raise NotLeader("not leading")
-        seq = self.view.next_event_seq()
         event = types_pb2.Event(
-            seq=seq, at=self._clock(), kind="plan_failed", job=job, cause=d.cause, reasons=[reason]
+            at=self._clock(), kind="plan_failed", job=job, cause=d.cause, reasons=[reason]
         )
-        ops = [Op.put(keys.event(seq), codec.encode(event))]
-        seqs = self.view.event_seqs
-        trim = seqs[0] if len(seqs) >= self._event_log_size else 0
-        if trim:
-            ops.append(Op.delete(keys.event(trim)))  # keep the log bounded
-        session.txn(success=ops)
-        if trim:
-            seqs.popleft()
-        seqs.append(seq)
+        append_event(session, self.view, event)
         self._unplannable[job] = reason
         self.metrics.unplannable_jobs.set(len(self._unplannable))

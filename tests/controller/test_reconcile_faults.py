@@ -11,6 +11,7 @@ from tpflex_proto.etcd import Etcd
 
 from tests.controller.controller_harness import (
     PlanWatcher,
+    eventually,
     fail_gpu,
     put_job,
     small_cluster,
@@ -76,7 +77,7 @@ def test_bad_input_is_logged_and_skipped_and_unplannable_jobs_get_an_event(etcd_
         assert watcher.wait_generation(2).cause == "gpu_failed"
         # the same bad spec is not reported again on every pass
         assert len(_events(etcd, "plan_failed")) == 1
-        assert ctl.registry.get_sample_value("tpflex_unplannable_jobs") == 1.0
+        eventually(lambda: ctl.registry.get_sample_value("tpflex_unplannable_jobs") == 1.0)
     finally:
         ctl.stop()
         watcher.close()
