@@ -140,7 +140,10 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
             context.abort(exc.code, exc.message)
         except EtcdError as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
-        sub = self.feed.subscribe(request.job)
+        try:
+            sub = self.feed.subscribe(request.job)
+        except EtcdError as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
         context.add_callback(sub.close)
         try:
             last = request.after_generation
