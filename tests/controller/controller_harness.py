@@ -167,6 +167,12 @@ class ControllerProc:
                 return float(line.rsplit(" ", 1)[1])
         return None
 
+    def metric_sum(self, name: str) -> float:
+        import httpx
+
+        lines = httpx.get(self.rest_url + "/metrics", timeout=5).text.splitlines()
+        return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(name + "{"))
+
     def log(self) -> str:
         try:
             return self.log_path.read_text()[-3000:]

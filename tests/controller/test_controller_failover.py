@@ -8,6 +8,7 @@ from tpflex_proto import codec, keys, types_pb2
 from tests.controller.controller_harness import (
     ControllerProc,
     PlanWatcher,
+    eventually,
     fail_gpu,
     put_job,
     small_cluster,
@@ -38,6 +39,10 @@ def test_kill_leader_standby_takes_over_without_losing_a_generation(etcd_server,
 
         fail_gpu(etcd, "rack0-n01", 2, {0})
         watcher.wait_generation(2)
+        # only the leader decided (the standby follows the plans, commits nothing)
+        eventually(lambda: standby.metric("tpflex_plan_generation") == 2.0)
+        eventually(lambda: leader.metric_sum("tpflex_reconfigurations_total") == 2.0)
+        assert standby.metric_sum("tpflex_reconfigurations_total") == 0.0
 
         leader.kill()
         killed_at = __import__("time").monotonic()
