@@ -156,6 +156,8 @@ def test_reconfigure_bad_requests(api):
     assert "not found" in _error(_post(api, "/v1/jobs/nope/reconfigure", {"policy": "ntp"}), 404)
     _error(_post(api, RECONF, {"pins": [{"replica": 0}]}), 422)
     _error(_post(api, RECONF, {"pins": "all"}), 422)
+    _error(_post(api, RECONF, {"pins": [{"replica": True, "tp_degree": 6}]}), 422)
+    _error(_post(api, RECONF, {"pins": [{"replica": 0, "tp_degree": 6.0}]}), 422)
     assert api.store.job_override(h.JOB) is None
 
 
@@ -188,7 +190,7 @@ def test_dry_run_policy_and_overrides(api):
     plan = api.http.post(DRY, json=body).json()["plan"]
     assert plan["policy"] == "dp-drop" and [r["state"] for r in plan["replicas"]] == ["healthy", "dropped"]
     _post(api, RECONF, {"pins": [{"replica": 0, "tp_degree": 5}]})
-    pinned = api.http.post(DRY, json={}).json()["plan"]
+    pinned = api.http.post(DRY).json()["plan"]  # no body: the current state as is
     assert [r["tp_degree"] for r in pinned["replicas"]] == [5, 8]
     free = api.http.post(DRY, json={"ignore_overrides": True}).json()["plan"]
     assert [r["tp_degree"] for r in free["replicas"]] == [8, 8]

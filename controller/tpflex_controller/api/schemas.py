@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from tpflex_controller.planner.model import Policy
 
@@ -30,26 +30,26 @@ class DrainRequest(_Request):
 
 
 class ReplicaPinRequest(_Request):
-    replica: int = Field(ge=0, le=1_000_000, description="replica index in the job spec")
-    tp_degree: int = Field(ge=0, le=1_000_000, description="TP degree to pin the replica at")
+    replica: StrictInt = Field(ge=0, le=1_000_000, description="replica index in the job spec")
+    tp_degree: StrictInt = Field(ge=0, le=1_000_000, description="TP degree to pin the replica at")
 
 
 class ReconfigureRequest(_Request):
     pins: list[ReplicaPinRequest] = Field(default_factory=list, max_length=4096)
     policy: Policy | None = Field(default=None, description="switch the job's policy")
     reason: str = Field(default="", max_length=500)
-    clear: bool = Field(default=False, description="drop existing pins and policy override first")
+    clear: StrictBool = Field(default=False, description="drop existing pins and policy override first")
 
 
 class GpuRefModel(_Request):
     node: str = Field(min_length=1, max_length=253)
-    index: int = Field(ge=0, le=1_000_000)
+    index: StrictInt = Field(ge=0, le=1_000_000)
 
 
 class DryRunRequest(_Request):
     fail: list[GpuRefModel] = Field(default_factory=list, max_length=100_000)
     policy: Policy | None = None
-    ignore_overrides: bool = Field(default=False, description="plan without the job's pins/policy override")
+    ignore_overrides: StrictBool = Field(default=False, description="plan without the job's pins/policy override")
 
 
 # ---- cluster views ----

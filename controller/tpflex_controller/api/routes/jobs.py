@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Body, Path, Query
 from tpflex_proto import types_pb2
 
 from tpflex_controller import convert
@@ -20,6 +20,8 @@ from tpflex_controller.planner.model import GpuStatus, JobOverrides
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
+JobName = Annotated[str, Path(min_length=1, max_length=253)]
+
 
 @router.get("", response_model=list[s.JobView], summary="List jobs with their current plan")
 def list_jobs(deps: Deps) -> list[s.JobView]:
@@ -31,14 +33,14 @@ def list_jobs(deps: Deps) -> list[s.JobView]:
 
 
 @router.get("/{job}", response_model=s.JobView, summary="One job: spec, plan summary, acks")
-def get_job(job: str, deps: Deps) -> s.JobView:
+def get_job(job: JobName, deps: Deps) -> s.JobView:
     spec = job_spec(deps.store, job)
     store = deps.store
     return views.job_view(spec, store.plan(job), store.job_override(job), store.acks(job))
 
 
 @router.get("/{job}/plan", response_model=s.PlanView, summary="The job's current plan")
-def get_plan(job: str, deps: Deps) -> s.PlanView:
+def get_plan(job: JobName, deps: Deps) -> s.PlanView:
     job_spec(deps.store, job)
     plan = deps.store.plan(job)
     if plan is None:
@@ -48,7 +50,7 @@ def get_plan(job: str, deps: Deps) -> s.PlanView:
 
 @router.get("/{job}/plans", response_model=s.PlanHistory, summary="Plan history, oldest first")
 def plan_history(
-    job: str, deps: Deps, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+    job: JobName, deps: Deps, limit: Annotated[int, Query(ge=1, le=1000)] = 100
 ) -> s.PlanHistory:
     job_spec(deps.store, job)
     plans = deps.store.plan_history(job)[-limit:]
@@ -59,7 +61,7 @@ def plan_history(
     "/{job}/reconfigure", response_model=s.ReconfigureResult, status_code=202,
     summary="Pin replicas' TP degrees and/or switch the policy (writes the job override)",
 )
-def reconfigure(job: str, body: s.ReconfigureRequest, deps: Deps, _: Admin) -> s.ReconfigureResult:
+def reconfigure(job: JobName, body: s.ReconfigureRequest, deps: Deps, _: Admin) -> s.ReconfigureResult:
     spec = job_spec(deps.store, job)
     if not body.pins and body.policy is None and not body.clear:
         raise invalid("nothing to do: give pins, a policy, or clear=true")
@@ -85,7 +87,10 @@ def reconfigure(job: str, body: s.ReconfigureRequest, deps: Deps, _: Admin) -> s
     "/{job}/dry-run", response_model=s.DryRunResult,
     summary="Plan the job as if these GPUs failed; commits nothing",
 )
-def dry_run(job: str, body: s.DryRunRequest, deps: Deps) -> s.DryRunResult:
+def dry_run(
+    job: JobName, deps: Deps, body: Annotated[s.DryRunRequest | None, Body()] = None
+) -> s.DryRunResult:
+    body = body or s.DryRunRequest()
     spec = job_spec(deps.store, job)
     snap = read_cluster(deps.store)
     model = planner_job(spec, snap)

@@ -16,6 +16,7 @@ from tpflex_controller.api.state import read_cluster
 
 router = APIRouter(tags=["nodes"])
 
+NodeName = Annotated[str, Path(min_length=1, max_length=253)]
 GpuIndex = Annotated[int, Path(ge=0, le=1_000_000, description="NVML index on the node")]
 
 
@@ -30,7 +31,7 @@ def list_nodes(deps: Deps) -> list[s.NodeView]:
 
 
 @router.get("/nodes/{node}", response_model=s.NodeDetail, summary="One node with its GPUs")
-def get_node(node: str, deps: Deps) -> s.NodeDetail:
+def get_node(node: NodeName, deps: Deps) -> s.NodeDetail:
     snap = read_cluster(deps.store)
     rack = views.node_names(snap).get(node)
     if rack is None:
@@ -50,7 +51,7 @@ def list_gpus(
 
 
 @router.get("/nodes/{node}/gpus/{index}", response_model=s.GpuView, summary="One GPU")
-def get_gpu(node: str, index: GpuIndex, deps: Deps) -> s.GpuView:
+def get_gpu(node: NodeName, index: GpuIndex, deps: Deps) -> s.GpuView:
     for g in views.gpu_views(read_cluster(deps.store)):
         if (g.node, g.index) == (node, index):
             return g
@@ -61,7 +62,7 @@ def get_gpu(node: str, index: GpuIndex, deps: Deps) -> s.GpuView:
     "/nodes/{node}/gpus/{index}/drain", response_model=s.DrainResult, status_code=202,
     summary="Drain a GPU (the leader re-plans without it)",
 )
-def drain_gpu(node: str, index: GpuIndex, body: s.DrainRequest, deps: Deps, _: Admin) -> s.DrainResult:
+def drain_gpu(node: NodeName, index: GpuIndex, body: s.DrainRequest, deps: Deps, _: Admin) -> s.DrainResult:
     snap = _existing_gpu(deps, node, index)
     old = snap.gpu_overrides.get((node, index))
     override = types_pb2.GpuOverride(
@@ -77,7 +78,7 @@ def drain_gpu(node: str, index: GpuIndex, body: s.DrainRequest, deps: Deps, _: A
     "/nodes/{node}/gpus/{index}/undrain", response_model=s.DrainResult, status_code=202,
     summary="Undrain a GPU (removes the drain override)",
 )
-def undrain_gpu(node: str, index: GpuIndex, deps: Deps, _: Admin) -> s.DrainResult:
+def undrain_gpu(node: NodeName, index: GpuIndex, deps: Deps, _: Admin) -> s.DrainResult:
     snap = _existing_gpu(deps, node, index)
     old = snap.gpu_overrides.get((node, index))
     if old is not None and old.power_cap_w > 0:  # keep an operator power pin

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Path
 
 from tpflex_controller.api import schemas as s
 from tpflex_controller.api import views
@@ -24,7 +26,7 @@ def list_racks(deps: Deps) -> list[s.RackView]:
 
 
 @router.get("/{rack}", response_model=s.RackDetail, summary="One rack with its GPUs")
-def get_rack(rack: str, deps: Deps) -> s.RackDetail:
+def get_rack(rack: Annotated[str, Path(min_length=1, max_length=253)], deps: Deps) -> s.RackDetail:
     snap = read_cluster(deps.store)
     stored = snap.racks.get(rack)
     if stored is None:
