@@ -214,7 +214,7 @@ class Reconciler:
 
     def _on_watch(self, events: list[WatchEvent], at: float) -> None:
         racks: set[str] = set()
-        acked: set[str] = set()
+        acked: dict[str, set[int]] = {}
         for ev in events:
             if ev.mod_revision <= self._loaded_rev:
                 continue
@@ -226,12 +226,12 @@ class Reconciler:
         for rack in racks:
             if rack in self.view.racks:
                 self.metrics.rack_healthy_gpus.labels(rack=rack).set(self.view.healthy_gpus(rack))
-        for job in acked:
-            r = self._rollouts.acks_seen(job, self.view.acks.get(job, {}), at)
+        for job, ranks in acked.items():
+            r = self._rollouts.acks_seen(job, self.view.acks.get(job, {}), ranks, at)
             if r is not None:
                 self._phase_reached(r, Phase.ACKED)
 
-    def _after_fold(self, ev: WatchEvent, racks: set[str], acked: set[str]) -> None:
+    def _after_fold(self, ev: WatchEvent, racks: set[str], acked: dict[str, set[int]]) -> None:
         key = ev.key
         node = node_of_key(key)
         if node is not None:
@@ -250,8 +250,8 @@ class Reconciler:
         if split is None:
             return
         job, rest = split
-        if rest.startswith("acks/"):
-            acked.add(job)
+        if rest.startswith("acks/") and rest[5:].isdigit():
+            acked.setdefault(job, set()).add(int(rest[5:]))
         elif rest == "plan" and job in self.view.plans and self.view.plans[job].proto is not None:
             self.metrics.plan_proto_observed(job, self.view.plans[job].proto)
         elif rest == "spec" and job in self.view.snap.jobs:

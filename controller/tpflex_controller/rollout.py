@@ -28,6 +28,7 @@ class Rollout:
     pending_nodes: dict[str, int]  # node -> NodePowerPlan generation not yet applied
     ranks: int  # ranks the plan uses (each must ack)
     reached: dict[Phase, float] = field(default_factory=dict)
+    acked: set[int] | None = None  # ranks that acked this generation (None: not counted yet)
 
     def done(self) -> bool:
         return Phase.ACKED in self.reached and Phase.POWER_APPLIED in self.reached
@@ -65,12 +66,18 @@ class RolloutTracker:
                 out.append(r)
         return out
 
-    def acks_seen(self, job: str, acks: dict[int, int], at: float) -> Rollout | None:
-        """Ranks' acked generations of ``job``: the rollout if it just became fully acked."""
+    def acks_seen(self, job: str, acks: dict[int, int], ranks: set[int], at: float) -> Rollout | None:
+        """``ranks`` of ``job`` acked (their latest acked generation in ``acks``): the rollout
+        if it just became fully acked. O(len(ranks)); the first call of a rollout counts
+        every ack already known."""
         r = self._by_job.get(job)
         if r is None or Phase.ACKED in r.reached or r.ranks == 0:
             return None
-        if sum(1 for g in acks.values() if g >= r.generation) >= r.ranks:
+        seen = ranks if r.acked is not None else acks.keys()
+        if r.acked is None:
+            r.acked = set()
+        r.acked.update(rank for rank in seen if acks.get(rank, 0) >= r.generation)
+        if len(r.acked) >= r.ranks:
             r.reached[Phase.ACKED] = at
             return r
         return None
