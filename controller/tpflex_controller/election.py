@@ -189,21 +189,25 @@ class Elector:
         self._thread.start()
 
     def stop(self, *, resign: bool = True) -> None:
+        """Stop campaigning; a leader steps down and (``resign``) revokes its lease, so a
+        standby takes over at once instead of after the TTL."""
+        leading = self.session
         self._stop.set()
         self._wake.set()
         if self._watch is not None:
             self._watch.cancel()
-        self._thread.join(timeout=5)
-        s = self._session
-        if s is not None and s.active:
-            s.deactivate("stopping")
-            self._on_deposed("stopping")
-            if resign:
-                try:
-                    self.etcd.revoke_lease(s.lease_id)
-                    log.info("leader resigned id=%s", self.identity)
-                except EtcdError as exc:
-                    log.warning("leader resign failed id=%s error=%s", self.identity, exc)
+        if self._thread.ident is not None:
+            self._thread.join(timeout=5)
+        if leading is None:
+            return
+        leading.deactivate("stopping")
+        self._on_deposed("stopping")
+        if resign:
+            try:
+                self.etcd.revoke_lease(leading.lease_id)
+                log.info("leader resigned id=%s", self.identity)
+            except EtcdError as exc:
+                log.warning("leader resign failed id=%s error=%s", self.identity, exc)
 
     # ---- watch on the leader key ----
 
@@ -312,9 +316,9 @@ class Elector:
         except Exception:
             log.exception("on_elected handler failed id=%s", self.identity)
         self._keep_alive(session)
-        session.deactivate("lease lost")
         self._session = None
         if not self._stop.is_set():
+            session.deactivate("lease lost")
             self._on_deposed("lease lost")
 
     def _keep_alive(self, session: LeaderSession) -> None:
