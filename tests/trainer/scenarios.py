@@ -31,6 +31,7 @@ class Change:
     rejoin_port: int = 0  # survivors re-initialise the default group on this port
     checkpoint: str | None = None
     expect_unavailable: bool = False  # first try without the checkpoint: must be refused
+    mid_step: bool = False  # the member dies when the step starts: survivors see it fail
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,18 @@ def _rejoin(me: Member, members: list[Member], dead: Member, port: int) -> list[
     return survivors
 
 
+def _step_fails(rt: NtpRuntime, step: int) -> str:
+    """Run the step a dead member takes part in: it must raise, not hang."""
+    try:
+        rt.train_step(*local_batch(rt, step))
+    except RuntimeError as exc:  # gloo: connection closed/reset by the dead or leaving peer
+        failure = type(exc).__name__
+    else:
+        failure = "completed"
+    rt.abort()  # let peers still blocked in our groups fail now
+    return failure
+
+
 def run_scenario(rank: int, world_size: int, sc: Scenario) -> dict:
     members = list(sc.members)
     me = members[rank]
@@ -106,6 +119,8 @@ def run_scenario(rank: int, world_size: int, sc: Scenario) -> dict:
             if change.kill is not None:
                 if me == change.kill:
                     os._exit(0)  # a GPU is gone: no goodbye to the peers
+                if change.mid_step:
+                    reports.append({"step_failed": _step_fails(rt, step)})
                 members = _rejoin(me, members, change.kill, change.rejoin_port)
             world = {m: i for i, m in enumerate(members)}
             if change.expect_unavailable:

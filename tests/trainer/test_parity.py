@@ -99,3 +99,19 @@ def test_peer_recovery_of_a_dead_rank():
     assert recovery["source"] == "live" and recovery["step"] == 6
     assert recovery["peer_units"] > 0
     assert recovery["bytes_moved"] == recovery["lower_bound_bytes"]
+
+
+def test_peer_recovery_after_a_rank_dies_mid_step():
+    """The step fails on every survivor (no hang until the collective timeout: leaving
+    peers tear their groups down), they re-initialise in-process and recover."""
+    start = (rp(0, range(4)), rp(1, range(4)))
+    degraded = (rp(0, (0, 2, 3)), rp(1, range(4)))
+    dead = Member(0, 1)
+    sc = Scenario(
+        CFG, 4, start, steps=12, members=members_of(*start),
+        changes=(Change(5, degraded, kill=dead, rejoin_port=free_port(), mid_step=True),),
+    )
+    results = run_workers(run_scenario, len(sc.members), (sc,), expect_exits=1, timeout_s=25)
+    assert all(r["reports"][1]["step_failed"] != "completed" for r in results.values())
+    assert_parity(results, reference(12, lambda s: 4), 12)
+    assert results[0]["reports"][2]["peer_units"] > 0

@@ -117,6 +117,18 @@ class GroupCache:
         """Drop every group without destroying it (its default group is already gone)."""
         self.groups.clear()
 
+    def abandon(self) -> None:
+        """After a failure: destroy what can be destroyed and drop every reference, so that
+        gloo closes the connections and peers blocked in these groups fail at once."""
+        for group in self.groups.values():
+            if group is None:
+                continue
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError):
+                pass  # already gone with the default group, or broken: dropping it is enough
+        self.groups.clear()
+
     def close(self) -> None:
         if self.world_group is dist.group.WORLD and dist.is_initialized():
             for group in self.groups.values():

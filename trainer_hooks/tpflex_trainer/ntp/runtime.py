@@ -10,6 +10,7 @@ lost members, checkpoint fallback) and switches gradient sync. Active members th
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -191,20 +192,23 @@ class NtpRuntime:
         return 0, 0
 
     def _agree(self) -> tuple[JobLayout | None, list[Member], int]:
-        """Who still holds state, at which step, and the layout they hold it in (sent once,
-        by the lowest rank holding state)."""
+        """Who holds state at the newest step, which step, and the layout they hold it in
+        (sent once, by the lowest such rank). Members left behind by a torn step (the
+        failure hit between members' optimizer updates) count as holding nothing: their
+        units are re-sent from up-to-date holders, or the job rolls back to a checkpoint."""
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, (tuple(self.me), self.state is not None, self.step))
-        holders = [Member(*m) for m, has, _ in gathered if has]
         steps = {s for _, has, s in gathered if has}
-        if len(steps) > 1:
-            raise PlanError(f"members hold state from different steps: {sorted(steps)}")
-        if not holders:
+        if not steps:
             return None, [], 0
-        src = next(rank for rank, (_, has, _) in enumerate(gathered) if has)
+        newest = max(steps)
+        if len(steps) > 1:
+            log.warning("ntp torn step member=%s steps=%s resume_step=%d", tuple(self.me), sorted(steps), newest)
+        holders = [Member(*m) for m, has, s in gathered if has and s == newest]
+        src = next(rank for rank, (_, has, s) in enumerate(gathered) if has and s == newest)
         box = [self.layout if dist.get_rank() == src else None]
         dist.broadcast_object_list(box, src=src)
-        return box[0], holders, steps.pop()
+        return box[0], holders, newest
 
     def _teardown(self) -> None:
         if self.sync is not None:
@@ -252,6 +256,17 @@ class NtpRuntime:
             ckpt.write_meta(path, self.cfg, self.step, [ckpt.member_file(m) for m in writers.members])
         if sync_group is not None:
             dist.barrier(group=sync_group)
+
+    def abort(self) -> None:
+        """Call when a collective failed or a member is known to be gone, before the default
+        group is re-initialised: destroys this process's NTP groups and drops every
+        reference to them (model, gradient sync), so that peers still blocked in those
+        groups fail at once instead of waiting for the collective timeout. Weights and
+        Adam state are kept (an optimizer update is local and all-or-nothing), so the next
+        ``apply_plan`` can recover from them."""
+        self._teardown()
+        self.group_cache.abandon()
+        gc.collect()  # autograd graphs of the failed step may still reference the groups
 
     def close(self) -> None:
         self._teardown()
