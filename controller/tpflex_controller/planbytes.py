@@ -3,8 +3,9 @@
 A plan of 1,024 replicas at TP 72 lists 73,728 GPUs; building that protobuf from scratch
 on every generation costs tens of milliseconds. Protobuf encodes a repeated message field
 as the concatenation of its elements, so the encoded ``Plan`` is
-``head(fields 1-3) + replica_1 + ... + replica_n + tail(fields 5-9)``: each replica's bytes
-are cached by its (immutable, hashable) assignment, and the result is byte-for-byte the
+``head(fields 1-3) + replica_1 + ... + replica_n + cap_1 + ... + cap_m + tail(fields 6-9)``:
+each replica's bytes are cached by its (immutable, hashable) assignment and each power
+cap's by (GPU, watts), and the result is byte-for-byte the
 deterministic encoding of ``convert.plan_to_proto`` (tested).
 """
 
@@ -13,7 +14,7 @@ from __future__ import annotations
 from tpflex_proto import codec, types_pb2
 
 from tpflex_controller import convert
-from tpflex_controller.planner.model import PlanResult, Policy, ReplicaAssignment
+from tpflex_controller.planner.model import GpuKey, PlanResult, Policy, ReplicaAssignment
 
 
 class PlanEncoder:
@@ -22,6 +23,7 @@ class PlanEncoder:
         # value; each identity entry keeps its key alive so that an id is never reused
         self._by_id: dict[int, tuple[ReplicaAssignment, bytes]] = {}
         self._replicas: dict[ReplicaAssignment, bytes] = {}
+        self._caps: dict[tuple[GpuKey, float], bytes] = {}
         self._max = max_cached
 
     def encode(self, result: PlanResult, generation: int, *, cause: str = "", now: float = 0.0) -> bytes:
@@ -29,7 +31,7 @@ class PlanEncoder:
             job=result.job,
             policy=result.policy,
             replicas=(),
-            power_caps=result.power_caps,
+            power_caps={},
             expected_throughput_ratio=result.expected_throughput_ratio,
             reasons=result.reasons,
         )
@@ -40,8 +42,22 @@ class PlanEncoder:
         whole.ClearField("policy")
         parts = [codec.encode(head)]
         parts.extend(self._replica_bytes(r) for r in result.replicas)
+        caps = result.power_caps
+        parts.extend(self._cap_bytes(gpu, caps[gpu]) for gpu in sorted(caps))
         parts.append(codec.encode(whole))
         return b"".join(parts)
+
+    def _cap_bytes(self, gpu: GpuKey, watts: float) -> bytes:
+        key = (gpu, watts)
+        data = self._caps.get(key)
+        if data is None:
+            holder = types_pb2.Plan()
+            holder.power_caps.add(gpu=types_pb2.GpuRef(node=gpu[0], index=gpu[1]), cap_w=watts)
+            data = codec.encode(holder)
+            if len(self._caps) >= self._max:
+                self._caps.clear()
+            self._caps[key] = data
+        return data
 
     def _replica_bytes(self, replica: ReplicaAssignment) -> bytes:
         hit = self._by_id.get(id(replica))

@@ -108,3 +108,17 @@ def desired_power(
             ],
         )
     return out
+
+
+def changed_degrees(p: Planned) -> list[tuple[int, int]]:
+    """(replica, degree) of the replicas whose degree the new plan changes (all of them
+    when there is no previous decision to compare with)."""
+    new = p.result.replicas
+    old = p.prev.result.replicas if p.prev is not None and p.prev.result is not None else None
+    if old is None or len(old) != len(new):
+        return [(r.index, r.tp_degree) for r in new]
+    return [
+        (r.index, r.tp_degree)
+        for r, o in zip(new, old, strict=True)
+        if r is not o and r.tp_degree != o.tp_degree
+    ]

@@ -22,7 +22,7 @@ import grpc
 from tpflex_proto import keys, types_pb2
 from tpflex_proto.etcd import Etcd, EtcdError, WatchEvent
 
-from tpflex_controller import convert
+from tpflex_controller import convert, planning
 from tpflex_controller.agent_client import AgentPusher, PushResult
 from tpflex_controller.cache import ClusterView, node_of_key
 from tpflex_controller.election import Conflict, LeaderSession, NotLeader
@@ -31,7 +31,7 @@ from tpflex_controller.loader import load_view
 from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.planbytes import PlanEncoder
 from tpflex_controller.planner.model import PlanningError
-from tpflex_controller.planning import PlanFn, Planned, build_commit, default_plan_fn
+from tpflex_controller.planning import PlanFn, Planned, build_commit, changed_degrees
 from tpflex_controller.rollout import Phase, Rollout, RolloutTracker
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ class Reconciler:
     ) -> None:
         self.etcd = etcd
         self.metrics = metrics
-        self._plan_fn = plan_fn or default_plan_fn()
+        self._plan_fn = plan_fn or planning.default_plan_fn()
         self._event_log_size = event_log_size
         self._history_size = history_size
         self._clock = clock
@@ -348,7 +348,7 @@ class Reconciler:
         for node, np in power.items():
             self.metrics.node_power_observed(node, np)
         self.metrics.reconfigurations.labels(job=p.job, cause=p.cause).inc()
-        degrees = [(r.index, r.tp_degree) for r in p.result.replicas]
+        degrees = changed_degrees(p)
         ratio = p.result.expected_throughput_ratio
         self.metrics.plan_observed(p.job, commit.generation, ratio, degrees)
         log.info(
@@ -392,3 +392,4 @@ class Reconciler:
         append_event(session, self.view, event)
         self._unplannable[job] = reason
         self.metrics.unplannable_jobs.set(len(self._unplannable))
+
