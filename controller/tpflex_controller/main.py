@@ -25,7 +25,7 @@ from tpflex_controller.election import Elector
 from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.reconcile import Reconciler
 from tpflex_controller.settings import ConfigError, ControllerSettings, load_settings, read_tokens
-from tpflex_controller.steps import StepStats
+from tpflex_controller.steps import GoodputCollector, StepStats
 from tpflex_controller.store import Store
 from tpflex_controller.trainer_service import create_grpc_server
 
@@ -135,6 +135,7 @@ class ControllerProcess:
         self.metrics = ControllerMetrics(self.registry)
         self.etcd = create_etcd(settings)
         self.steps = StepStats()
+        self.registry.register(GoodputCollector(self.steps))
         c = settings.controller
         self.reconciler = Reconciler(
             self.etcd,

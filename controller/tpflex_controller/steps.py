@@ -58,6 +58,32 @@ class StepStats:
                     total += sum(s.samples for s in window) / seconds
             return total
 
+    def jobs(self) -> list[str]:
+        with self._lock:
+            return list(self._jobs)
+
     def forget(self, job: str) -> None:
         with self._lock:
             self._jobs.pop(job, None)
+
+
+class GoodputCollector:
+    """Prometheus collector reading the step window at scrape time:
+    ``tpflex_job_achieved_samples_per_second{job}``."""
+
+    def __init__(self, steps: StepStats) -> None:
+        self.steps = steps
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        family = GaugeMetricFamily(
+            "tpflex_job_achieved_samples_per_second",
+            "Samples per second the job achieved over its recent step reports",
+            labels=["job"],
+        )
+        for job in sorted(self.steps.jobs()):
+            rate = self.steps.achieved_samples_per_second(job)
+            if rate is not None:
+                family.add_metric([job], rate)
+        yield family

@@ -6,8 +6,9 @@ import threading
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 from tpflex_controller import synthetic
-from tpflex_controller.steps import StepStats
+from tpflex_controller.steps import GoodputCollector, StepStats
 from tpflex_controller.trainer_service import create_grpc_server
 from tpflex_proto import codec, controller_pb2, controller_pb2_grpc, keys, types_pb2
 
@@ -135,6 +136,11 @@ def test_report_step_feeds_the_goodput_window(etcd, trainer):
                     timeout=5,
                 )
     assert steps.achieved_samples_per_second("j") == pytest.approx(8 / 0.5 + 8 / 1.0)
+    registry = CollectorRegistry()
+    registry.register(GoodputCollector(steps))
+    assert registry.get_sample_value(
+        "tpflex_job_achieved_samples_per_second", {"job": "j"}
+    ) == pytest.approx(24.0)
     code, _ = _code(lambda: stub.ReportStep(controller_pb2.StepReport(job="j", step_seconds=0), timeout=5))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     code, _ = _code(lambda: stub.ReportStep(controller_pb2.StepReport(job="zz", step_seconds=1), timeout=5))
