@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tpflex_trainer.ntp.collectives import PendingAllReduce
 from tpflex_trainer.ntp.config import ParamSpec
 from tpflex_trainer.ntp.layout import JobLayout, Member
 
@@ -238,7 +239,7 @@ class GradSync:
         self.repl.flat[-1] = float(loss) * scale
         repl_work = None
         if self.multi:
-            repl_work = dist.all_reduce(self.repl.flat, group=self.groups.active, async_op=True)
+            repl_work = PendingAllReduce(self.repl.flat, self.groups.active, dist.ReduceOp.SUM)
         for b in self.buckets:
             self._launch_post(b)
         for b in self.buckets:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from tpflex_trainer.ntp.collectives import all_gather, all_reduce
 from tpflex_trainer.ntp.errors import LayoutError
 
 Group = dist.ProcessGroup | None
@@ -33,7 +34,7 @@ class _CopyToTP(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous().clone()
         if _active(ctx.group):
-            dist.all_reduce(grad, group=ctx.group)
+            all_reduce(grad, ctx.group)
         return grad, None
 
 
@@ -42,7 +43,7 @@ class _ReduceFromTP(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
         x = x.contiguous().clone()
         if _active(group):
-            dist.all_reduce(x, group=group)
+            all_reduce(x, group)
         return x
 
     @staticmethod
@@ -146,29 +147,31 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy over tokens of logits sharded by vocab rows."""
+    """Mean cross-entropy over tokens of logits sharded by vocab rows. One exchange per
+    call: each member shares (local max, local sum of exp relative to it, target logit if
+    owned); the global log-sum-exp is combined from those."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target_local: torch.Tensor, group: Group) -> torch.Tensor:
         logits = logits.float()
         owned = target_local >= 0
-        maxes = logits.max(dim=-1).values
-        if _active(group):
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - maxes.unsqueeze(-1)
-        exp = shifted.exp()
-        picked = shifted.gather(-1, target_local.clamp(min=0).unsqueeze(-1)).squeeze(-1) * owned
-        sums = torch.stack([exp.sum(dim=-1), picked])
-        if _active(group):
-            dist.all_reduce(sums, group=group)
-        loss = (sums[0].log() - sums[1]).mean()
-        ctx.save_for_backward(exp, sums[0], target_local)
+        local_max = logits.max(dim=-1).values
+        local_sum = (logits - local_max.unsqueeze(-1)).exp().sum(dim=-1)
+        picked = logits.gather(-1, target_local.clamp(min=0).unsqueeze(-1)).squeeze(-1) * owned
+        stats = torch.stack([local_max, local_sum, picked])
+        parts = all_gather(stats, group) if _active(group) else [stats]
+        stacked = torch.stack(parts)  # [members, 3, ...]
+        global_max = stacked[:, 0].max(dim=0).values
+        total = (stacked[:, 1] * (stacked[:, 0] - global_max).exp()).sum(dim=0)
+        target_logit = stacked[:, 2].sum(dim=0)
+        loss = (total.log() + global_max - target_logit).mean()
+        ctx.save_for_backward(logits, global_max, total, target_local)
         return loss
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        exp, total, target_local = ctx.saved_tensors
-        softmax = exp / total.unsqueeze(-1)
+        logits, global_max, total, target_local = ctx.saved_tensors
+        softmax = (logits - global_max.unsqueeze(-1)).exp() / total.unsqueeze(-1)
         owned = target_local >= 0
         onehot = torch.zeros_like(softmax)
         onehot.scatter_(-1, target_local.clamp(min=0).unsqueeze(-1), owned.unsqueeze(-1).to(softmax.dtype))
