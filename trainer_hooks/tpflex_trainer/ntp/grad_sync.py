@@ -8,10 +8,11 @@ Per bucket of sharded parameters, as soon as autograd has produced all its gradi
    replicas, in one contiguous buffer (async, launched in bucket order as moves finish);
 3. post-sync move: the reduced values of the extras' units go back (async, overlapping
    the all-reduces of the remaining buckets).
-Replicated parameters (layer norms, positions) and the loss go in one all-reduce over all
-active members. Gradients are pre-scaled by the replica's share of the global batch
-(``local_batch / global_batch``; replicated ones also by ``1 / t_r``), so the sum is the
-gradient of the mean loss over the global batch, whatever the local batches and degrees.
+Replicated parameters (layer norms, positions) and the loss are all-reduced by the core
+members across replicas (they are the same on every TP member) and then sent to the
+extras. Gradients are pre-scaled by the replica's share of the global batch
+(``local_batch / global_batch``), so the sum is the gradient of the mean loss over the
+global batch, whatever the local batches and degrees.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class GradSync:
         for b in [*self.buckets, self.repl]:
             for _, p in b.params:
                 self.bucket_of[p] = b
+        self.repl_peers = self._replicated_peers(world)
         self.handles = [p.register_post_accumulate_grad_hook(self._on_grad) for _, p in params]
         self.next_pre = 0
         self.next_reduce = 0
@@ -112,6 +114,17 @@ class GradSync:
         else:
             self._extra_indices(bucket, group_rank)
         return bucket
+
+    def _replicated_peers(self, world: Mapping[Member, int]) -> list[int]:
+        """TP-group ranks this member sends replicated gradients to (core) or gets them
+        from (extra)."""
+        if not (self.multi and self.has_extras):
+            return []
+        t_min = self.layout.t_min
+        rank_of = {m.member: dist.get_group_rank(self.groups.tp_grad, world[m.member]) for m in self.rep.members}
+        if self.mine.core:
+            return [rank_of[m.member] for m in self.rep.members[t_min:] if m.tp_rank % t_min == self.mine.tp_rank]
+        return [rank_of[self.rep.members[self.mine.tp_rank % t_min].member]]
 
     def _unit_blocks(self, params, keep) -> list[tuple[int, int]]:
         """(flat offset, numel) of this member's units passing ``keep``, param-major."""
@@ -233,13 +246,13 @@ class GradSync:
             self._launch_pre(self.buckets[self.next_pre])
             self.next_pre += 1
         self._progress(block=True)
-        # every TP member holds the same replicated gradients: each adds 1/t_r of them
-        scale = self.weight / self.rep.degree if self.multi else self.weight
-        self.repl.flat.mul_(scale)
-        self.repl.flat[-1] = float(loss) * scale
+        # every TP member holds the same replicated gradients (and loss): the core members
+        # reduce them across replicas with the last partition, then hand them to extras
+        self.repl.flat.mul_(self.weight)
+        self.repl.flat[-1] = float(loss) * self.weight
         repl_work = None
-        if self.multi:
-            repl_work = PendingAllReduce(self.repl.flat, self.groups.active, dist.ReduceOp.SUM)
+        if self.multi and self.mine.core:
+            repl_work = PendingAllReduce(self.repl.flat, self.groups.core, dist.ReduceOp.SUM)
         for b in self.buckets:
             self._launch_post(b)
         for b in self.buckets:
@@ -249,8 +262,26 @@ class GradSync:
                     b.flat.index_copy_(0, b.send_idx, b.post_out)
         if repl_work is not None:
             repl_work.wait()
+        if self.multi and self.has_extras:
+            self._spread_replicated()
         self.finish_seconds = time.perf_counter() - t0
         return float(self.repl.flat[-1])
+
+    def _spread_replicated(self) -> None:
+        """Core member p sends the reduced replicated gradients to the extras e with
+        e.tp_rank % t_min == p (one all_to_all in the TP group)."""
+        n = self.repl.flat.numel()
+        splits = [0] * self.rep.degree
+        if self.mine.core:
+            for rank in self.repl_peers:
+                splits[rank] = n
+            send = self.repl.flat.repeat(len(self.repl_peers))
+            out = torch.empty(0, dtype=torch.float32, device=self.device)
+            dist.all_to_all_single(out, send, [0] * len(splits), splits, group=self.groups.tp_grad)
+        else:
+            splits[self.repl_peers[0]] = n
+            send = torch.empty(0, dtype=torch.float32, device=self.device)
+            dist.all_to_all_single(self.repl.flat, send, splits, [0] * len(splits), group=self.groups.tp_grad)
 
     def _launch_post(self, b: _Bucket) -> None:
         if b.reduce is not None:
