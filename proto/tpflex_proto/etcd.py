@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -188,29 +189,11 @@ class Etcd:
             raise ValueError("at least one etcd endpoint is required")
         self.endpoints = tuple(endpoints)
         self.timeout = timeout
-        target = "ipv4:" + ",".join(self.endpoints) if len(self.endpoints) > 1 else endpoints[0]
-        options = [
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 3_000),
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1_000),
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
-        ]
-        if tls is not None:
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=_read(tls.ca_file),
-                private_key=_read(tls.key_file) if tls.key_file else None,
-                certificate_chain=_read(tls.cert_file) if tls.cert_file else None,
-            )
-            self._channel = grpc.secure_channel(target, creds, options=options)
-        else:
-            self._channel = grpc.insecure_channel(target, options=options)
-        self._kv = etcdrpc.KVStub(self._channel)
-        self._lease = etcdrpc.LeaseStub(self._channel)
-        self._watch = etcdrpc.WatchStub(self._channel)
-        self._maint = etcdrpc.MaintenanceStub(self._channel)
-        self._auth = etcdrpc.AuthStub(self._channel)
+        self._target = "ipv4:" + ",".join(self.endpoints) if len(self.endpoints) > 1 else endpoints[0]
+        self._tls = tls
+        self._channel_lock = threading.Lock()
+        self._channel_born = 0.0
+        self._make_channel()
         self._user, self._password = user, password
         self._token_lock = threading.Lock()
         self._metadata: tuple[tuple[str, str], ...] | None = None
@@ -219,11 +202,60 @@ class Etcd:
 
     # -- plumbing --
 
+    _OPTIONS = (
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 3_000),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1_000),
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+    )
+    # A channel that has seen etcd go away can sit in reconnect backoff for ~10 s after
+    # etcd is back (seen with grpcio 1.76); a fresh channel connects at once. So after an
+    # UNAVAILABLE we replace the channel, at most once per this many seconds.
+    _CHANNEL_RESET_INTERVAL_S = 0.5
+
+    def _make_channel(self) -> None:
+        tls = self._tls
+        if tls is not None:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(tls.ca_file),
+                private_key=_read(tls.key_file) if tls.key_file else None,
+                certificate_chain=_read(tls.cert_file) if tls.cert_file else None,
+            )
+            channel = grpc.secure_channel(self._target, creds, options=self._OPTIONS)
+        else:
+            channel = grpc.insecure_channel(self._target, options=self._OPTIONS)
+        self._channel = channel
+        self._kv = etcdrpc.KVStub(channel)
+        self._lease = etcdrpc.LeaseStub(channel)
+        self._watch = etcdrpc.WatchStub(channel)
+        self._maint = etcdrpc.MaintenanceStub(channel)
+        self._auth = etcdrpc.AuthStub(channel)
+        self._channel_born = time.monotonic()
+
+    def _reset_channel(self) -> None:
+        """Replace the channel after etcd was unreachable (see _CHANNEL_RESET_INTERVAL_S).
+        Calls in flight on the old channel fail with UNAVAILABLE and are retried by their
+        callers; watches reconnect on the new channel."""
+        if self._closed:
+            return
+        with self._channel_lock:
+            if time.monotonic() - self._channel_born < self._CHANNEL_RESET_INTERVAL_S:
+                return
+            old = self._channel
+            self._make_channel()
+            self._metadata = None
+        old.close()
+
     def _call(self, method, request, *, timeout: float | None = None):
         try:
             return method(request, timeout=timeout or self.timeout, metadata=self._auth_md())
         except grpc.RpcError as exc:
-            raise _map_error(exc) from exc
+            err = _map_error(exc)
+            if isinstance(err, EtcdUnavailable):
+                self._reset_channel()
+            raise err from exc
 
     def _auth_md(self):
         if self._user is None:
@@ -307,7 +339,10 @@ class Etcd:
             ):
                 return resp.TTL
         except grpc.RpcError as exc:
-            raise _map_error(exc) from exc
+            err = _map_error(exc)
+            if isinstance(err, EtcdUnavailable):
+                self._reset_channel()
+            raise err from exc
         return 0
 
     def revoke_lease(self, lease_id: int) -> None:
@@ -435,6 +470,8 @@ class Watch:
                     return
                 self.established.clear()
                 err = _map_error(exc) if isinstance(exc, grpc.RpcError) else exc
+                if isinstance(err, EtcdUnavailable):
+                    self._client._reset_channel()
                 log.info("etcd watch interrupted prefix=%s error=%s", self._prefix.decode(), err)
                 if self._on_error:
                     self._on_error(err)

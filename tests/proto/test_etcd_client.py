@@ -111,3 +111,29 @@ def test_three_member_cluster_survives_one_member_loss(etcd_cluster3):
         assert client.get("/c/2").value == b"y"
     finally:
         client.close()
+
+
+def test_client_replaces_its_channel_after_etcd_was_unreachable(etcd_server):
+    """A gRPC channel that saw etcd go away can stay in reconnect backoff for ~10 s after
+    etcd returns; the client swaps in a fresh channel instead, so the first call after
+    the restart that etcd can serve succeeds."""
+    client = Etcd(etcd_server.endpoints, timeout=1.0)
+    try:
+        client.put("/r/1", b"a")
+        before = client._channel
+        etcd_server.members[0].stop()
+        with pytest.raises(EtcdUnavailable):
+            client.get("/r/1")
+        assert client._channel is not before
+        etcd_server.restart_member(0)
+        client._channel_born = 0.0  # allow an immediate reset if the first call races
+        for _ in range(50):
+            try:
+                assert client.get("/r/1").value == b"a"
+                break
+            except EtcdUnavailable:
+                continue
+        else:
+            pytest.fail("etcd client did not reconnect")
+    finally:
+        client.close()
