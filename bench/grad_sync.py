@@ -84,6 +84,7 @@ def main() -> None:
         "nonuniform_step_s": round(nonuniform, 5),
         "sync_wait_after_backward_s": sync_wait,
         "uniform_bytes_per_step": sum(r["sent"]["uniform"] for r in healthy) // steps,
+        "busy_processes": {"uniform": 8, "nonuniform": 7},
         "setup": "gloo CPU, 8 procs, healthy replica TP4 vs job TP4+TP4 (DDP-equivalent) and TP4+TP3",
     }))
 

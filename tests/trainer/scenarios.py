@@ -32,6 +32,8 @@ class Change:
     checkpoint: str | None = None
     expect_unavailable: bool = False  # first try without the checkpoint: must be refused
     mid_step: bool = False  # the member dies when the step starts: survivors see it fail
+    restart: Member | None = None  # this member loses its state (a fresh process in its place)
+    stale: Member | None = None  # this member missed the last update (a torn step)
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,13 @@ def _rejoin(me: Member, members: list[Member], dead: Member, port: int) -> list[
     return survivors
 
 
+def _make_stale(rt: NtpRuntime) -> None:
+    """Pretend the last optimizer update never happened here: older step, other weights."""
+    rt.state.step -= 1
+    for t in rt.state.tensors["param"].values():
+        t.add_(0.01)
+
+
 def _step_fails(rt: NtpRuntime, step: int) -> str:
     """Run the step a dead member takes part in: it must raise, not hang."""
     try:
@@ -122,6 +131,12 @@ def run_scenario(rank: int, world_size: int, sc: Scenario) -> dict:
                 if change.mid_step:
                     reports.append({"step_failed": _step_fails(rt, step)})
                 members = _rejoin(me, members, change.kill, change.rejoin_port)
+            if me == change.restart:
+                rt.close()
+                rt = NtpRuntime(sc.cfg, sc.base_tp, me, adam=AdamSettings(lr=LR), seed=SEED + 1,
+                                bucket_bytes=sc.bucket_bytes)
+            if me == change.stale:
+                _make_stale(rt)
             world = {m: i for i, m in enumerate(members)}
             if change.expect_unavailable:
                 try:

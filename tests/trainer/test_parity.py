@@ -115,3 +115,26 @@ def test_peer_recovery_after_a_rank_dies_mid_step():
     assert all(r["reports"][1]["step_failed"] != "completed" for r in results.values())
     assert_parity(results, reference(12, lambda s: 4), 12)
     assert results[0]["reports"][2]["peer_units"] > 0
+
+
+def test_a_member_without_state_gets_its_units_from_peers():
+    """A fresh process in a dead member's place (here: the member drops its runtime and
+    state) rejoins the same layout; its units come from the other replica."""
+    start = (rp(0, range(4)), rp(1, range(4)))
+    sc = Scenario(CFG, 4, start, steps=10, members=members_of(*start),
+                  changes=(Change(5, start, restart=Member(1, 2)),))
+    results = run_workers(run_scenario, len(sc.members), (sc,))
+    assert_parity(results, reference(10, lambda s: 4), 10)
+    rejoin = results[0]["reports"][1]
+    # its sharded units exist only on the other replica; the replicated ones in its own
+    assert rejoin["source"] == "live" and rejoin["peer_units"] == rejoin["units_moved"] - 1 > 0
+
+
+def test_torn_step_resumes_from_the_newest_holders():
+    start = (rp(0, range(4)), rp(1, range(3)))
+    sc = Scenario(CFG, 4, start, steps=10, members=members_of(*start),
+                  changes=(Change(6, start, stale=Member(1, 0)),))
+    results = run_workers(run_scenario, len(sc.members), (sc,))
+    assert_parity(results, reference(10, lambda s: 4), 10)
+    torn = results[0]["reports"][1]
+    assert torn["step"] == 6 and torn["peer_units"] > 0

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -50,3 +51,18 @@ def test_bad_requests_are_refused_on_every_rank_without_a_hang():
         assert res["codes"] == expected
         assert math.isfinite(res["loss"])
     assert results[0]["loss"] == results[1]["loss"]
+
+
+def _mismatched_members(rank: int, world_size: int) -> str:
+    members = [Member(0, 0), Member(0, 1)]
+    cfg = CFG if rank == 0 else dataclasses.replace(CFG, n_layers=1)
+    rt = NtpRuntime(cfg, 2, members[rank], seed=SEED)
+    try:
+        rt.start((rp(0, (0, 1)),), {m: i for i, m in enumerate(members)})
+    except PlanError as exc:
+        return exc.code
+    return "accepted"
+
+
+def test_members_with_another_model_config_are_refused_on_every_rank():
+    assert run_workers(_mismatched_members, 2, timeout_s=60) == {0: "invalid_plan", 1: "invalid_plan"}

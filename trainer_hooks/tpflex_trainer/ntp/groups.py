@@ -80,6 +80,11 @@ class GroupCache:
         self.groups: dict[GroupKey, dist.ProcessGroup | None] = {}
         self.world_group: object = None
 
+    def intact(self) -> bool:
+        """Whether this process still holds the groups it built under the current default
+        group (reuse is only safe when every process does)."""
+        return self.world_group is dist.group.WORLD
+
     def build(self, layout: JobLayout, world: Mapping[Member, int], me: Member) -> NtpGroups:
         if self.world_group is not dist.group.WORLD:
             self.forget()  # the default group was re-initialised: old groups are gone
@@ -128,9 +133,11 @@ class GroupCache:
             except (ValueError, RuntimeError):
                 pass  # already gone with the default group, or broken: dropping it is enough
         self.groups.clear()
+        self.world_group = None
 
     def close(self) -> None:
         if self.world_group is dist.group.WORLD and dist.is_initialized():
             for group in self.groups.values():
                 self._destroy(group)
         self.groups.clear()
+        self.world_group = None

@@ -197,7 +197,18 @@ class NtpRuntime:
         failure hit between members' optimizer updates) count as holding nothing: their
         units are re-sent from up-to-date holders, or the job rolls back to a checkpoint."""
         gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (tuple(self.me), self.state is not None, self.step))
+        settings = (self.cfg, self.base_tp, self.bucket_bytes)
+        mine = (tuple(self.me), self.state is not None, self.step, self.group_cache.intact(), settings)
+        dist.all_gather_object(gathered, mine)
+        differing = {tuple(m) for m, *_, other in gathered if other != settings}
+        if differing:
+            raise PlanError(
+                f"members {sorted(differing)} run another model config, base_tp or bucket size "
+                f"than member {tuple(self.me)}: {[g[-1] for g in gathered]}"
+            )
+        if not all(g[3] for g in gathered):
+            self.group_cache.abandon()  # someone lost its groups: everyone builds anew
+        gathered = [g[:3] for g in gathered]
         steps = {s for _, has, s in gathered if has}
         if not steps:
             return None, [], 0
