@@ -151,5 +151,6 @@ def run_scenario(rank: int, world_size: int, sc: Scenario) -> dict:
             tokens, targets = local_batch(rt, step)
             losses[step] = rt.train_step(tokens, targets)
         step += 1
+    overlap = (rt.sync.reduced_in_backward, len(rt.sync.buckets)) if rt.active else None
     rt.close()
-    return {"member": tuple(me), "losses": losses, "reports": reports}
+    return {"member": tuple(me), "losses": losses, "reports": reports, "overlap": overlap}

@@ -92,6 +92,7 @@ class GradSync:
         self.next_pre = 0
         self.next_reduce = 0
         self.finish_seconds = 0.0  # time the last step spent in finish() (not overlapped)
+        self.reduced_in_backward = 0  # buckets of the last step whose all-reduce started in backward
         self.sent_bytes = 0  # pre-sync bytes this member handed to the TP group, cumulative
 
     # ------------------------------------------------------------------ construction
@@ -186,6 +187,7 @@ class GradSync:
             b.ready = 0
             b.pre = b.reduce = b.post = None
         self.next_pre = self.next_reduce = 0
+        self.reduced_in_backward = 0
 
     def _on_grad(self, param: nn.Parameter) -> None:
         bucket = self.bucket_of[param]
@@ -224,6 +226,8 @@ class GradSync:
                 b.pre.wait()
             self._launch_reduce(b)
             self.next_reduce += 1
+            if not block:
+                self.reduced_in_backward += 1
 
     def _launch_reduce(self, b: _Bucket) -> None:
         if not self.multi or not self.mine.core:
