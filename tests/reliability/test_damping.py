@@ -1,0 +1,122 @@
+"""The flap-damping state machine (pure, synthetic clock): every transition, the hold-down
+schedule, and the reconfiguration count for a flapping GPU."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tpflex_controller.damping import (
+    TRANSITIONS,
+    FlapDamper,
+    IllegalTransition,
+    Phase,
+    Signal,
+    step,
+)
+
+GPU = ("node-a", 3)
+
+
+@pytest.mark.parametrize("phase,signal", list(itertools.product(Phase, Signal)))
+def test_every_phase_signal_pair_is_either_in_the_table_or_illegal(phase, signal):
+    if (phase, signal) in TRANSITIONS:
+        assert step(phase, signal) is TRANSITIONS[(phase, signal)]
+    else:
+        assert signal is Signal.EXPIRE and phase is not Phase.HELD
+        with pytest.raises(IllegalTransition, match="expire is not allowed"):
+            step(phase, signal)
+
+
+def test_failure_counts_at_once_recovery_waits_for_the_hold_down():
+    d = FlapDamper(10.0)
+    assert d.observe(GPU, True, 100.0) is True and d.phase(GPU) is Phase.DOWN
+    assert d.observe(GPU, True, 101.0) is True  # repeated report: same episode
+    assert d.observe(GPU, False, 102.0) is True and d.phase(GPU) is Phase.HELD
+    assert d.next_release() == 112.0
+    assert d.release_due(111.999) == []
+    assert d.observe(GPU, False, 105.0) is True  # healthy reports do not shorten it
+    assert d.release_due(112.0) == [GPU]
+    assert d.phase(GPU) is Phase.UP and d.observe(GPU, False, 113.0) is False
+    assert d.next_release() is None
+
+
+def test_hold_down_doubles_per_recent_failure_and_is_capped():
+    d = FlapDamper(1.0, max_factor=8, memory_factor=100)
+    holds = []
+    t = 0.0
+    for _ in range(6):
+        d.observe(GPU, True, t)
+        d.observe(GPU, False, t + 0.1)
+        holds.append(d.next_release() - (t + 0.1))
+        t += 0.5  # fails again while held
+    assert holds == pytest.approx([1, 2, 4, 8, 8, 8])
+
+
+def test_old_failures_are_forgotten_and_the_track_dropped():
+    d = FlapDamper(1.0, memory_factor=16)
+    d.observe(GPU, True, 0.0)
+    d.observe(GPU, False, 0.5)
+    assert d.release_due(1.5) == [GPU]
+    assert GPU in d.tracked()  # the failure is still recent
+    d.observe(GPU, True, 20.0)  # 20 s later: the first failure is forgotten
+    d.observe(GPU, False, 20.5)
+    assert d.next_release() == pytest.approx(21.5)  # base again, not 2x
+    d.release_due(21.5)
+    assert d.observe(GPU, False, 40.0) is False
+    assert d.tracked() == []  # bounded memory: only recent flappers are kept
+
+
+def test_zero_hold_down_is_off():
+    d = FlapDamper(0.0)
+    assert d.observe(GPU, True, 0.0) is True
+    assert d.observe(GPU, False, 0.0) is False
+    assert d.tracked() == [] and d.next_release() is None
+
+
+def test_bad_parameters_are_refused():
+    for kw in ({"hold_down_s": -1}, {"hold_down_s": 1, "max_factor": 0.5}, {"hold_down_s": 1, "memory_factor": 0}):
+        with pytest.raises(ValueError):
+            FlapDamper(**kw)
+
+
+def _effective_changes(d: FlapDamper, reports: list[tuple[float, bool]], end: float) -> int:
+    """How often the planner-visible state of GPU flips (each flip = one re-plan)."""
+    flips, last = 0, False
+    for at, failed in reports:
+        d.release_due(at)
+        if d.phase(GPU) is Phase.UP and last:
+            flips, last = flips + 1, False
+        now = d.observe(GPU, failed, at)
+        if now != last:
+            flips, last = flips + 1, now
+    d.release_due(end)
+    if d.phase(GPU) is Phase.UP and last:
+        flips += 1
+    return flips
+
+
+def test_a_flapping_gpu_costs_two_reconfigurations_not_two_per_flap():
+    reports = []
+    for i in range(50):  # 50 flaps, 1 s period
+        reports += [(i * 1.0, True), (i * 1.0 + 0.5, False)]
+    assert _effective_changes(FlapDamper(2.0), list(reports), end=200.0) == 2
+    assert _effective_changes(FlapDamper(0.0), list(reports), end=200.0) == 100
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 5), st.booleans()), max_size=40), st.floats(0, 5))
+def test_never_reports_healthy_while_reported_failed_and_always_releases(events, base):
+    d = FlapDamper(base)
+    t = 0.0
+    for gap, failed in events:
+        t += gap
+        d.release_due(t)
+        eff = d.observe(GPU, failed, t)
+        assert eff or not failed  # safety: a failed GPU is never plannable
+        if eff and not failed:
+            assert d.phase(GPU) is Phase.HELD and d.next_release() <= t + 8 * base
+    d.release_due(t + 8 * base)  # liveness: every hold-down ends by the cap
+    assert d.phase(GPU) is not Phase.HELD
