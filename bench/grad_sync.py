@@ -21,6 +21,7 @@ from tests.trainer.harness import run_workers
 CFG = GPTConfig(n_layers=2, hidden=128, n_heads=8, n_kv_groups=4, ffn_hidden=512, ffn_block=16,
                 vocab=512, vocab_block=16, seq_len=64)
 ROUNDS, WARMUP, MEASURED = 3, 3, 12
+BUCKET_BYTES = 512 * 1024  # ~4 buckets: lets the moves and all-reduces overlap backward
 UNIFORM = (ReplicaPlacement(0, (0, 1, 2, 3), 4), ReplicaPlacement(1, (0, 1, 2, 3), 4))
 NONUNIFORM = (ReplicaPlacement(0, (0, 1, 2, 3), 4), ReplicaPlacement(1, (0, 1, 2), 3))
 MEMBERS = [Member(r, s) for r in range(2) for s in range(4)]
@@ -39,7 +40,7 @@ def _worker(rank: int, world_size: int) -> dict:
 
     me = MEMBERS[rank]
     world = {m: i for i, m in enumerate(MEMBERS)}
-    rt = NtpRuntime(CFG, 4, me, seed=0)
+    rt = NtpRuntime(CFG, 4, me, seed=0, bucket_bytes=BUCKET_BYTES)
     rt.start(UNIFORM, world)
     times: dict[str, list[float]] = {"uniform": [], "nonuniform": []}
     finish: dict[str, list[float]] = {"uniform": [], "nonuniform": []}
@@ -85,6 +86,7 @@ def main() -> None:
         "sync_wait_after_backward_s": sync_wait,
         "uniform_bytes_per_step": sum(r["sent"]["uniform"] for r in healthy) // steps,
         "busy_processes": {"uniform": 8, "nonuniform": 7},
+        "bucket_bytes": BUCKET_BYTES,
         "setup": "gloo CPU, 8 procs, healthy replica TP4 vs job TP4+TP4 (DDP-equivalent) and TP4+TP3",
     }))
 
