@@ -10,13 +10,16 @@ costs O(that node), not O(cluster).
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import KeyValue
 
 from tpflex_controller import convert
+from tpflex_controller.damping import FlapDamper
 from tpflex_controller.planner.model import (
     ClusterState,
     GpuKey,
@@ -82,6 +85,8 @@ class ClusterView:
             live_nodes=self.live_nodes,  # a live set, read only by the owning thread
             power_pins=self.power_pins,
         )
+        self.damper: FlapDamper | None = None  # hold-down of recovered GPUs (damping.py)
+        self.damper_clock: Callable[[], float] = time.monotonic
 
     # ---- queries ----
 
@@ -191,6 +196,8 @@ class ClusterView:
                 if 0 < g.relative_speed < 1:
                     new_speed[(node, g.index)] = g.relative_speed
         old_keys = self._node_health_keys.get(node, set())
+        if self.damper is not None:
+            self._damp(old_keys | set(new_status), new_status)
         new_keys = set(new_status) | set(new_speed)
         failed = recovered = degraded = False
         for gpu in old_keys | new_keys:
@@ -211,6 +218,34 @@ class ClusterView:
             return []
         cause = "gpu_failed" if failed else "gpu_recovered" if recovered else "gpu_degraded"
         return self._jobs_of_nodes([node], cause)
+
+    def _damp(self, gpus: set[GpuKey], new_status: dict[GpuKey, GpuStatus]) -> None:
+        """A recovered GPU still in its hold-down keeps counting as failed."""
+        now = self.damper_clock()
+        for gpu in gpus:
+            failed = new_status.get(gpu) is GpuStatus.FAILED
+            if self.damper.observe(gpu, failed, now) and not failed:
+                new_status[gpu] = GpuStatus.FAILED
+
+    def attach_damper(self, damper: FlapDamper, clock: Callable[[], float]) -> Dirty:
+        """Use ``damper`` from here on; re-fold the nodes it holds GPUs of."""
+        self.damper, self.damper_clock = damper, clock
+        return self.refold_health({gpu[0] for gpu in damper.tracked()})
+
+    def release_held(self) -> Dirty:
+        """Let GPUs whose hold-down has ended be planned again."""
+        if self.damper is None:
+            return []
+        due = self.damper.release_due(self.damper_clock())
+        return self.refold_health({gpu[0] for gpu in due})
+
+    def refold_health(self, nodes) -> Dirty:
+        dirty: Dirty = []
+        for node in sorted(nodes):
+            nh = self.snap.health.get(node)
+            value = nh.SerializeToString() if nh is not None else b""
+            dirty += self._fold_health(node, value, nh is None)
+        return dirty
 
     def _merge_status(self, gpu: GpuKey) -> None:
         health = self._health_status.get(gpu)

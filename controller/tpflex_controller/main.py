@@ -145,6 +145,7 @@ class ControllerProcess:
             agent_timeout=settings.agents.rpc_timeout_s,
             agent_credentials=_agent_credentials(settings),
             default_policy=c.default_policy,
+            flap_hold_down_s=c.flap_hold_down_s,
         )
         self.grpc_server = None
         self.rest: _Rest | None = None

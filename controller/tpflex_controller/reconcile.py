@@ -25,6 +25,7 @@ from tpflex_proto.etcd import Etcd, EtcdError, WatchEvent
 from tpflex_controller import convert, planning
 from tpflex_controller.agent_client import AgentPusher, PushResult
 from tpflex_controller.cache import ClusterView, node_of_key
+from tpflex_controller.damping import FlapDamper
 from tpflex_controller.election import Conflict, LeaderSession, NotLeader
 from tpflex_controller.events import append_event, store_phases
 from tpflex_controller.loader import load_view
@@ -59,6 +60,7 @@ class Reconciler:
         agent_credentials: grpc.ChannelCredentials | None = None,
         default_policy: str = "ntp-pw",
         clock: Callable[[], float] = time.time,
+        flap_hold_down_s: float = 0.0,
     ) -> None:
         self.etcd = etcd
         self.metrics = metrics
@@ -68,6 +70,8 @@ class Reconciler:
         self._clock = clock
         self._default_policy = default_policy
         self.view = ClusterView(event_log_size, default_policy)
+        self._damper = FlapDamper(flap_hold_down_s)
+        self.view.damper = self._damper
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._session: LeaderSession | None = None
         self._dirty: dict[str, _Dirty] = {}
@@ -127,6 +131,7 @@ class Reconciler:
                     backoff = min(backoff * 2, 2.0)
                     continue
             self._drain(self._wait_time())
+            self._release_held()
             if self._leading():
                 self._reconcile_dirty()
                 if self._inbox.empty():
@@ -151,10 +156,18 @@ class Reconciler:
                 return
 
     def _wait_time(self) -> float:
+        release = self._damper.next_release()
+        wait = 1.0 if release is None else max(0.0, min(1.0, release - time.monotonic()))
         if not self._dirty or not self._leading():
-            return 1.0
+            return wait
         soonest = min(d.not_before for d in self._dirty.values())
-        return max(0.0, min(1.0, soonest - time.monotonic()))
+        return max(0.0, min(wait, soonest - time.monotonic()))
+
+    def _release_held(self) -> None:
+        """GPUs whose flap hold-down ended are plannable again (damping.py)."""
+        at = time.time()
+        for job, cause in self.view.release_held():
+            self._mark(job, cause, at)
 
     def _leading(self) -> bool:
         s = self._session
@@ -162,6 +175,7 @@ class Reconciler:
 
     def _load(self) -> None:
         view, rev = load_view(self.etcd, self._event_log_size, self._default_policy)
+        view.attach_damper(self._damper, time.monotonic)  # held GPUs stay held across re-reads
         self.view, self._loaded_rev, self._need_load = view, rev, False
         if self._watch is None:
             self._watch = self.etcd.watch_prefix(

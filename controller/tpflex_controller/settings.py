@@ -53,6 +53,11 @@ class ControllerSection(_Section):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     event_log_size: int = Field(1000, ge=10, le=1_000_000)
     plan_history_size: int = Field(100, ge=2, le=100_000)
+    flap_hold_down_s: float = Field(
+        2.0, ge=0, le=3600,
+        description="a recovered GPU is planned again only after this long healthy (doubling per"
+        " recent flap, up to 8x; 0 = off; see docs/reliability.md)",
+    )
 
     @field_validator("log_level", mode="before")
     @classmethod
