@@ -11,6 +11,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tpflex_proto import agent_pb2, agent_pb2_grpc, types_pb2
+from tpflex_proto.tls import GatedServer, ServerTls, bind_grpc
 
 from .backend import GpuBackend
 from .core import AgentCore
@@ -104,24 +105,22 @@ def create_server(
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     core.grpc_health = health_servicer
-    port = _bind(server, settings)
+    server, port = _bind(server, settings)
     if port == 0:
         raise OSError(f"cannot bind gRPC listen address {settings.grpc.listen}")
     return server, port
 
 
-def _bind(server: grpc.Server, settings: AgentSettings) -> int:
+def _bind(server: grpc.Server, settings: AgentSettings) -> tuple[grpc.Server | GatedServer, int]:
+    """Plaintext, TLS, or mTLS through a gate that logs refused clients (tpflex_proto.tls)."""
     g = settings.grpc
-    if not g.tls_cert_file:
-        return server.add_insecure_port(g.listen)
-    with open(g.tls_key_file, "rb") as k, open(g.tls_cert_file, "rb") as c:
-        pair = (k.read(), c.read())
-    ca = None
-    if g.client_ca_file:
-        with open(g.client_ca_file, "rb") as f:
-            ca = f.read()
-    creds = grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
-    return server.add_secure_port(g.listen, creds)
+    tls = None
+    if g.tls_cert_file:
+        tls = ServerTls(g.tls_cert_file, g.tls_key_file, g.client_ca_file, frozenset(g.client_names))
+    try:
+        return bind_grpc(server, g.listen, tls, service="agent")
+    except RuntimeError as exc:
+        raise OSError(f"cannot bind gRPC listen address {g.listen}: {exc}") from None
 
 
 def enter_shutdown(core: AgentCore) -> None:

@@ -143,6 +143,19 @@ class _Listener(_Section):
 class GrpcSection(_Listener):
     listen: str = "0.0.0.0:8472"
     client_ca_file: str = Field("", description="require client certificates signed by this CA")
+    client_names: list[str] = Field(
+        default_factory=list, description="with client_ca_file: accepted certificate CNs; empty = any"
+    )
+
+    @field_validator("client_names", mode="before")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        if isinstance(v, str) and v.lstrip().startswith("["):
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON list: {exc}") from exc
+        return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _ca(self) -> GrpcSection:

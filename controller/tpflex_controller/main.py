@@ -20,27 +20,46 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import CollectorRegistry
 from tpflex_proto.etcd import Etcd, EtcdTls
+from tpflex_proto.tls import ServerTls, channel_credentials
 
 from tpflex_controller.election import Elector
 from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.reconcile import Reconciler
-from tpflex_controller.settings import ConfigError, ControllerSettings, load_settings, read_tokens
+from tpflex_controller.settings import ConfigError, ControllerSettings, load_settings
 from tpflex_controller.steps import GoodputCollector, StepStats
 from tpflex_controller.store import Store
 from tpflex_controller.trainer_service import create_grpc_server
 
 log = logging.getLogger("tpflex_controller")
 
+_EPILOG = """\
+configuration: --config FILE (TOML, see deploy/config/controller.toml) or $TPFLEX_CONTROLLER_CONFIG;
+every key can be overridden by TPFLEX_<SECTION>__<KEY> (e.g. TPFLEX_ETCD__ENDPOINTS, lists as
+JSON); precedence: argument > environment > file > default. Unknown keys and bad values exit 2.
+TLS: [rest] tls_cert_file/tls_key_file (HTTPS), [trainer] tls_cert_file/tls_key_file
+(+ client_ca_file: mTLS), [agents] ca_file/cert_file/key_file (mTLS to agents), [etcd]
+ca_file/cert_file/key_file and username/password_file. Secrets are read from files only;
+--print-config prints file paths, never their contents.
+"""
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tpflex-controller", description="tpflex controller replica")
+    p = argparse.ArgumentParser(
+        prog="tpflex-controller",
+        description="tpflex controller replica",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", help="TOML configuration file (see deploy/config/controller.toml)")
     p.add_argument("--name", help="identity in leader election (default: host name + pid)")
     p.add_argument("--etcd", help="etcd endpoints HOST:PORT[,HOST:PORT...]")
     p.add_argument("--lease-ttl-s", dest="lease_ttl_s", type=int, help="leader lease TTL (s)")
     p.add_argument("--rest-listen", dest="rest_listen", help="REST HOST:PORT")
     p.add_argument("--trainer-listen", dest="trainer_listen", help="trainer gRPC HOST:PORT")
-    p.add_argument("--admin-tokens-file", dest="admin_tokens_file")
+    p.add_argument("--admin-tokens-file", dest="admin_tokens_file",
+                   help="file of admin REST tokens, one per line (tokens are never arguments)")
+    p.add_argument("--readonly-tokens-file", dest="readonly_tokens_file",
+                   help="file of read-only REST tokens, one per line")
     p.add_argument("--log-level", dest="log_level")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
     return p
@@ -50,7 +69,11 @@ def _arg_layers(ns: argparse.Namespace) -> dict[str, dict]:
     return {
         "controller": {"name": ns.name, "log_level": ns.log_level},
         "etcd": {"endpoints": ns.etcd, "lease_ttl_s": ns.lease_ttl_s},
-        "rest": {"listen": ns.rest_listen, "admin_tokens_file": ns.admin_tokens_file},
+        "rest": {
+            "listen": ns.rest_listen,
+            "admin_tokens_file": ns.admin_tokens_file,
+            "readonly_tokens_file": ns.readonly_tokens_file,
+        },
         "trainer": {"listen": ns.trainer_listen},
     }
 
@@ -68,25 +91,18 @@ def create_etcd(s: ControllerSettings) -> Etcd:
 
 
 def _agent_credentials(s: ControllerSettings) -> grpc.ChannelCredentials | None:
+    """mTLS towards the agents: trust agents.ca_file, present agents.cert_file."""
     a = s.agents
     if not a.ca_file:
         return None
-    return grpc.ssl_channel_credentials(
-        root_certificates=_read(a.ca_file),
-        private_key=_read(a.key_file) if a.key_file else None,
-        certificate_chain=_read(a.cert_file) if a.cert_file else None,
-    )
+    return channel_credentials(a.ca_file, a.cert_file or None, a.key_file or None)
 
 
-def _trainer_credentials(s: ControllerSettings) -> grpc.ServerCredentials | None:
+def _trainer_tls(s: ControllerSettings) -> ServerTls | None:
     t = s.trainer
     if not t.tls_cert_file:
         return None
-    return grpc.ssl_server_credentials(
-        [(_read(t.tls_key_file), _read(t.tls_cert_file))],
-        root_certificates=_read(t.client_ca_file) if t.client_ca_file else None,
-        require_client_auth=bool(t.client_ca_file),
-    )
+    return ServerTls(t.tls_cert_file, t.tls_key_file, t.client_ca_file, frozenset(t.client_names))
 
 
 @dataclass
@@ -99,10 +115,11 @@ class _Rest:
 def _start_rest(s: ControllerSettings, etcd: Etcd, registry: CollectorRegistry) -> _Rest:
     import uvicorn
 
-    from tpflex_controller.api import ApiDeps, TokenConfig, create_app
+    from tpflex_controller.api import ApiDeps, create_app, load_tokens
 
-    tokens = TokenConfig(
-        admin=read_tokens(s.rest.admin_tokens_file), read_only=read_tokens(s.rest.readonly_tokens_file)
+    r = s.rest
+    tokens = load_tokens(
+        r.admin_tokens_file or None, r.readonly_tokens_file or None, protect_reads=r.protect_reads
     )
     app = create_app(ApiDeps(store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry))
     family = socket.AF_INET6 if ":" in s.rest.host else socket.AF_INET
@@ -158,7 +175,7 @@ class ControllerProcess:
             bind=s.trainer.listen,
             max_workers=s.trainer.max_workers,
             steps=self.steps,
-            credentials=_trainer_credentials(s),
+            tls=_trainer_tls(s),
         )
         self.rest = _start_rest(s, self.etcd, self.registry)
         self.grpc_server.start()
@@ -210,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     try:
         proc.start()
-    except (OSError, ConfigError) as exc:
+    except (OSError, ValueError) as exc:  # ConfigError, TokenFileError, bind errors
         print(f"tpflex-controller: {exc}", file=sys.stderr)
         proc.stop()
         return 2

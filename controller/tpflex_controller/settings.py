@@ -136,6 +136,7 @@ class RestSection(_Listener):
     listen: str = "127.0.0.1:8470"
     admin_tokens_file: str = Field("", description="admin bearer tokens, one per line")
     readonly_tokens_file: str = Field("", description="read-only bearer tokens, one per line")
+    protect_reads: bool = Field(False, description="GETs under /v1 need a token of either scope")
 
     @model_validator(mode="after")
     def _tokens(self) -> RestSection:
@@ -147,7 +148,15 @@ class RestSection(_Listener):
 class TrainerSection(_Listener):
     listen: str = "127.0.0.1:8471"
     client_ca_file: str = ""
+    client_names: list[str] = Field(
+        default_factory=list, description="with client_ca_file: accepted certificate CNs; empty = any"
+    )
     max_workers: int = Field(64, ge=4, le=4096, description="concurrent RPCs incl. plan streams")
+
+    @field_validator("client_names", mode="before")
+    @classmethod
+    def _names(cls, v: Any) -> Any:
+        return [p.strip() for p in v.split(",") if p.strip()] if isinstance(v, str) else v
 
     @model_validator(mode="after")
     def _ca(self) -> TrainerSection:
@@ -194,6 +203,21 @@ class ControllerSettings(_Section):
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     agents: AgentsSection = Field(default_factory=AgentsSection)
     timeouts: TimeoutsSection = Field(default_factory=TimeoutsSection)
+
+    @model_validator(mode="after")
+    def _within_reaction_bound(self) -> ControllerSettings:
+        """A standby takes over within the leader lease TTL + 1 s and a push to an agent
+        gives up after rpc_timeout_s: both must fit in the reaction bound."""
+        bound = self.timeouts.reaction_bound_s
+        if not self.etcd.lease_ttl_s + 1 <= bound:
+            raise ValueError(
+                f"need etcd.lease_ttl_s + 1 <= timeouts.reaction_bound_s, got {self.etcd.lease_ttl_s} + 1 > {bound}"
+            )
+        if not self.agents.rpc_timeout_s < bound:
+            raise ValueError(
+                f"need agents.rpc_timeout_s < timeouts.reaction_bound_s, got {self.agents.rpc_timeout_s} >= {bound}"
+            )
+        return self
 
 
 SECTIONS: dict[str, type[_Section]] = {
@@ -264,26 +288,26 @@ def load_settings(
     file_data = _read_file(path) if path else {}
     arg_data = {s: {k: v for k, v in kv.items() if v is not None} for s, kv in (args or {}).items()}
     _check_keys(arg_data, "command-line arguments")
-    data = _merge(file_data, _from_env(env), arg_data)
+    env_data = _from_env(env)
+    data = _merge(file_data, env_data, arg_data)
     try:
         return ControllerSettings.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ConfigError(f"invalid configuration {where}: {first['msg']}") from None
+        loc = [str(p) for p in first["loc"]]
+        where = ".".join(loc) or "configuration"
+        origin = _origin(loc[:2], path, file_data, env_data, arg_data)
+        raise ConfigError(f"invalid configuration {where} (from {origin}): {first['msg']}") from None
 
 
-def read_tokens(path: str) -> frozenset[str]:
-    """Bearer tokens from a file, one per line; blank lines and '#' comments ignored."""
-    if not path:
-        return frozenset()
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except OSError as exc:
-        raise ConfigError(f"cannot read token file {path}: {exc.strerror}") from exc
-    tokens = {ln.split("#", 1)[0].strip() for ln in lines}
-    tokens.discard("")
-    if any(any(c.isspace() for c in t) for t in tokens):
-        raise ConfigError(f"token file {path}: a token contains whitespace")
-    return frozenset(tokens)
+def _origin(loc: list[str], path: str, *layers: Mapping[str, Mapping[str, Any]]) -> str:
+    """Where the value at ``loc`` ([section, key], [section] or []) came from."""
+    names = (f"config file {path}", "environment", "command-line arguments")
+    found = []
+    for name, layer in zip(names, layers, strict=True):
+        if len(loc) == 2 and loc[1] in layer.get(loc[0], {}):
+            found = [f"environment TPFLEX_{loc[0].upper()}__{loc[1].upper()}" if name == "environment" else name]
+        elif len(loc) < 2 and (not loc and layer or loc and loc[0] in layer):
+            found.append(name)
+    return ", ".join(found) or "defaults"
+

@@ -16,6 +16,7 @@ from concurrent import futures
 import grpc
 from tpflex_proto import codec, controller_pb2, controller_pb2_grpc, keys, types_pb2
 from tpflex_proto.etcd import Cmp, Etcd, EtcdError, EtcdUnavailable, Op
+from tpflex_proto.tls import ServerTls, bind_grpc
 
 from tpflex_controller import convert
 from tpflex_controller.cache import decode_plan
@@ -206,10 +207,11 @@ def create_grpc_server(
     max_workers: int = 64,
     steps: StepStats | None = None,
     clock: Callable[[], float] = time.time,
-    credentials: grpc.ServerCredentials | None = None,
+    tls: ServerTls | None = None,
 ) -> tuple[grpc.Server, int]:
     """A started-not-yet ``grpc.Server`` serving ``Trainer``, bound to ``bind``; returns it
-    and the bound port (``bind`` may use port 0). Call ``server.start()``."""
+    and the bound port (``bind`` may use port 0). Call ``server.start()``. ``tls``: none =
+    plaintext, a certificate = TLS, plus a client CA = mutual TLS (see tpflex_proto.tls)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="trainer-rpc"),
         options=[("grpc.max_send_message_length", 64 << 20)],
@@ -217,10 +219,7 @@ def create_grpc_server(
     servicer = TrainerServicer(etcd, steps=steps or StepStats(), clock=clock)
     controller_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
     try:
-        if credentials is not None:
-            port = server.add_secure_port(bind, credentials)
-        else:
-            port = server.add_insecure_port(bind)
+        server, port = bind_grpc(server, bind, tls, service="trainer")
     except RuntimeError as exc:
         raise OSError(f"cannot bind the trainer gRPC server to {bind}: {exc}") from None
     if port == 0:

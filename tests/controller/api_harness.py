@@ -61,17 +61,21 @@ class ServedApp:
 
 
 def write_token_file(directory: Path) -> Path:
-    path = directory / "tokens.toml"
-    path.write_text(f'admin = ["{ADMIN}"]\nread_only = ["{READER}"]\n')
-    return path
+    """Writes ``admin.tokens`` and ``readonly.tokens`` (one token per line) into
+    ``directory`` and returns the directory, the argument ``make_deps`` takes."""
+    (directory / "admin.tokens").write_text(f"{ADMIN}\n")
+    (directory / "readonly.tokens").write_text(f"# readers\n{READER}\n")
+    return directory
 
 
-def make_deps(etcd: Etcd, token_file: Path) -> ApiDeps:
+def make_deps(etcd: Etcd, token_dir: Path, *, protect_reads: bool = False) -> ApiDeps:
     registry = CollectorRegistry()
     Gauge("tpflex_test_marker", "marker gauge for the /metrics test", registry=registry).set(7)
+    tokens = load_tokens(
+        token_dir / "admin.tokens", token_dir / "readonly.tokens", protect_reads=protect_reads
+    )
     return ApiDeps(
-        store=Store(etcd), etcd=etcd, tokens=load_tokens(token_file), registry=registry,
-        clock=lambda: NOW,
+        store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry, clock=lambda: NOW,
     )
 
 
@@ -87,8 +91,8 @@ class Served:
         return self.app_server.url
 
 
-def serve(etcd: Etcd, token_file: Path) -> Served:
-    app_server = ServedApp(create_app(make_deps(etcd, token_file))).start()
+def serve(etcd: Etcd, token_dir: Path, *, protect_reads: bool = False) -> Served:
+    app_server = ServedApp(create_app(make_deps(etcd, token_dir, protect_reads=protect_reads))).start()
     http = httpx.Client(base_url=app_server.url, timeout=10.0)
     return Served(etcd, Store(etcd), app_server, http)
 

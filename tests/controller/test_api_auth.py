@@ -1,4 +1,4 @@
-"""Token file loading, protected reads, and a bounded fuzz of the live API: client input
+"""Token files (one token per line) loading, protected reads, and a bounded fuzz of the live API: client input
 never gets a 5xx, and every 4xx carries a typed error with a message."""
 
 from __future__ import annotations
@@ -15,30 +15,26 @@ from tests.controller import api_harness as h
 
 
 def test_load_tokens_scopes(tmp_path):
-    path = tmp_path / "t.toml"
-    path.write_text('admin = ["a1", "a2"]\nread_only = ["r1"]\nprotect_reads = true\n')
-    tokens = load_tokens(path)
+    (tmp_path / "admin").write_text("a1\n# a comment\n\n  a2  # trailing comment\n")
+    (tmp_path / "ro").write_text("r1\n")
+    tokens = load_tokens(tmp_path / "admin", tmp_path / "ro", protect_reads=True)
     assert tokens.scope_of("a2") == "admin" and tokens.scope_of("r1") == "read-only"
     assert tokens.scope_of("a") is None and tokens.scope_of("") is None and tokens.protect_reads
+    assert load_tokens().admin == frozenset() and not load_tokens().protect_reads
 
 
-@pytest.mark.parametrize("text,why", [
-    ('admins = ["x"]\n', "unknown key 'admins'"),
-    ('admin = "x"\n', "must be a list of strings"),
-    ('admin = [""]\n', "empty token"),
-    ('admin = ["a b"]\n', "with spaces"),
-    ('admin = ["x"]\nread_only = ["x"]\n', "both admin and read_only"),
-    ('protect_reads = "yes"\n', "true or false"),
-    ("admin = [\n", "not valid TOML"),
+@pytest.mark.parametrize("admin,read_only,why", [
+    ("a b\n", "", "contains whitespace"),
+    ("x\n", "x\n", "both admin and read-only"),
 ])
-def test_bad_token_files_are_refused_with_the_reason(tmp_path, text, why):
-    path = tmp_path / "t.toml"
-    path.write_text(text)
+def test_bad_token_files_are_refused_with_the_reason(tmp_path, admin, read_only, why):
+    (tmp_path / "admin").write_text(admin)
+    (tmp_path / "ro").write_text(read_only)
     with pytest.raises(TokenFileError, match=why) as exc:
-        load_tokens(path)
-    assert str(path) in str(exc.value)
+        load_tokens(tmp_path / "admin", tmp_path / "ro")
+    assert str(tmp_path / "admin") in str(exc.value)
     with pytest.raises(TokenFileError, match="cannot read"):
-        load_tokens(tmp_path / "missing.toml")
+        load_tokens(tmp_path / "missing.tokens")
 
 
 @pytest.fixture(scope="module")
@@ -48,9 +44,7 @@ def served(tmp_path_factory):
     base = tmp_path_factory.mktemp("api-auth")
     cluster = EtcdCluster(1, base / "etcd").start()
     etcd = Etcd(cluster.endpoints, timeout=2.0)
-    token_file = base / "tokens.toml"
-    token_file.write_text(f'admin = ["{h.ADMIN}"]\nread_only = ["{h.READER}"]\nprotect_reads = true\n')
-    served = h.serve(etcd, token_file)
+    served = h.serve(etcd, h.write_token_file(base), protect_reads=True)
     h.seed(served.store)
     try:
         yield served

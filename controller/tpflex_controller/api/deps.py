@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hmac
 import time
-import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,45 +47,39 @@ class TokenConfig:
         return found
 
 
-_TOKEN_KEYS = {"admin", "read_only", "protect_reads"}
-
-
-def load_tokens(path: str | Path) -> TokenConfig:
-    """Read the REST tokens from a TOML file::
-
-        admin = ["<token>", ...]       # may call every endpoint
-        read_only = ["<token>", ...]   # may call GETs only
-        protect_reads = false          # true: GETs need a token too
-
-    Tokens come from a file only, never from the command line.
-    """
+def read_token_file(path: str | Path) -> frozenset[str]:
+    """Bearer tokens from a file, one per line; blank lines and ``#`` comments ignored."""
     p = Path(path)
     try:
-        data = tomllib.loads(p.read_text())
-    except OSError as exc:
-        raise TokenFileError(f"cannot read token file {p}: {exc.strerror or exc}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise TokenFileError(f"token file {p} is not valid TOML: {exc}") from None
-    unknown = sorted(set(data) - _TOKEN_KEYS)
-    if unknown:
-        raise TokenFileError(f"token file {p}: unknown key {unknown[0]!r}; expected {sorted(_TOKEN_KEYS)}")
-    scopes = {name: _token_set(p, name, data.get(name, [])) for name in ("admin", "read_only")}
-    both = scopes["admin"] & scopes["read_only"]
-    if both:
-        raise TokenFileError(f"token file {p}: a token is listed as both admin and read_only")
-    protect = data.get("protect_reads", False)
-    if not isinstance(protect, bool):
-        raise TokenFileError(f"token file {p}: protect_reads must be true or false")
-    return TokenConfig(admin=scopes["admin"], read_only=scopes["read_only"], protect_reads=protect)
-
-
-def _token_set(path: Path, name: str, value: object) -> frozenset[str]:
-    if not isinstance(value, list) or not all(isinstance(t, str) for t in value):
-        raise TokenFileError(f"token file {path}: {name} must be a list of strings")
-    tokens = [t.strip() for t in value]
-    if any(not t or any(c.isspace() for c in t) for t in tokens):
-        raise TokenFileError(f"token file {path}: {name} has an empty token or one with spaces")
+        lines = p.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise TokenFileError(f"cannot read token file {p}: {reason or exc}") from None
+    tokens = {ln.split("#", 1)[0].strip() for ln in lines}
+    tokens.discard("")
+    for t in tokens:
+        if any(c.isspace() for c in t):
+            raise TokenFileError(f"token file {p}: a token contains whitespace")
     return frozenset(tokens)
+
+
+def load_tokens(
+    admin_file: str | Path | None = None,
+    read_only_file: str | Path | None = None,
+    *,
+    protect_reads: bool = False,
+) -> TokenConfig:
+    """The REST tokens, from files only (never the command line), one token per line:
+    ``admin_file`` may call every endpoint, ``read_only_file`` GETs (and dry-run) only.
+    ``protect_reads``: GETs under /v1 need a token of either scope. A token listed in both
+    files is refused (:class:`TokenFileError` naming the files)."""
+    admin = read_token_file(admin_file) if admin_file else frozenset()
+    read_only = read_token_file(read_only_file) if read_only_file else frozenset()
+    if admin & read_only:
+        raise TokenFileError(
+            f"token files {admin_file} and {read_only_file}: a token is both admin and read-only"
+        )
+    return TokenConfig(admin=admin, read_only=read_only, protect_reads=protect_reads)
 
 
 @dataclass
