@@ -31,7 +31,30 @@ class ControlConfig:
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 2.0
     queue_size: int = 1024
+    # TLS to the controller's Trainer service: trust tls_ca_file; present tls_cert_file /
+    # tls_key_file when the controller requires client certificates (trainer.client_ca_file);
+    # tls_server_name overrides the name checked in the controller's certificate.
     tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_server_name: str | None = None
+
+
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _tls(config: ControlConfig) -> tuple[grpc.ChannelCredentials, list[tuple[str, str]]]:
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=_read(config.tls_ca_file),
+        private_key=_read(config.tls_key_file),
+        certificate_chain=_read(config.tls_cert_file),
+    )
+    options = [("grpc.ssl_target_name_override", config.tls_server_name)] if config.tls_server_name else []
+    return creds, options
 
 
 class PlanRejected(ValueError):
@@ -89,9 +112,7 @@ class ControlClient:
         ch = self._channels.get(endpoint)
         if ch is None:
             if self.config.tls_ca_file:
-                with open(self.config.tls_ca_file, "rb") as f:
-                    creds = grpc.ssl_channel_credentials(root_certificates=f.read())
-                ch = grpc.secure_channel(endpoint, creds)
+                ch = grpc.secure_channel(endpoint, *_tls(self.config))
             else:
                 ch = grpc.insecure_channel(endpoint)
             self._channels[endpoint] = ch
