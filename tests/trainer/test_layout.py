@@ -12,6 +12,7 @@ from tpflex_trainer.ntp.errors import LayoutError
 from tpflex_trainer.ntp.layout import (
     JobLayout,
     Member,
+    ReplicaLayout,
     ReplicaPlacement,
     balanced_sizes,
     check_partners,
@@ -173,3 +174,29 @@ def test_partner_unit_mismatch_is_refused():
     with pytest.raises(LayoutError) as err:
         check_partners([("h0.mlp.fc.weight", 8, "h0.mlp.proj.weight_t", 4)])
     assert err.value.code == "partner_unit_mismatch" and "h0.mlp.proj.weight_t" in str(err.value)
+
+
+@settings(max_examples=100, deadline=None)
+@given(counts=unit_counts, plans=st.lists(placements(), min_size=3, max_size=3), data=st.data())
+def test_layouts_after_an_interrupted_reshard(counts, plans, data):
+    """Some members already hold their units of the new layout, others still those of the
+    old one (a unit may be held twice): the next layout is still valid and every needed
+    unit arrives once, from a member that holds it."""
+    old = plan_layout(counts, plans[0], BASE_TP)
+    new = plan_layout(counts, plans[1], BASE_TP, old)
+    reports: dict[Member, object] = {}
+    for m in [*old.members(), *new.members()]:
+        if m.member not in reports or data.draw(st.booleans()):
+            reports[m.member] = m
+    replicas = []
+    for r in sorted({m.replica for m in reports}):
+        members = tuple(sorted((reports[m] for m in reports if m.replica == r), key=lambda x: x.tp_rank))
+        replicas.append(ReplicaLayout(r, 1, members))
+    mixed = JobLayout(BASE_TP, old.families, 0, {}, tuple(replicas))
+    after = plan_layout(counts, plans[2], BASE_TP, mixed)
+    assert_invariants(after, counts)
+    moves = plan_reshard(mixed, after, list(reports))
+    assert not moves.missing
+    assert len({(t.dst, t.family, t.unit) for t in moves.transfers}) == len(moves.transfers)
+    for t in moves.transfers:
+        assert t.family == "_replicated" or t.unit in reports[t.src].units[t.family]

@@ -269,13 +269,17 @@ def _sticky_fill(
     universe: Iterable[int], sizes: Sequence[int], holdings: Sequence[frozenset[int]]
 ) -> list[tuple[int, ...]]:
     """Split ``universe`` into shards with the multiset ``sizes``; shard i keeps as much of
-    holdings[i] as it can (larger sizes go to larger holdings), the rest fills in order."""
+    holdings[i] as it can (larger sizes go to larger holdings; a unit held twice, e.g.
+    after an interrupted reshard, is kept once), the rest fills in order."""
     universe = list(universe)
     allowed = set(universe)
     order = sorted(range(len(holdings)), key=lambda i: (-len(holdings[i] & allowed), i))
     size_of = dict(zip(order, sorted(sizes, reverse=True), strict=True))
-    keep = [sorted(holdings[i] & allowed)[: size_of[i]] for i in range(len(holdings))]
-    taken = {u for k in keep for u in k}
+    keep: list[list[int]] = [[] for _ in holdings]
+    taken: set[int] = set()
+    for i in order:
+        keep[i] = [u for u in sorted(holdings[i] & allowed) if u not in taken][: size_of[i]]
+        taken.update(keep[i])
     pool = [u for u in universe if u not in taken]
     shards = []
     for i, k in enumerate(keep):

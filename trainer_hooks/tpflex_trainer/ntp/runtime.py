@@ -31,6 +31,8 @@ from tpflex_trainer.ntp.groups import GroupCache, NtpGroups, check_world, device
 from tpflex_trainer.ntp.layout import (
     JobLayout,
     Member,
+    MemberLayout,
+    ReplicaLayout,
     ReplicaPlacement,
     plan_layout,
     validate_request,
@@ -192,34 +194,43 @@ class NtpRuntime:
         return 0, 0
 
     def _agree(self) -> tuple[JobLayout | None, list[Member], int]:
-        """Who holds state at the newest step, which step, and the layout they hold it in
-        (sent once, by the lowest such rank). Members left behind by a torn step (the
-        failure hit between members' optimizer updates) count as holding nothing: their
-        units are re-sent from up-to-date holders, or the job rolls back to a checkpoint."""
+        """Who holds state at the newest step, which step, and what each holds. Every
+        member reports its own units, so an interrupted reshard (some members already in
+        the new layout, others still in the old one) is resolved like any other start
+        layout. Members left behind by a torn step (the failure hit between members'
+        optimizer updates) count as holding nothing: their units are re-sent from
+        up-to-date holders, or the job rolls back to a checkpoint."""
         gathered: list = [None] * dist.get_world_size()
         settings = (self.cfg, self.base_tp, self.bucket_bytes)
-        mine = (tuple(self.me), self.state is not None, self.step, self.group_cache.intact(), settings)
-        dist.all_gather_object(gathered, mine)
-        differing = {tuple(m) for m, *_, other in gathered if other != settings}
+        mine = self.layout.member(self.me) if self.layout is not None and self.state is not None else None
+        held = (mine.tp_rank, dict(mine.units)) if mine is not None else None
+        dist.all_gather_object(gathered, (tuple(self.me), held, self.step, self.group_cache.intact(), settings))
+        differing = sorted({tuple(m) for m, *_, other in gathered if other != settings})
         if differing:
             raise PlanError(
-                f"members {sorted(differing)} run another model config, base_tp or bucket size "
-                f"than member {tuple(self.me)}: {[g[-1] for g in gathered]}"
+                f"members {differing} run another model config, base_tp or bucket size than "
+                f"member {tuple(self.me)}: {[g[-1] for g in gathered]}"
             )
         if not all(g[3] for g in gathered):
             self.group_cache.abandon()  # someone lost its groups: everyone builds anew
-        gathered = [g[:3] for g in gathered]
-        steps = {s for _, has, s in gathered if has}
+        steps = {step for _, held, step, *_ in gathered if held is not None}
         if not steps:
             return None, [], 0
         newest = max(steps)
         if len(steps) > 1:
             log.warning("ntp torn step member=%s steps=%s resume_step=%d", tuple(self.me), sorted(steps), newest)
-        holders = [Member(*m) for m, has, s in gathered if has and s == newest]
-        src = next(rank for rank, (_, has, s) in enumerate(gathered) if has and s == newest)
-        box = [self.layout if dist.get_rank() == src else None]
-        dist.broadcast_object_list(box, src=src)
-        return box[0], holders, newest
+        reports = {Member(*m): held for m, held, step, *_ in gathered if held is not None and step == newest}
+        return self._held_layout(reports), list(reports), newest
+
+    def _held_layout(self, reports: Mapping[Member, tuple[int, dict]]) -> JobLayout:
+        """A layout describing what the holders hold (only members and units are used)."""
+        replicas = []
+        for replica in sorted({m.replica for m in reports}):
+            members = sorted((m for m in reports if m.replica == replica), key=lambda m: reports[m][0])
+            layouts = tuple(MemberLayout(m, reports[m][0], False, reports[m][1]) for m in members)
+            replicas.append(ReplicaLayout(replica, 1, layouts))
+        families = tuple(self.cfg.unit_counts().items())
+        return JobLayout(self.base_tp, families, 0, {}, tuple(replicas))
 
     def _teardown(self) -> None:
         if self.sync is not None:
