@@ -250,12 +250,29 @@ class Etcd:
 
     def _call(self, method, request, *, timeout: float | None = None):
         try:
-            return method(request, timeout=timeout or self.timeout, metadata=self._auth_md())
+            try:
+                return method(request, timeout=timeout or self.timeout, metadata=self._auth_md())
+            except grpc.RpcError as exc:
+                if not self._token_rejected(exc):
+                    raise
+                # etcd's auth token expired (auth-token-ttl) or the member restarted:
+                # authenticate again and retry once.
+                return method(request, timeout=timeout or self.timeout, metadata=self._auth_md())
         except grpc.RpcError as exc:
             err = _map_error(exc)
             if isinstance(err, EtcdUnavailable):
                 self._reset_channel()
             raise err from exc
+
+    def _token_rejected(self, exc: grpc.RpcError) -> bool:
+        """True (and the cached token dropped) when etcd refused our auth token."""
+        if self._user is None or not hasattr(exc, "code"):
+            return False
+        if exc.code() != grpc.StatusCode.UNAUTHENTICATED and "invalid auth token" not in (exc.details() or ""):
+            return False
+        with self._token_lock:
+            self._metadata = None
+        return True
 
     def _auth_md(self):
         if self._user is None:
@@ -339,6 +356,7 @@ class Etcd:
             ):
                 return resp.TTL
         except grpc.RpcError as exc:
+            self._token_rejected(exc)  # the next call authenticates again
             err = _map_error(exc)
             if isinstance(err, EtcdUnavailable):
                 self._reset_channel()
@@ -469,6 +487,8 @@ class Watch:
                 if self._stop.is_set():
                     return
                 self.established.clear()
+                if isinstance(exc, grpc.RpcError):
+                    self._client._token_rejected(exc)
                 err = _map_error(exc) if isinstance(exc, grpc.RpcError) else exc
                 if isinstance(err, EtcdUnavailable):
                     self._client._reset_channel()

@@ -1,0 +1,151 @@
+"""The real controller and agent processes with TLS everywhere: etcd over TLS with
+user/password auth, the REST API over HTTPS with admin and read-only tokens, mTLS from the
+controller to the agent (untrusted client certificates refused and logged with the peer),
+and the trainer plan stream over TLS."""
+
+from __future__ import annotations
+
+import re
+import ssl
+import threading
+
+import grpc
+import httpx
+import pytest
+from tpflex_controller import synthetic
+from tpflex_controller.agent_client import AgentPusher, PushResult
+from tpflex_proto import (
+    agent_pb2,
+    agent_pb2_grpc,
+    codec,
+    controller_pb2,
+    controller_pb2_grpc,
+    keys,
+    types_pb2,
+)
+from tpflex_proto.tls import channel_credentials
+from tpflex_trainer.hooks.control import ControlClient, ControlConfig
+
+from tests.security.stack import ADMIN_TOKEN, PASSWORDS, READ_TOKEN, wait_until
+
+REFUSED = re.compile(r"tls client refused service=agent peer=127\.0\.0\.1:(\d+) reason=(.+)")
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def _agent_stub(stack, certs, name: str | None) -> tuple[grpc.Channel, agent_pb2_grpc.AgentStub]:
+    cert = (str(certs / f"{name}.pem"), str(certs / f"{name}-key.pem")) if name else (None, None)
+    creds = channel_credentials(str(stack.certs / "ca.pem"), *cert)
+    ch = grpc.secure_channel(stack.agent_grpc, creds)
+    return ch, agent_pb2_grpc.AgentStub(ch)
+
+
+def _refusals(stack) -> list[tuple[str, str]]:
+    return [m.groups() for m in REFUSED.finditer(stack.agent.output())]
+
+
+def test_agent_registers_through_etcd_tls_auth_and_rest_serves_it_over_https(stack):
+    with stack.http() as http:
+        nodes = wait_until(lambda: http.get("/v1/nodes").json(), 10, "the agent's registration")
+        assert [(n["name"], n["live"], n["gpus"]["total"]) for n in nodes] == [("sec-node-1", True, 2)]
+        assert nodes[0]["agent_address"] == stack.agent_grpc
+        assert http.get("/readyz").status_code == 200  # the controller won the election via etcd
+    with pytest.raises(httpx.HTTPError):  # plain HTTP on the HTTPS port
+        httpx.get(f"http://127.0.0.1:{stack.rest_port}/healthz", timeout=5)
+    untrusting = ssl.create_default_context()  # the system CAs do not include ours
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{stack.rest_url}/healthz", verify=untrusting, timeout=5)
+
+
+def test_token_scopes_on_a_mutating_endpoint(stack):
+    drain = f"/v1/nodes/{stack.agent_node}/gpus/1/drain"
+    body = {"reason": "security test"}
+    with stack.http() as http:
+        wait_until(lambda: http.get("/v1/nodes").json(), 10, "the agent's registration")
+        r = http.post(drain, json=body)
+        assert r.status_code == 401 and "missing bearer token" in r.json()["error"]["message"]
+        assert http.post(drain, json=body, headers=_bearer("wrong-token")).status_code == 401
+        r = http.post(drain, json=body, headers=_bearer(READ_TOKEN))
+        assert r.status_code == 403 and "read-only" in r.json()["error"]["message"]
+        assert http.get(f"/v1/nodes/{stack.agent_node}/gpus/1").json()["drained"] is False
+        r = http.post(drain, json=body, headers=_bearer(ADMIN_TOKEN))
+        assert r.status_code == 202, r.text
+        assert http.get(f"/v1/nodes/{stack.agent_node}/gpus/1").json()["drained"] is True
+        undrain = f"/v1/nodes/{stack.agent_node}/gpus/1/undrain"
+        assert http.post(undrain, headers=_bearer(READ_TOKEN)).status_code == 403
+        assert http.post(undrain, headers=_bearer(ADMIN_TOKEN)).status_code == 202
+
+
+def test_controller_agent_client_pushes_power_plans_over_mtls(stack):
+    results: list[PushResult] = []
+    done = threading.Event()
+
+    def on_result(r: PushResult) -> None:
+        results.append(r)
+        done.set()
+
+    creds = channel_credentials(str(stack.certs / "ca.pem"), str(stack.certs / "controller.pem"),
+                                str(stack.certs / "controller-key.pem"))
+    pusher = AgentPusher(on_result, timeout=5.0, credentials=creds)
+    try:
+        pusher.push(stack.agent_node, stack.agent_grpc, types_pb2.NodePowerPlan(node=stack.agent_node, generation=7))
+        assert done.wait(20), "no push result"
+    finally:
+        pusher.close()
+    assert results[0].ok and results[0].outcome == "APPLIED", results[0]
+
+
+@pytest.mark.parametrize("who,reason", [
+    ("rogue-controller", "CERTIFICATE_VERIFY_FAILED"),  # signed by another CA
+    (None, "CERTIFICATE_REQUIRED|PEER_DID_NOT_RETURN_A_CERTIFICATE"),  # no client certificate
+    ("trainer", "not an allowed client"),  # our CA, but not the controller's CN
+])
+def test_untrusted_clients_are_refused_by_the_agent_and_logged_with_the_peer(stack, rogue_certs, who, reason):
+    certs = rogue_certs if who and who.startswith("rogue") else stack.certs
+    name = who.removeprefix("rogue-") if who else None
+    before = len(_refusals(stack))
+    ch, stub = _agent_stub(stack, certs, name)
+    try:
+        with pytest.raises(grpc.RpcError) as exc:
+            stub.GetDevices(agent_pb2.GetDevicesRequest(), timeout=5)
+        assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        ch.close()
+    new = wait_until(lambda: _refusals(stack)[before:], 10, "the agent's refusal log line")
+    assert re.search(reason, new[0][1]), new
+    ch, stub = _agent_stub(stack, stack.certs, "controller")  # the trusted controller still gets in
+    try:
+        assert stub.GetDevices(agent_pb2.GetDevicesRequest(), timeout=5).node == stack.agent_node
+    finally:
+        ch.close()
+
+
+def test_trainer_plan_stream_over_tls(stack, rogue_certs):
+    etcd = stack.etcd.client(cert="controller", user="tpflex-controller", password=PASSWORDS["tpflex-controller"])
+    try:
+        racks = [synthetic.rack("rk-tls", 2, 2)]
+        synthetic.store_cluster(etcd, racks)
+        spec = synthetic.job("job-tls", ["rk-tls"], racks[0].domain_size)
+        etcd.put(keys.job_spec("job-tls"), codec.encode(spec))
+    finally:
+        etcd.close()
+    endpoint = f"localhost:{stack.trainer_port}"
+    client = ControlClient(ControlConfig(
+        endpoints=(endpoint,), job="job-tls", rank=0, tls_ca_file=str(stack.certs / "ca.pem"),
+    )).start()
+    try:
+        plan = client.wait_for_generation(1, timeout=30)
+        assert plan is not None and plan.job == "job-tls" and plan.generation >= 1
+    finally:
+        client.close()
+    request = controller_pb2.WatchPlanRequest(job="job-tls")
+    for channel in (
+        grpc.insecure_channel(endpoint),  # plaintext to a TLS port
+        grpc.secure_channel(endpoint, channel_credentials(str(rogue_certs / "ca.pem"))),  # wrong CA
+    ):
+        with channel:
+            with pytest.raises(grpc.RpcError) as exc:
+                next(controller_pb2_grpc.TrainerStub(channel).WatchPlan(request, timeout=5))
+            assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
