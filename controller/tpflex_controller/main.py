@@ -49,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
         description="tpflex controller replica",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # "--admin-token SECRET" must not match --admin-tokens-file
     )
     p.add_argument("--config", help="TOML configuration file (see deploy/config/controller.toml)")
     p.add_argument("--name", help="identity in leader election (default: host name + pid)")
