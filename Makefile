@@ -14,6 +14,9 @@ PYTEST_ARGS ?=
 .DEFAULT_GOAL := help
 .PHONY: help install proto test demo bench lint fake-nvml clean
 
+DIST ?= dist
+COMPONENTS := proto controller agent trainer_hooks
+
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
@@ -38,6 +41,13 @@ $(PROTO_OUT): $(PROTO_SRC) | $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto \
 	  --grpc_python_out=proto $(PROTO_SRC)
 	@touch $@
+
+.PHONY: dist
+dist: $(PROTO_OUT) ## build one wheel per component (proto, controller, agent, trainer_hooks) into dist/
+	rm -rf $(DIST) $(addsuffix /build,$(COMPONENTS))
+	$(PIP) wheel -q --no-deps --no-build-isolation -w $(DIST) $(addprefix ./,$(COMPONENTS))
+	rm -rf $(addsuffix /build,$(COMPONENTS))
+	@ls -1 $(DIST)
 
 .PHONY: certs
 certs: ## development CA and TLS certificates in .certs/ (idempotent; TPFLEX_CERT_SANS adds SANs)
