@@ -32,7 +32,7 @@ $(STAMP): $(PYPROJECTS)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -r tests/requirements.txt \
-	  -e 'proto[etcd,dev]' -e 'controller[sim]' -e agent -e trainer_hooks
+	  -e 'proto[etcd,dev]' -e 'controller[sim]' -e agent -e 'trainer_hooks[demo]'
 	@touch $@
 
 proto: $(PROTO_OUT) ## generate protobuf/gRPC code from proto/tpflex_proto/*.proto

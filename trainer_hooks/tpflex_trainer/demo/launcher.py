@@ -1,0 +1,130 @@
+"""The demo's job launcher: hosts the rendezvous store and one process per rank.
+
+Like torchrun's agent it serves the c10d TCPStore the ranks rendezvous on; unlike it,
+it does not restart the whole job when a rank dies: the survivors carry on in-process
+(tpflex hooks), and a process is started for a GPU only when a plan uses that GPU and no
+process runs there (a repaired GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+from tpflex_proto import types_pb2
+
+from tpflex_trainer.hooks.config import write_spec
+
+GpuKey = tuple[str, int]
+
+
+def demo_job_spec(name: str, racks: Sequence[tuple[str, str, int]], local_batch: int,
+                  units: dict[str, int], policy: str = "ntp-pw") -> types_pb2.JobSpec:
+    """One replica per rack (PP 1), ranks = the rack's GPUs in order."""
+    base_tp = racks[0][2]
+    spec = types_pb2.JobSpec(name=name, base_tp=base_tp, min_tp=1, policy=policy,
+                             local_batch=local_batch, global_batch=local_batch * len(racks))
+    for rack, node, gpus in racks:
+        rep = spec.replicas.add()
+        rep.stages.add(rack=rack, ranks=[types_pb2.GpuRef(node=node, index=i) for i in range(gpus)])
+    for family, count in units.items():
+        spec.units.add(name=family, count=count)
+    return spec
+
+
+class JobLauncher:
+    def __init__(self, spec: types_pb2.JobSpec, workdir: Path, store_port: int,
+                 controller: str, steps: int, env: dict[str, str] | None = None) -> None:
+        self.spec, self.workdir, self.steps = spec, workdir, steps
+        self.controller = controller
+        self.extra_env = env or {}
+        self.spec_file = workdir / "job.json"
+        self.out_file = workdir / "steps.jsonl"
+        write_spec(spec, self.spec_file)
+        self.store = dist.TCPStore("127.0.0.1", store_port, is_master=True,
+                                   timeout=timedelta(seconds=60), wait_for_workers=False)
+        self.store_address = f"127.0.0.1:{store_port}"
+        self.procs: dict[GpuKey, subprocess.Popen] = {}
+
+    def gpus(self) -> list[GpuKey]:
+        return [(g.node, g.index) for rep in self.spec.replicas for g in rep.stages[0].ranks]
+
+    def start_rank(self, gpu: GpuKey) -> None:
+        node, index = gpu
+        env = {
+            **os.environ, **self.extra_env,
+            "TPFLEX_CONTROLLER": self.controller, "TPFLEX_JOB": self.spec.name,
+            "TPFLEX_NODE": node, "TPFLEX_GPU": str(index), "TPFLEX_STORE": self.store_address,
+            "TPFLEX_JOB_SPEC": str(self.spec_file), "TPFLEX_DEMO_OUT": str(self.out_file),
+            "TPFLEX_DEMO_STEPS": str(self.steps), "GLOO_SOCKET_IFNAME": "lo",
+            "OMP_NUM_THREADS": "1",
+        }
+        log = open(self.workdir / f"rank-{node}-{index}.log", "ab")
+        self.procs[gpu] = subprocess.Popen(
+            [sys.executable, "-m", "tpflex_trainer.demo.worker"], env=env,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def start_all(self) -> None:
+        for gpu in self.gpus():
+            self.start_rank(gpu)
+
+    def kill_rank(self, gpu: GpuKey) -> None:
+        """The GPU died: its process goes with it, without a goodbye."""
+        proc = self.procs.get(gpu)
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def running(self, gpu: GpuKey) -> bool:
+        proc = self.procs.get(gpu)
+        return proc is not None and proc.poll() is None
+
+    def start_missing(self, plan: types_pb2.Plan) -> list[GpuKey]:
+        """Start a process for every GPU the plan uses that has none (a repaired GPU)."""
+        started = []
+        for rep in plan.replicas:
+            for stage in rep.stages:
+                for g in stage.gpus:
+                    key = (g.node, g.index)
+                    if not self.running(key):
+                        self.start_rank(key)
+                        started.append(key)
+        return started
+
+    def failed_ranks(self) -> dict[GpuKey, int]:
+        """Processes that exited with an error (not killed by us, not finished cleanly)."""
+        return {g: p.returncode for g, p in self.procs.items()
+                if p.poll() is not None and p.returncode not in (0, -signal.SIGKILL)}
+
+    def all_done(self) -> bool:
+        return all(p.poll() is not None for p in self.procs.values())
+
+    def records(self) -> list[dict]:
+        if not self.out_file.exists():
+            return []
+        out = []
+        for line in self.out_file.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a line being written right now
+        return out
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

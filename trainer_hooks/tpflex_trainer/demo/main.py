@@ -1,0 +1,96 @@
+"""`tpflex-demo`: the end-to-end story on this machine, with nothing else to install.
+
+Exit codes: 0 success, 1 the story failed (a phase timed out, parity or a bound broken),
+2 bad usage or the demo's ports are taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tpflex_trainer.demo.cluster import DemoPorts, PortsTaken, new_workdir
+from tpflex_trainer.demo.story import JOB, Story, StoryConfig
+from tpflex_trainer.demo.summary import render, summarize
+
+PARITY_TOLERANCE = 1e-5
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tpflex-demo", description=__doc__.splitlines()[0])
+    p.add_argument("--base-port", type=int, default=DemoPorts.base,
+                   help="first of the loopback ports the demo uses (default %(default)s)")
+    p.add_argument("--steps", type=int, default=160, help="training steps (default %(default)s)")
+    p.add_argument("--fail-at", type=int, default=30, help="step at which the GPU fails")
+    p.add_argument("--repair-at", type=int, default=90, help="step at which it is repaired")
+    p.add_argument("--keep-running", action="store_true",
+                   help="leave etcd, the controller and the agents up afterwards (Ctrl-C stops)")
+    p.add_argument("--workdir", type=Path, help="where logs and data go (default: a temp dir)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    a = p.parse_args(argv)
+    if not 0 < a.fail_at < a.repair_at < a.steps:
+        p.error("need 0 < --fail-at < --repair-at < --steps")
+    if not 1024 <= a.base_port <= 65000:
+        p.error("--base-port must be within 1024..65000")
+    workdir = a.workdir or new_workdir()
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
+
+    story = Story(StoryConfig(workdir=workdir, base_port=a.base_port, steps=a.steps,
+                              fail_at_step=a.fail_at, repair_at_step=a.repair_at), say)
+    try:
+        story.start()
+    except PortsTaken as exc:
+        print(f"tpflex-demo: {exc}", file=sys.stderr)
+        return 2
+    ok = False
+    try:
+        run = story.play()
+        summary = summarize(run)
+        print(render(summary, run), flush=True)
+        ok = summary.parity_max_rel_diff <= PARITY_TOLERANCE and not summary.violations()
+        say(f"done in {time.monotonic() - t0:.1f}s: " + ("SUCCESS" if ok else "FAILED"))
+    except (RuntimeError, TimeoutError, AssertionError) as exc:
+        print(f"tpflex-demo: the story failed: {exc}", file=sys.stderr)
+    finally:
+        if story.launcher is not None:
+            story.launcher.stop()
+        if a.keep_running:
+            _keep_running(story)
+        story.stop()
+        if ok and a.workdir is None and not a.keep_running:
+            shutil.rmtree(workdir, ignore_errors=True)
+        elif not ok:
+            print(f"tpflex-demo: logs kept in {workdir}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def _keep_running(story: Story) -> None:
+    c = story.cluster
+    print(f"""
+services are up (Ctrl-C to stop them):
+  REST:     curl {c.rest_url}/v1/status ; curl {c.rest_url}/v1/jobs/{JOB}/plan
+  metrics:  curl {c.rest_url}/metrics | grep tpflex_
+  agents:   curl http://127.0.0.1:{story.ports.agent_metrics(0)}/metrics
+  tpflexctl --url {c.rest_url} status
+  tpflexctl --url {c.rest_url} --token-file {c.workdir / 'admin.tokens'} drain node-0 1 --reason test
+""", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,211 @@
+"""The demo's story, as a function the CLI, the end-to-end test and the recovery benchmark
+share: train at TP 4+4; a GPU of rack 1 fails (XID 79 through its agent, and its rank's
+process dies with it); the controller re-plans (4+3, rack 1 boosted); the job reshards
+in-process and keeps training; the GPU is repaired and the job returns to 4+4.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, types_pb2
+
+from tpflex_trainer.demo.cluster import DemoCluster, DemoPorts, RackLayout, check_ports_free
+from tpflex_trainer.demo.launcher import JobLauncher, demo_job_spec
+from tpflex_trainer.demo.model import DEMO_MODEL, LOCAL_BATCH
+
+JOB = "demo-gpt"
+RACKS = (RackLayout("rack-0", "node-0", 4), RackLayout("rack-1", "node-1", 4))
+FAILED_GPU = ("node-1", 2)
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class StoryConfig:
+    workdir: Path
+    base_port: int = DemoPorts.base
+    steps: int = 160
+    fail_at_step: int = 30
+    repair_at_step: int = 90
+    policy: str = "ntp-pw"
+    phase_timeout_s: float = 60.0
+    worker_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class StoryRun:
+    """What happened, gathered while the story ran (the summary is computed from it)."""
+
+    t_fail: float = 0.0
+    t_repair: float = 0.0
+    plans: dict[int, types_pb2.Plan] = field(default_factory=dict)
+    events: list[types_pb2.Event] = field(default_factory=list)
+    caps_degraded: dict[int, float] = field(default_factory=dict)  # rack 1 GPU -> applied cap (W)
+    caps_repaired: dict[int, float] = field(default_factory=dict)
+    acks: dict[int, int] = field(default_factory=dict)  # rank -> generation acked
+    records: list[dict] = field(default_factory=list)
+    dp_drop_ratio: float = 0.0
+    ntp_ratio_degraded: float = 0.0
+    started_after_repair: list[tuple[str, int]] = field(default_factory=list)
+    workdir: Path | None = None
+
+
+class Story:
+    def __init__(self, config: StoryConfig, progress: Progress = lambda _: None) -> None:
+        self.config = config
+        self.progress = progress
+        self.ports = DemoPorts(config.base_port)
+        self.cluster = DemoCluster(self.ports, RACKS, config.workdir / "cluster")
+        self.launcher: JobLauncher | None = None
+        self.run = StoryRun(workdir=config.workdir)
+
+    # ------------------------------------------------------------------ phases
+    def start(self) -> None:
+        check_ports_free(self.ports.all(len(RACKS)))
+        self.progress("starting etcd, tpflex-controller and 2 simulated agents (2 racks x 4 GPUs)")
+        self.cluster.start()
+        spec = demo_job_spec(JOB, [(r.name, r.node, r.gpus) for r in RACKS], LOCAL_BATCH,
+                             DEMO_MODEL.unit_counts(), policy=self.config.policy)
+        self.launcher = JobLauncher(spec, self.config.workdir, self.ports.store,
+                                    self.cluster.trainer_endpoint, self.config.steps,
+                                    env=self.config.worker_env)
+        self.progress("starting the training job: 2 replicas x TP 4 = 8 gloo processes")
+        self.launcher.start_all()
+
+    def play(self) -> StoryRun:
+        c = self.config
+        self.wait_step(c.fail_at_step, "training at TP 4+4")
+        self.fail_gpu()
+        self.wait_plan(2)
+        self.wait_generation_training(2)
+        self.run.caps_degraded = self.applied_caps("node-1")
+        self.run.dp_drop_ratio = self.dry_run_ratio("dp-drop")
+        self.run.ntp_ratio_degraded = self.run.plans[2].expected_throughput_ratio
+        self.wait_step(c.repair_at_step, "training at TP 4+3")
+        self.repair_gpu()
+        plan3 = self.wait_plan(3)
+        self.run.started_after_repair = self.launcher.start_missing(plan3)
+        self.wait_generation_training(3)
+        self.run.caps_repaired = self.applied_caps("node-1")
+        self.wait_done()
+        self.collect()
+        return self.run
+
+    def stop(self) -> None:
+        if self.launcher is not None:
+            self.launcher.stop()
+        self.cluster.stop()
+
+    # ------------------------------------------------------------------ actions
+    def fail_gpu(self) -> None:
+        node, index = FAILED_GPU
+        self.progress(f"FAILURE: GPU {node}:{index} falls off the bus (XID 79); its rank dies with it")
+        self.run.t_fail = time.time()
+        self.launcher.kill_rank(FAILED_GPU)
+        self.inject(node, index, "xid79")
+
+    def repair_gpu(self) -> None:
+        node, index = FAILED_GPU
+        self.progress(f"REPAIR: GPU {node}:{index} is back; the launcher starts a process for it")
+        self.run.t_repair = time.time()
+        self.inject(node, index, "recover")
+
+    def inject(self, node: str, index: int, kind: str) -> None:
+        with grpc.insecure_channel(self.cluster.agent_addresses[node]) as ch:
+            agent_pb2_grpc.AgentStub(ch).InjectFault(
+                agent_pb2.InjectFaultRequest(index=index, kind=kind), timeout=5)
+
+    def applied_caps(self, node: str) -> dict[int, float]:
+        with grpc.insecure_channel(self.cluster.agent_addresses[node]) as ch:
+            resp = agent_pb2_grpc.AgentStub(ch).GetDevices(agent_pb2.GetDevicesRequest(), timeout=5)
+        return {g.index: g.power_limit_w for g in resp.gpus}
+
+    def dry_run_ratio(self, policy: str) -> float:
+        req = urllib.request.Request(
+            f"{self.cluster.rest_url}/v1/jobs/{JOB}/dry-run", method="POST",
+            data=json.dumps({"policy": policy}).encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = json.loads(r.read())
+        return float(body["plan"]["expected_throughput_ratio"])
+
+    # ------------------------------------------------------------------ waiting
+    def _until(self, cond: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + self.config.phase_timeout_s
+        last_note = 0.0
+        while not cond():
+            self.cluster.check_alive()
+            failed = self.launcher.failed_ranks() if self.launcher else {}
+            if failed:
+                raise RuntimeError(f"training ranks failed {failed}; logs in {self.config.workdir}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: not within {self.config.phase_timeout_s:.0f}s; "
+                                   f"logs in {self.config.workdir}")
+            if time.monotonic() - last_note > 2.0:
+                last_note = time.monotonic()
+                self.progress(self.status_line())
+            time.sleep(0.05)
+
+    def status_line(self) -> str:
+        steps = [r for r in self.launcher.records() if r["kind"] == "step"]
+        if not steps:
+            return "  waiting for the first step"
+        last = max(steps, key=lambda r: r["step"])
+        recent = sorted({r["step"]: r for r in steps}.values(), key=lambda r: r["t"])[-10:]
+        rate = 0.0
+        if len(recent) > 1 and recent[-1]["t"] > recent[0]["t"]:
+            rate = sum(r["global_batch"] for r in recent[1:]) / (recent[-1]["t"] - recent[0]["t"])
+        degrees = "+".join(map(str, last["degrees"]))
+        return (f"  step {last['step']:4d}  TP {degrees:<5}  generation {last['generation']}  "
+                f"loss {last['loss']:.4f}  {rate:6.1f} samples/s")
+
+    def wait_step(self, step: int, what: str) -> None:
+        self.progress(f"{what} ...")
+        self._until(lambda: any(r["kind"] == "step" and r["step"] >= step
+                                for r in self.launcher.records()), f"{what} until step {step}")
+
+    def wait_plan(self, generation: int) -> types_pb2.Plan:
+        def committed() -> bool:
+            kv = self.cluster.etcd.get(keys.job_plan(JOB))
+            if kv is None:
+                return False
+            plan = codec.decode(types_pb2.Plan, kv.value, kv.key)
+            if plan.generation >= generation:
+                self.run.plans.setdefault(plan.generation, plan)
+                return True
+            return False
+
+        self._until(committed, f"plan generation {generation}")
+        plan = self.run.plans[max(self.run.plans)]
+        degrees = "+".join(str(r.tp_degree) for r in plan.replicas)
+        caps = ", ".join(f"{c.gpu.node}:{c.gpu.index}={c.cap_w:.0f}W" for c in plan.power_caps) or "nominal"
+        self.progress(f"controller committed plan generation {plan.generation}: TP {degrees}, caps {caps}")
+        for reason in plan.reasons:
+            self.progress(f"    reason: {reason}")
+        return plan
+
+    def wait_generation_training(self, generation: int) -> None:
+        self._until(lambda: any(r["kind"] == "step" and r["generation"] >= generation
+                                for r in self.launcher.records()),
+                    f"training at generation {generation}")
+        self.progress(f"job resharded and training again at generation {generation}")
+
+    def wait_done(self) -> None:
+        self.progress(f"training to step {self.config.steps} ...")
+        self._until(self.launcher.all_done, "all ranks finished")
+
+    def collect(self) -> None:
+        etcd = self.cluster.etcd
+        kvs, _ = etcd.get_prefix(keys.EVENTS)
+        self.run.events = [codec.decode(types_pb2.Event, kv.value, kv.key) for kv in kvs]
+        acks, _ = etcd.get_prefix(keys.job_acks(JOB))
+        for kv in acks:
+            ack = codec.decode(types_pb2.Ack, kv.value, kv.key)
+            self.run.acks[ack.rank] = ack.generation
+        self.run.records = self.launcher.records()

@@ -1,0 +1,90 @@
+"""The hooks' configuration: from the environment a launcher sets, or passed in."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from google.protobuf import json_format
+from tpflex_proto import types_pb2
+
+
+class HooksConfigError(ValueError):
+    """A missing or malformed TPFLEX_* setting; the message names it."""
+
+
+@dataclass(frozen=True)
+class HooksConfig:
+    controller: tuple[str, ...]  # controller gRPC endpoints
+    job: str
+    node: str  # this rank's placement: node name and NVML GPU index
+    gpu: int
+    store: str  # HOST:PORT of the launcher's TCPStore (rendezvous)
+    spec_file: str  # the job spec (protobuf JSON) the launcher wrote
+    gpu_uuid: str = ""
+    backend: str = ""  # "" = nccl when CUDA is available, else gloo
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 0  # steps; 0 = never
+    collective_timeout_s: float = 60.0  # above the controller's reaction bound
+    plan_wait_s: float = 30.0  # how long to wait for a plan after a failure / at start
+    tls_ca_file: str = ""
+    extra: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> HooksConfig:
+        env = os.environ if env is None else env
+
+        def need(name: str) -> str:
+            value = env.get(name, "").strip()
+            if not value:
+                raise HooksConfigError(f"{name} is not set (the launcher sets TPFLEX_* for every rank)")
+            return value
+
+        def number(name: str, default: float, kind=float):
+            raw = env.get(name, "").strip()
+            if not raw:
+                return default
+            try:
+                value = kind(raw)
+            except ValueError:
+                raise HooksConfigError(f"{name} must be a number, got {raw!r}") from None
+            if value < 0:
+                raise HooksConfigError(f"{name} must be >= 0, got {raw!r}")
+            return value
+
+        return cls(
+            controller=tuple(e.strip() for e in need("TPFLEX_CONTROLLER").split(",") if e.strip()),
+            job=need("TPFLEX_JOB"),
+            node=need("TPFLEX_NODE"),
+            gpu=int(number("TPFLEX_GPU", -1, int)) if env.get("TPFLEX_GPU") else _missing("TPFLEX_GPU"),
+            store=need("TPFLEX_STORE"),
+            spec_file=need("TPFLEX_JOB_SPEC"),
+            gpu_uuid=env.get("TPFLEX_GPU_UUID", ""),
+            backend=env.get("TPFLEX_BACKEND", ""),
+            checkpoint_dir=env.get("TPFLEX_CHECKPOINT_DIR", ""),
+            checkpoint_every=int(number("TPFLEX_CHECKPOINT_EVERY", 0, int)),
+            collective_timeout_s=number("TPFLEX_COLLECTIVE_TIMEOUT_S", 60.0),
+            plan_wait_s=number("TPFLEX_PLAN_WAIT_S", 30.0),
+            tls_ca_file=env.get("TPFLEX_TLS_CA", ""),
+        )
+
+
+def _missing(name: str):
+    raise HooksConfigError(f"{name} is not set (the launcher sets TPFLEX_* for every rank)")
+
+
+def load_spec(path: str) -> types_pb2.JobSpec:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise HooksConfigError(f"TPFLEX_JOB_SPEC: cannot read {path}: {exc.strerror}") from None
+    try:
+        return json_format.Parse(text, types_pb2.JobSpec())
+    except json_format.ParseError as exc:
+        raise HooksConfigError(f"TPFLEX_JOB_SPEC: {path} is not a JobSpec: {exc}") from None
+
+
+def write_spec(spec: types_pb2.JobSpec, path: str | Path) -> None:
+    Path(path).write_text(json_format.MessageToJson(spec))

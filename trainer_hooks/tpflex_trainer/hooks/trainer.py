@@ -1,0 +1,361 @@
+"""``TpflexHooks``: what a training script adopts to follow the controller's plans.
+
+    hooks = TpflexHooks.from_env(GPTConfig(...))   # TPFLEX_* set by the launcher
+    hooks.start()                                  # register, fetch the plan, build the layout
+    while hooks.step < steps:
+        loss = hooks.train_step(global_batch)      # global_batch(step, samples) -> (tokens, targets)
+    hooks.close()
+
+At each step boundary the active ranks agree (one tiny all-reduce) on the newest plan
+generation any of them has received and apply it together: re-rendezvous, reshard through
+the NTP runtime, ack. When a collective fails because a peer died, the survivors abort
+their process groups at once (so nobody waits for a collective timeout), wait for the
+controller's next plan, re-initialise in-process with the ranks that plan uses, recover
+the lost units from a peer replica (or the checkpoint) and resume from the last step that
+every survivor completed. A process started fresh by a launcher joins the same way: it
+gets the current plan at start-up and receives its units from live peers, or loads the
+latest checkpoint when nobody holds state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tpflex_proto import controller_pb2, types_pb2
+
+from tpflex_trainer.hooks.config import HooksConfig, load_spec
+from tpflex_trainer.hooks.control import ControlClient, ControlConfig, PlanRejected, check_plan
+from tpflex_trainer.hooks.rendezvous import RendezvousAbandoned, connect_store, join_generation
+from tpflex_trainer.ntp.config import GPTConfig
+from tpflex_trainer.ntp.errors import NtpError
+from tpflex_trainer.ntp.layout import Member
+from tpflex_trainer.ntp.optim import AdamSettings
+from tpflex_trainer.ntp.plan_adapter import placements_from_plan
+from tpflex_trainer.ntp.runtime import NtpRuntime, ReshardReport
+
+log = logging.getLogger(__name__)
+
+BatchFn = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class HooksError(RuntimeError):
+    """The job cannot go on here (no plan within the wait, this rank not in the spec)."""
+
+
+@dataclass(frozen=True)
+class AppliedPlan:
+    """One generation as this rank applied it (for logs, tests and the demo's summary)."""
+
+    generation: int
+    tp_degree: int  # of this rank's replica; 0 when idle
+    world_size: int
+    source: str  # live / checkpoint / init / idle
+    step: int  # training resumes from this step
+    reshard_s: float
+    bytes_moved: int
+    peer_units: int
+    after_failure: bool
+    applied_at: float
+
+
+def _spec_ranks(spec: types_pb2.JobSpec) -> list[tuple[Member, tuple[str, int]]]:
+    out = []
+    for r, rep in enumerate(spec.replicas):
+        if len(rep.stages) != 1:
+            raise HooksError(f"replica {r} has {len(rep.stages)} stages; the NTP runtime supports 1")
+        for slot, g in enumerate(rep.stages[0].ranks):
+            out.append((Member(r, slot), (g.node, g.index)))
+    return out
+
+
+class TpflexHooks:
+    def __init__(
+        self,
+        config: HooksConfig,
+        model: GPTConfig,
+        *,
+        spec: types_pb2.JobSpec | None = None,
+        adam: AdamSettings = AdamSettings(),
+        seed: int = 0,
+    ) -> None:
+        self.config = config
+        self.spec = spec if spec is not None else load_spec(config.spec_file)
+        if self.spec.name != config.job:
+            raise HooksError(f"job spec is for {self.spec.name!r}, TPFLEX_JOB is {config.job!r}")
+        ranks = _spec_ranks(self.spec)
+        mine = [(i, m) for i, (m, gpu) in enumerate(ranks) if gpu == (config.node, config.gpu)]
+        if not mine:
+            raise HooksError(f"GPU {config.node}:{config.gpu} is not a rank of job {config.job}")
+        self.rank, self.me = mine[0]
+        self.model_config = model
+        self.runtime = NtpRuntime(
+            model, self.spec.base_tp, self.me, adam=adam, seed=seed,
+            timeout=timedelta(seconds=config.collective_timeout_s),
+        )
+        self.client = ControlClient(ControlConfig(
+            endpoints=config.controller, job=config.job, rank=self.rank,
+            tls_ca_file=config.tls_ca_file or None,
+        ))
+        self.backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.store: dist.Store | None = None
+        self.generation = 0
+        self.plan: types_pb2.Plan | None = None
+        self.world: dict[Member, int] = {}
+        self.history: list[AppliedPlan] = []
+        self.failures = 0
+
+    @classmethod
+    def from_env(cls, model: GPTConfig, **kwargs) -> TpflexHooks:
+        return cls(HooksConfig.from_env(), model, **kwargs)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def step(self) -> int:
+        return self.runtime.step
+
+    @property
+    def active(self) -> bool:
+        return self.runtime.active
+
+    @property
+    def tp_degree(self) -> int:
+        if not self.active or self.runtime.layout is None:
+            return 0
+        return self.runtime.layout.replica(self.me.replica).degree
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> AppliedPlan:
+        """Register the job, wait for its plan, join the job's current layout."""
+        self.client.start()
+        self.store = connect_store(self.config.store, self.config.plan_wait_s)
+        try:
+            self.client.register_job(self.spec)
+        except Exception as exc:  # the plan stream retries on its own; registration is idempotent
+            log.warning("job registration failed job=%s rank=%d error=%s", self.config.job, self.rank, exc)
+        plan = self.client.wait_for_generation(1, self.config.plan_wait_s)
+        if plan is None:
+            raise HooksError(f"no plan for job {self.config.job} from {self.config.controller} "
+                             f"within {self.config.plan_wait_s:.0f}s")
+        return self._enter(plan, mode="join")
+
+    def close(self) -> None:
+        self.client.flush(2.0)
+        self.client.close()
+        self.runtime.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch: BatchFn) -> float | None:
+        """Apply any newer plan, then run one step on this replica's share of
+        ``batch(step, samples)``; returns the global loss, or None while this rank is idle
+        (not in the current plan: it waits for a plan that uses it)."""
+        while True:
+            if not self.active:
+                if not self._wait_until_used():
+                    return None
+                continue
+            failure = ""
+            try:
+                if self._follow_newer_plan():
+                    continue  # a new layout: agree again (newcomers start with the agreement)
+                return self._run_step(batch)
+            except (RuntimeError, dist.DistError) as exc:
+                if isinstance(exc, NtpError | HooksError):
+                    raise
+                failure = f"{type(exc).__name__}: {str(exc)[:300]}"
+            # Outside the except block: the traceback (and the process groups its frames
+            # reference) is gone, so aborting really closes our connections and peers
+            # still blocked on us fail at once instead of at the collective timeout.
+            self._recover(failure)
+
+    def _run_step(self, batch: BatchFn) -> float:
+        layout = self.runtime.layout
+        step = self.step
+        tokens, targets = batch(step, layout.global_batch)
+        offset = 0
+        for rep in layout.replicas:
+            if rep.replica == self.me.replica:
+                break
+            offset += rep.local_batch
+        local = layout.replica(self.me.replica).local_batch
+        t0 = time.perf_counter()
+        loss = self.runtime.train_step(tokens[offset:offset + local], targets[offset:offset + local])
+        seconds = time.perf_counter() - t0
+        self.client.report_step(controller_pb2.StepReport(
+            job=self.config.job, rank=self.rank, replica=self.me.replica, step=step,
+            generation=self.generation, step_seconds=seconds, samples=local,
+            tokens=local * tokens.shape[1], loss=loss, at=time.time(),
+        ))
+        self._maybe_checkpoint()
+        return loss
+
+    # ------------------------------------------------------------------ plans
+    def _follow_newer_plan(self) -> bool:
+        """Step boundary: the active ranks agree on the newest generation any has seen and
+        apply it together; returns whether a plan was applied."""
+        latest = self.client.latest_plan()
+        seen = latest.generation if latest is not None else self.generation
+        from tpflex_trainer.ntp.groups import device_for_backend
+
+        t = torch.tensor([seen], dtype=torch.int64, device=device_for_backend())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        newest = int(t.item())
+        if newest <= self.generation:
+            return False
+        plan = self.client.wait_for_generation(newest, self.config.plan_wait_s)
+        if plan is None or plan.generation < newest:
+            raise HooksError(f"peers have plan generation {newest}, this rank did not receive it")
+        self._enter(plan, mode="transition")
+        return True
+
+    def _wait_until_used(self) -> bool:
+        plan = self.client.wait_for_newer(self.generation, self.config.plan_wait_s)
+        if plan is None:
+            return False
+        self._enter(plan, mode="join")
+        return True
+
+    def _recover(self, failure: str) -> None:
+        """A collective failed: a peer is gone. Abort, wait for the re-plan, rejoin."""
+        self.failures += 1
+        log.warning("collective failed job=%s rank=%d generation=%d step=%d error=%s",
+                    self.config.job, self.rank, self.generation, self.step, failure)
+        self.runtime.abort()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        plan = self.client.wait_for_newer(self.generation, self.config.plan_wait_s)
+        if plan is None:
+            raise HooksError(
+                f"a peer failed at generation {self.generation} and no new plan arrived within "
+                f"{self.config.plan_wait_s:.0f}s: {failure}"
+            )
+        self._enter(plan, mode="failure")
+
+    def _enter(self, plan: types_pb2.Plan, mode: str) -> AppliedPlan:
+        """Join ``plan`` (or a newer one that arrives while waiting for the others)."""
+        while True:
+            try:
+                check_plan(plan, self.config.job, self.generation)
+                placements = placements_from_plan(plan, self.spec)
+            except (PlanRejected, NtpError) as exc:
+                log.warning("plan refused job=%s rank=%d generation=%d reason=%s",
+                            self.config.job, self.rank, plan.generation, exc)
+                newer = self.client.wait_for_newer(plan.generation, self.config.plan_wait_s)
+                if newer is None:
+                    raise HooksError(f"plan generation {plan.generation} refused: {exc}") from exc
+                plan = newer
+                continue
+            members = sorted(Member(p.replica, s) for p in placements for s in p.slots)
+            if self.me not in members and mode != "transition":
+                return self._go_idle(plan, mode)
+            world = self._world_for(members, mode)
+            try:
+                return self._apply(plan, placements, members, world, mode)
+            except RendezvousAbandoned as exc:
+                log.info("rendezvous abandoned job=%s rank=%d reason=%s", self.config.job, self.rank, exc)
+                newer = self.client.wait_for_newer(plan.generation, self.config.plan_wait_s)
+                if newer is None:
+                    raise HooksError(str(exc)) from exc
+                plan = newer
+
+    def _world_for(self, members: list[Member], mode: str) -> dict[Member, int]:
+        """Who takes part in the reshard: the plan's members, plus (on a planned transition)
+        the current members, so that leaving ranks can hand over their units."""
+        everyone = set(members)
+        if mode == "transition":
+            everyone |= set(self.world)
+        elif mode == "join":
+            everyone |= set(self._published_world())
+        return {m: i for i, m in enumerate(sorted(everyone))}
+
+    def _apply(self, plan, placements, members, world, mode) -> AppliedPlan:
+        newer = lambda: (p := self.client.latest_plan()) is not None and p.generation > plan.generation  # noqa: E731
+        self._rendezvous(plan.generation, "", world, newer)
+        t0 = time.perf_counter()
+        if self.runtime.layout is None:
+            report = self.runtime.start(placements, world, self._latest_checkpoint())
+        else:
+            report = self.runtime.apply_plan(placements, world, self._latest_checkpoint())
+        if set(world) != set(members):  # leaving ranks are done: shrink to the plan's members
+            if self.me not in members:
+                return self._go_idle(plan, mode, report)
+            self._rendezvous(plan.generation, "a", {m: i for i, m in enumerate(members)}, newer)
+            self.world = {m: i for i, m in enumerate(members)}
+        else:
+            self.world = world
+        return self._applied(plan, report, mode, time.perf_counter() - t0)
+
+    def _rendezvous(self, generation: int, suffix: str, world, give_up) -> None:
+        join_generation(
+            self.store, self.config.job, generation if not suffix else f"{generation}{suffix}",
+            world, self.me, backend=self.backend,
+            collective_timeout=timedelta(seconds=self.config.collective_timeout_s),
+            give_up=give_up, deadline_s=self.config.plan_wait_s,
+        )
+
+    def _applied(self, plan, report: ReshardReport, mode: str, seconds: float) -> AppliedPlan:
+        self.generation, self.plan = plan.generation, plan
+        if self.world and self.world.get(self.me) == 0:
+            self.store.set(f"tpflex/{self.config.job}/world",
+                           json.dumps({"generation": plan.generation, "members": [list(m) for m in self.world]}))
+        applied = AppliedPlan(
+            generation=plan.generation, tp_degree=self.tp_degree, world_size=len(self.world),
+            source=report.source, step=report.step, reshard_s=seconds, bytes_moved=report.bytes_moved,
+            peer_units=report.peer_units, after_failure=mode == "failure", applied_at=time.time(),
+        )
+        self.history.append(applied)
+        self.client.ack(plan.generation, seconds)
+        log.info("plan applied job=%s rank=%d generation=%d tp=%d source=%s step=%d reshard_s=%.3f",
+                 self.config.job, self.rank, plan.generation, applied.tp_degree, report.source,
+                 report.step, seconds)
+        return applied
+
+    def _go_idle(self, plan, mode: str, report: ReshardReport | None = None) -> AppliedPlan:
+        """This rank's GPU is not in the plan: leave the groups and wait to be used again."""
+        self.runtime.abort()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.generation, self.plan, self.world = plan.generation, plan, {}
+        applied = AppliedPlan(plan.generation, 0, 0, "idle", report.step if report else self.step,
+                              0.0, 0, 0, mode == "failure", time.time())
+        self.history.append(applied)
+        self.client.ack(plan.generation, 0.0)
+        log.info("rank idle job=%s rank=%d generation=%d", self.config.job, self.rank, plan.generation)
+        return applied
+
+    def _published_world(self) -> list[Member]:
+        key = f"tpflex/{self.config.job}/world"
+        if self.store is None or not self.store.check([key]):
+            return []
+        data = json.loads(self.store.get(key))
+        return [Member(*m) for m in data["members"]]
+
+    # ------------------------------------------------------------------ checkpoints
+    def _latest_checkpoint(self) -> str | None:
+        if not self.config.checkpoint_dir:
+            return None
+        pointer = Path(self.config.checkpoint_dir) / "latest"
+        if not pointer.exists():
+            return None
+        path = Path(self.config.checkpoint_dir) / pointer.read_text().strip()
+        return str(path) if path.exists() else None
+
+    def _maybe_checkpoint(self) -> None:
+        every = self.config.checkpoint_every
+        if not (self.config.checkpoint_dir and every and self.step % every == 0):
+            return
+        name = f"step-{self.step:08d}"
+        self.runtime.save_checkpoint(Path(self.config.checkpoint_dir) / name)
+        if self.world.get(self.me) == 0:
+            tmp = Path(self.config.checkpoint_dir) / "latest.tmp"
+            tmp.write_text(name)
+            tmp.replace(Path(self.config.checkpoint_dir) / "latest")
