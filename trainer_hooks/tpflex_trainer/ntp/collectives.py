@@ -30,6 +30,7 @@ class PendingAllReduce:
 
     def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp) -> None:
         self.tensor, self.op = tensor, op
+        self.done = False
         self.work = None
         self.parts: list[torch.Tensor] = []
         if not _direct(tensor, group):
@@ -38,6 +39,10 @@ class PendingAllReduce:
         self.parts, self.works = exchange_start(tensor, group)
 
     def wait(self) -> torch.Tensor:
+        """Idempotent: later calls return the result again."""
+        if self.done:
+            return self.tensor
+        self.done = True
         if self.work is not None:
             self.work.wait()
             return self.tensor

@@ -258,50 +258,63 @@ class GradSync:
         if self.multi and self.mine.core:
             repl_work = PendingAllReduce(self.repl.flat, self.groups.core, dist.ReduceOp.SUM)
         for b in self.buckets:
-            self._launch_post(b)
+            self._launch_post(b, repl_work)
         for b in self.buckets:
             if b.post is not None:
                 b.post.wait()
                 if not self.mine.core:
-                    b.flat.index_copy_(0, b.send_idx, b.post_out)
+                    b.flat.index_copy_(0, b.send_idx, self._unpack_post(b))
         if repl_work is not None:
             repl_work.wait()
-        if self.multi and self.has_extras:
-            self._spread_replicated()
         self.finish_seconds = time.perf_counter() - t0
         return float(self.repl.flat[-1])
 
-    def _spread_replicated(self) -> None:
-        """Core member p sends the reduced replicated gradients to the extras e with
-        e.tp_rank % t_min == p (one all_to_all in the TP group)."""
-        n = self.repl.flat.numel()
-        splits = [0] * self.rep.degree
-        if self.mine.core:
-            for rank in self.repl_peers:
-                splits[rank] = n
-            send = self.repl.flat.repeat(len(self.repl_peers))
-            out = torch.empty(0, dtype=torch.float32, device=self.device)
-            dist.all_to_all_single(out, send, [0] * len(splits), splits, group=self.groups.tp_grad)
-        else:
-            splits[self.repl_peers[0]] = n
-            send = torch.empty(0, dtype=torch.float32, device=self.device)
-            dist.all_to_all_single(self.repl.flat, send, splits, [0] * len(splits), group=self.groups.tp_grad)
+    def _post_splits(self, b: _Bucket) -> list[int]:
+        """Per TP-group rank sizes of a bucket's post-sync move. The last bucket's move also
+        carries the reduced replicated gradients from core p to the extras e with
+        e.tp_rank % t_min == p (``repl_peers``)."""
+        if b is not self.buckets[-1]:
+            return b.splits
+        splits = list(b.splits)
+        for rank in self.repl_peers:
+            splits[rank] += self.repl.flat.numel()
+        return splits
 
-    def _launch_post(self, b: _Bucket) -> None:
+    def _launch_post(self, b: _Bucket, repl_work: PendingAllReduce | None) -> None:
         if b.reduce is not None:
             b.reduce.wait()
         if not (self.multi and self.has_extras):
             return
         zeros = [0] * len(b.splits)
+        splits = self._post_splits(b)
         if self.mine.core:
             b.flat.index_copy_(0, b.f_idx, b.core_buf.index_select(0, b.c_local_idx))
             send = b.core_buf.index_select(0, b.c_recv_idx)
+            if b is self.buckets[-1]:
+                if repl_work is not None:
+                    repl_work.wait()
+                pieces = []
+                for rank, chunk in enumerate(send.split(b.splits)):
+                    pieces += [chunk, self.repl.flat] if rank in self.repl_peers else [chunk]
+                send = torch.cat(pieces)
             b.post_out = torch.empty(0, dtype=torch.float32, device=self.device)
-            b.post = dist.all_to_all_single(b.post_out, send, zeros, b.splits, group=self.groups.tp_grad, async_op=True)
+            b.post = dist.all_to_all_single(b.post_out, send, zeros, splits, group=self.groups.tp_grad, async_op=True)
         else:
-            b.post_out = torch.empty(sum(b.splits), dtype=torch.float32, device=self.device)
+            b.post_out = torch.empty(sum(splits), dtype=torch.float32, device=self.device)
             send = torch.empty(0, dtype=torch.float32, device=self.device)
-            b.post = dist.all_to_all_single(b.post_out, send, b.splits, zeros, group=self.groups.tp_grad, async_op=True)
+            b.post = dist.all_to_all_single(b.post_out, send, splits, zeros, group=self.groups.tp_grad, async_op=True)
+
+    def _unpack_post(self, b: _Bucket) -> torch.Tensor:
+        """An extra's received unit gradients (and, from the last bucket, the replicated
+        gradients, copied into place)."""
+        if b is not self.buckets[-1]:
+            return b.post_out
+        units = []
+        for rank, part in enumerate(b.post_out.split(self._post_splits(b))):
+            units.append(part[: b.splits[rank]])
+            if rank in self.repl_peers:
+                self.repl.flat.copy_(part[b.splits[rank] :])
+        return torch.cat(units)
 
     def pre_sync_bytes(self) -> int:
         """Bytes this member sends in the pre-sync move per step (extras only)."""
