@@ -372,6 +372,12 @@ class Etcd:
 
     # -- maintenance --
 
+    def compact(self, revision: int, *, physical: bool = True) -> None:
+        """Compact the key-value history up to ``revision`` (watches that start before it
+        get a compaction notice and resync)."""
+        req = etcdrpc.CompactionRequest(revision=revision, physical=physical)
+        self._call(self._kv.Compact, req, timeout=max(self.timeout, 10.0))
+
     def status(self) -> etcdrpc.StatusResponse:
         return self._call(self._maint.Status, etcdrpc.StatusRequest())
 
