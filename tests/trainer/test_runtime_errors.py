@@ -12,6 +12,7 @@ from tpflex_trainer.ntp.layout import Member
 from tpflex_trainer.ntp.optim import AdamSettings
 from tpflex_trainer.ntp.runtime import NtpRuntime
 
+from tests.support.ports import free_port
 from tests.trainer.harness import run_workers
 from tests.trainer.scenarios import LR, SEED, global_batch, local_batch
 from tests.trainer.test_parity import CFG, rp
@@ -66,3 +67,31 @@ def _mismatched_members(rank: int, world_size: int) -> str:
 
 def test_members_with_another_model_config_are_refused_on_every_rank():
     assert run_workers(_mismatched_members, 2, timeout_s=60) == {0: "invalid_plan", 1: "invalid_plan"}
+
+
+def _reinit_then_rebind(rank: int, world_size: int, port: int) -> dict:
+    import torch.distributed as dist
+
+    from tests.trainer.harness import init_gloo
+
+    members = [Member(0, 0), Member(0, 1), Member(1, 0), Member(1, 1)]
+    rt = NtpRuntime(CFG, 2, members[rank], adam=AdamSettings(lr=LR), seed=SEED)
+    rt.start((rp(0, (0, 1)), rp(1, (0, 1))), {m: i for i, m in enumerate(members)})
+    rt.train_step(*local_batch(rt, 0))
+    dist.destroy_process_group()
+    order = list(reversed(members))  # new ranks
+    init_gloo(order.index(members[rank]), world_size, port)
+    try:
+        rt.train_step(*local_batch(rt, 1))
+        refused = "accepted"
+    except PlanError as exc:
+        refused = exc.code
+    report = rt.apply_plan(rt.layout.placements(), {m: i for i, m in enumerate(order)})
+    return {"refused": refused, "moved": report.units_moved, "loss": rt.train_step(*local_batch(rt, 1))}
+
+
+def test_groups_are_rebuilt_for_a_reinitialised_default_group():
+    results = run_workers(_reinit_then_rebind, 4, (free_port(),), timeout_s=60)
+    assert {r["refused"] for r in results.values()} == {"invalid_plan"}
+    assert {r["moved"] for r in results.values()} == {0}
+    assert len({r["loss"] for r in results.values()}) == 1

@@ -250,6 +250,11 @@ class NtpRuntime:
         (the same on every active member)."""
         if self.model is None or self.layout is None or self.state is None:
             raise PlanError(f"member {tuple(self.me)} is not active in the current plan")
+        if not self.group_cache.intact():
+            raise PlanError(
+                "the default process group was re-initialised since the last plan: call "
+                "apply_plan(rt.layout.placements(), new_world) to rebuild the groups (moves nothing)"
+            )
         rep = self.layout.replica(self.me.replica)
         if tokens.shape[0] != rep.local_batch or tokens.shape != targets.shape:
             raise PlanError(f"local batch must be {rep.local_batch} samples, got tokens {tuple(tokens.shape)}")
