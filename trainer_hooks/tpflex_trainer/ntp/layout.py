@@ -292,18 +292,27 @@ def _sticky_fill(
 def _match_cores(
     members: list[Member], partitions: Mapping[str, tuple[tuple[int, ...], ...]], held: Held
 ) -> tuple[list[Member], list[Member]]:
-    """Give each core partition the member whose held units overlap it most (greedy)."""
+    """Give each core partition the member whose held units overlap it most (greedy on
+    the non-zero overlaps, then the remaining partitions in order)."""
     t_min = len(next(iter(partitions.values())))
-    pairs = []
-    for p in range(t_min):
-        for i, m in enumerate(members):
-            h = held.get(m, {})
-            w = sum(len(h.get(f, frozenset()) & set(parts[p])) for f, parts in partitions.items())
-            pairs.append((-w, p, i))
+    part_of = {f: {u: p for p, part in enumerate(parts) for u in part} for f, parts in partitions.items()}
+    weight: dict[tuple[int, int], int] = {}
+    for i, m in enumerate(members):
+        for f, units in held.get(m, {}).items():
+            for u in units:
+                p = part_of.get(f, {}).get(u)
+                if p is not None:
+                    weight[(p, i)] = weight.get((p, i), 0) + 1
     cores: list[Member | None] = [None] * t_min
     used: set[int] = set()
-    for _, p, i in sorted(pairs):
+    for (p, i), _ in sorted(weight.items(), key=lambda kv: (-kv[1], kv[0])):
         if cores[p] is None and i not in used:
+            cores[p] = members[i]
+            used.add(i)
+    free = (i for i in range(len(members)) if i not in used)  # lazy: skips later picks too
+    for p in range(t_min):
+        if cores[p] is None:
+            i = next(free)
             cores[p] = members[i]
             used.add(i)
     extras = [m for i, m in enumerate(members) if i not in used]
