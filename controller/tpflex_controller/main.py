@@ -113,7 +113,9 @@ class _Rest:
     port: int
 
 
-def _start_rest(s: ControllerSettings, etcd: Etcd, registry: CollectorRegistry) -> _Rest:
+def _start_rest(
+    s: ControllerSettings, etcd: Etcd, registry: CollectorRegistry, steps: StepStats | None = None
+) -> _Rest:
     import uvicorn
 
     from tpflex_controller.api import ApiDeps, create_app, load_tokens
@@ -122,7 +124,7 @@ def _start_rest(s: ControllerSettings, etcd: Etcd, registry: CollectorRegistry) 
     tokens = load_tokens(
         r.admin_tokens_file or None, r.readonly_tokens_file or None, protect_reads=r.protect_reads
     )
-    app = create_app(ApiDeps(store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry))
+    app = create_app(ApiDeps(store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry, steps=steps))
     family = socket.AF_INET6 if ":" in s.rest.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -178,7 +180,7 @@ class ControllerProcess:
             steps=self.steps,
             tls=_trainer_tls(s),
         )
-        self.rest = _start_rest(s, self.etcd, self.registry)
+        self.rest = _start_rest(s, self.etcd, self.registry, self.steps)
         self.grpc_server.start()
         self.reconciler.start()
         self.elector = Elector(

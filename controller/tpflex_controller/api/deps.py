@@ -22,6 +22,7 @@ from tpflex_proto.etcd import Etcd
 from tpflex_proto.powermodel import PowerModel
 
 from tpflex_controller.api.errors import ApiError, ErrorCode
+from tpflex_controller.steps import StepStats
 from tpflex_controller.store import Store
 
 Clock = Callable[[], float]
@@ -93,6 +94,7 @@ class ApiDeps:
     clock: Clock = time.time
     power_model: PowerModel | None = None  # None = the planner's default table
     planner: Callable | None = field(default=None)  # None = tpflex_controller.planner.plan
+    steps: StepStats | None = None  # trainers' step reports on this replica (goodput)
 
 
 def get_deps(request: Request) -> ApiDeps:

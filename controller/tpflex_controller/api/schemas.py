@@ -194,6 +194,14 @@ class UnitFamilyView(BaseModel):
     count: int
 
 
+class GoodputView(BaseModel):
+    achieved_samples_per_s: float
+    failure_free_samples_per_s: float | None
+    ratio: float | None
+    replicas_reporting: int
+    replicas_seen: int
+
+
 class JobView(BaseModel):
     name: str
     base_tp: int
@@ -209,6 +217,9 @@ class JobView(BaseModel):
     override: JobOverrideView | None
     acks: list[AckView]
     acked_current: int = Field(description="ranks that acked the current plan generation")
+    goodput: GoodputView | None = Field(
+        default=None, description="achieved vs failure-free throughput from the trainers' step "
+        "reports received by this controller replica; null before any report")
 
 
 class PlanHistory(BaseModel):

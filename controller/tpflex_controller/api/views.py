@@ -6,6 +6,7 @@ lease lapsed is failed, a drained GPU is drained unless it has failed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from tpflex_proto import types_pb2
@@ -13,6 +14,7 @@ from tpflex_proto import types_pb2
 from tpflex_controller import convert
 from tpflex_controller.api import schemas as s
 from tpflex_controller.planner.model import ClusterState, GpuKey, GpuStatus
+from tpflex_controller.steps import Goodput
 from tpflex_controller.store import Snapshot
 
 _REPLICA_STATE = {
@@ -172,6 +174,7 @@ def job_view(
     plan: types_pb2.Plan | None,
     override: types_pb2.JobOverride | None,
     acks: dict[int, types_pb2.Ack],
+    goodput: Goodput | None = None,
 ) -> s.JobView:
     policy = spec.policy or "ntp-pw"
     ack_views = [
@@ -186,6 +189,7 @@ def job_view(
         spare_racks=list(spec.spare_racks), global_batch=spec.global_batch, local_batch=spec.local_batch,
         plan=plan_summary(plan) if plan is not None else None, override=override_view(override),
         acks=ack_views, acked_current=sum(a.generation == current for a in ack_views),
+        goodput=s.GoodputView(**dataclasses.asdict(goodput)) if goodput is not None else None,
     )
 
 

@@ -194,6 +194,7 @@ class TpflexHooks:
             job=self.config.job, rank=self.rank, replica=self.me.replica, step=step,
             generation=self.generation, step_seconds=seconds, samples=local,
             tokens=local * tokens.shape[1], loss=loss, at=time.time(),
+            tp_degree=self.tp_degree, base_tp=self.spec.base_tp,
         ))
         self._maybe_checkpoint()
         return loss

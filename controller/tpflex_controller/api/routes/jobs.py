@@ -27,16 +27,22 @@ JobName = Annotated[str, Path(min_length=1, max_length=253)]
 def list_jobs(deps: Deps) -> list[s.JobView]:
     store = deps.store
     return [
-        views.job_view(spec, store.plan(name), store.job_override(name), store.acks(name))
+        views.job_view(spec, store.plan(name), store.job_override(name), store.acks(name),
+                       _goodput(deps, name))
         for name, spec in sorted(store.jobs().items())
     ]
+
+
+def _goodput(deps, job: str):
+    return deps.steps.goodput(job) if deps.steps is not None else None
 
 
 @router.get("/{job}", response_model=s.JobView, summary="One job: spec, plan summary, acks")
 def get_job(job: JobName, deps: Deps) -> s.JobView:
     spec = job_spec(deps.store, job)
     store = deps.store
-    return views.job_view(spec, store.plan(job), store.job_override(job), store.acks(job))
+    return views.job_view(spec, store.plan(job), store.job_override(job), store.acks(job),
+                          _goodput(deps, job))
 
 
 @router.get("/{job}/plan", response_model=s.PlanView, summary="The job's current plan")
