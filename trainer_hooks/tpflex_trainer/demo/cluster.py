@@ -182,15 +182,7 @@ class DemoCluster:
                 raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{tail}")
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process_groups(self.procs.values())
         self.procs.clear()
         if self.etcd is not None:
             self.etcd.close()
@@ -198,6 +190,20 @@ class DemoCluster:
         if self.etcd_server is not None:
             self.etcd_server.stop()
             self.etcd_server = None
+
+
+def stop_process_groups(procs, timeout_s: float = 10.0) -> None:
+    """SIGTERM each process's group (started with start_new_session), SIGKILL stragglers."""
+    procs = list(procs)
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _script(name: str) -> str:

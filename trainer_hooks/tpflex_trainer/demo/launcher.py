@@ -20,6 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 from tpflex_proto import types_pb2
 
+from tpflex_trainer.demo.cluster import stop_process_groups
 from tpflex_trainer.hooks.config import write_spec
 
 GpuKey = tuple[str, int]
@@ -99,6 +100,18 @@ class JobLauncher:
                         started.append(key)
         return started
 
+    def restart_all(self, plan: types_pb2.Plan) -> list[GpuKey]:
+        """A whole-job restart (what torchrun does after a failure): every process is
+        killed, a new rendezvous round opens (a fresh store, so nothing of the old
+        generations is reused) and a fresh process starts for every GPU ``plan`` uses; they
+        get the current plan at start-up and load the latest checkpoint."""
+        for gpu in list(self.procs):
+            self.kill_rank(gpu)
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True,
+                                   timeout=timedelta(seconds=60), wait_for_workers=False)
+        self.store_address = f"127.0.0.1:{self.store.port}"
+        return self.start_missing(plan)
+
     def failed_ranks(self) -> dict[GpuKey, int]:
         """Processes that exited with an error (not killed by us, not finished cleanly)."""
         return {g: p.returncode for g, p in self.procs.items()
@@ -119,12 +132,4 @@ class JobLauncher:
         return out
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop_process_groups(self.procs.values())
