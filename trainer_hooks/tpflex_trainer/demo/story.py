@@ -36,7 +36,15 @@ class StoryConfig:
     repair_at_step: int = 90
     policy: str = "ntp-pw"
     phase_timeout_s: float = 60.0
+    # the workers checkpoint every this many steps into workdir/checkpoints (0 = never): the
+    # fallback when a failure tears a step (survivors at two steps, some units current
+    # only on the dead rank) and what a whole-job restart loads
+    checkpoint_every: int = 10
     worker_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.workdir / "checkpoints"
 
 
 @dataclass
@@ -73,9 +81,13 @@ class Story:
         self.cluster.start()
         spec = demo_job_spec(JOB, [(r.name, r.node, r.gpus) for r in RACKS], LOCAL_BATCH,
                              DEMO_MODEL.unit_counts(), policy=self.config.policy)
+        env = dict(self.config.worker_env)
+        if self.config.checkpoint_every:
+            self.config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            env = {"TPFLEX_CHECKPOINT_DIR": str(self.config.checkpoint_dir),
+                   "TPFLEX_CHECKPOINT_EVERY": str(self.config.checkpoint_every), **env}
         self.launcher = JobLauncher(spec, self.config.workdir, self.ports.store,
-                                    self.cluster.trainer_endpoint, self.config.steps,
-                                    env=self.config.worker_env)
+                                    self.cluster.trainer_endpoint, self.config.steps, env=env)
         self.progress("starting the training job: 2 replicas x TP 4 = 8 gloo processes")
         self.launcher.start_all()
 

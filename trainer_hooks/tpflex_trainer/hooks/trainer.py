@@ -111,6 +111,7 @@ class TpflexHooks:
         self.world: dict[Member, int] = {}
         self.history: list[AppliedPlan] = []
         self.failures = 0
+        self._checkpointed_step = -1
 
     @classmethod
     def from_env(cls, model: GPTConfig, **kwargs) -> TpflexHooks:
@@ -165,6 +166,7 @@ class TpflexHooks:
                 continue
             failure = ""
             try:
+                self._maybe_checkpoint()  # at the step boundary: a failure here loses no step
                 if self._follow_newer_plan():
                     continue  # a new layout: agree again (newcomers start with the agreement)
                 return self._run_step(batch)
@@ -196,7 +198,6 @@ class TpflexHooks:
             tokens=local * tokens.shape[1], loss=loss, at=time.time(),
             tp_degree=self.tp_degree, base_tp=self.spec.base_tp,
         ))
-        self._maybe_checkpoint()
         return loss
 
     # ------------------------------------------------------------------ plans
@@ -305,6 +306,9 @@ class TpflexHooks:
 
     def _applied(self, plan, report: ReshardReport, mode: str, seconds: float) -> AppliedPlan:
         self.generation, self.plan = plan.generation, plan
+        # every member of the new layout (newcomers too) skips the checkpoint of the step it
+        # resumes from, so all of them take the same checkpoints from here on
+        self._checkpointed_step = report.step
         if self.world and self.world.get(self.me) == 0:
             self.store.set(f"tpflex/{self.config.job}/world",
                            json.dumps({"generation": plan.generation, "members": [list(m) for m in self.world]}))
@@ -352,8 +356,12 @@ class TpflexHooks:
 
     def _maybe_checkpoint(self) -> None:
         every = self.config.checkpoint_every
-        if not (self.config.checkpoint_dir and every and self.step % every == 0):
+        step = self.step
+        if not (self.config.checkpoint_dir and every and step and step % every == 0):
             return
+        if step == self._checkpointed_step:
+            return
+        self._checkpointed_step = step
         name = f"step-{self.step:08d}"
         self.runtime.save_checkpoint(Path(self.config.checkpoint_dir) / name)
         if self.world.get(self.me) == 0:

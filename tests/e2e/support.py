@@ -1,0 +1,67 @@
+"""Helpers of the end-to-end tests: free demo port ranges, etcd history, loss parity."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+from tpflex_proto import codec
+from tpflex_proto.etcd import Etcd
+from tpflex_trainer.demo.cluster import DemoPorts, PortsTaken, check_ports_free
+from tpflex_trainer.demo.data import global_batch
+from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_MODEL, DEMO_SEED
+from tpflex_trainer.ntp.reference import reference_losses
+
+N_AGENTS = 2
+
+
+def free_base_port(tries: int = 50) -> int:
+    """A base port whose whole demo range is free, below the ephemeral range (where
+    gloo's and gRPC's client sockets could take a port between the check and the bind)."""
+    rng = random.Random()
+    for _ in range(tries):
+        base = rng.randrange(20000, 32000, 20)
+        try:
+            check_ports_free(DemoPorts(base).all(N_AGENTS))
+            return base
+        except PortsTaken:
+            continue
+    raise RuntimeError("no free demo port range found")
+
+
+def etcd_history(etcd: Etcd, prefix: str, message_type, timeout: float = 10.0) -> list:
+    """Every value ever put under ``prefix`` (decoded), in revision order: a watch from
+    revision 1 replays the history (nothing here compacts etcd)."""
+    kvs, _ = etcd.get_prefix(prefix)
+    last = max((kv.mod_revision for kv in kvs), default=0)
+    events: list = []
+    replayed = threading.Event()
+
+    def collect(batch) -> None:
+        events.extend(batch)
+        if batch[-1].mod_revision >= last:
+            replayed.set()
+
+    watch = etcd.watch_prefix(prefix, collect, start_revision=1)
+    try:
+        if last and not replayed.wait(timeout):
+            raise TimeoutError(f"etcd history of {prefix} not replayed within {timeout}s")
+    finally:
+        watch.cancel()
+    return [codec.decode(message_type, e.value, e.key) for e in events
+            if e.kind == "put" and e.mod_revision <= last]
+
+
+def reference_for(global_batches: dict[int, int]) -> dict[int, float]:
+    """Single-process reference losses for steps 0..max, each step on its global batch
+    (``step -> samples``, as the job ran it)."""
+    steps = sorted(global_batches)
+    assert steps == list(range(len(steps))), f"steps missing: {set(range(steps[-1] + 1)) - set(steps)}"
+    batches = [global_batch(DEMO_MODEL, s, global_batches[s]) for s in steps]
+    losses = reference_losses(DEMO_MODEL, DEMO_SEED, batches, lr=DEMO_ADAM.lr,
+                              betas=DEMO_ADAM.betas, eps=DEMO_ADAM.eps)
+    return dict(zip(steps, losses, strict=True))
+
+
+def rel_diff(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
