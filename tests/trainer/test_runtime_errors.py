@@ -15,7 +15,7 @@ from tpflex_trainer.ntp.runtime import NtpRuntime
 from tests.support.ports import free_port
 from tests.trainer.harness import run_workers
 from tests.trainer.scenarios import LR, SEED, global_batch, local_batch
-from tests.trainer.test_parity import CFG, rp
+from tests.trainer.test_parity import CFG, reference, rp
 
 pytestmark = pytest.mark.slow
 
@@ -69,7 +69,7 @@ def test_members_with_another_model_config_are_refused_on_every_rank():
     assert run_workers(_mismatched_members, 2, timeout_s=60) == {0: "invalid_plan", 1: "invalid_plan"}
 
 
-def _reinit_then_rebind(rank: int, world_size: int, port: int) -> dict:
+def _reinit_then_rebind(rank: int, world_size: int, port: int, port2: int) -> dict:
     import torch.distributed as dist
 
     from tests.trainer.harness import init_gloo
@@ -78,20 +78,21 @@ def _reinit_then_rebind(rank: int, world_size: int, port: int) -> dict:
     rt = NtpRuntime(CFG, 2, members[rank], adam=AdamSettings(lr=LR), seed=SEED)
     rt.start((rp(0, (0, 1)), rp(1, (0, 1))), {m: i for i, m in enumerate(members)})
     rt.train_step(*local_batch(rt, 0))
+    order = list(reversed(members))  # the new default group numbers the ranks differently
     dist.destroy_process_group()
-    order = list(reversed(members))  # new ranks
     init_gloo(order.index(members[rank]), world_size, port)
-    try:
-        rt.train_step(*local_batch(rt, 1))
-        refused = "accepted"
-    except PlanError as exc:
-        refused = exc.code
-    report = rt.apply_plan(rt.layout.placements(), {m: i for i, m in enumerate(order)})
-    return {"refused": refused, "moved": report.units_moved, "loss": rt.train_step(*local_batch(rt, 1))}
+    loss_auto = rt.train_step(*local_batch(rt, 1))  # every member steps: they rebind together
+    dist.destroy_process_group()
+    init_gloo(rank, world_size, port2)
+    report = rt.rebind()  # explicit
+    return {"moved": report.units_moved, "loss_auto": loss_auto, "loss": rt.train_step(*local_batch(rt, 2))}
 
 
 def test_groups_are_rebuilt_for_a_reinitialised_default_group():
-    results = run_workers(_reinit_then_rebind, 4, (free_port(),), timeout_s=60)
-    assert {r["refused"] for r in results.values()} == {"invalid_plan"}
+    results = run_workers(_reinit_then_rebind, 4, (free_port(), free_port()), timeout_s=60)
     assert {r["moved"] for r in results.values()} == {0}
+    assert len({r["loss_auto"] for r in results.values()}) == 1
     assert len({r["loss"] for r in results.values()}) == 1
+    ref = reference(3, lambda s: 4)
+    for r in results.values():
+        assert abs(r["loss_auto"] - ref[1]) <= 1e-5 * ref[1] and abs(r["loss"] - ref[2]) <= 1e-5 * ref[2]

@@ -251,10 +251,7 @@ class NtpRuntime:
         if self.model is None or self.layout is None or self.state is None:
             raise PlanError(f"member {tuple(self.me)} is not active in the current plan")
         if not self.group_cache.intact():
-            raise PlanError(
-                "the default process group was re-initialised since the last plan: call "
-                "apply_plan(rt.layout.placements(), new_world) to rebuild the groups (moves nothing)"
-            )
+            self._rebind_for_step()
         rep = self.layout.replica(self.me.replica)
         if tokens.shape[0] != rep.local_batch or tokens.shape != targets.shape:
             raise PlanError(f"local batch must be {rep.local_batch} samples, got tokens {tuple(tokens.shape)}")
@@ -265,6 +262,29 @@ class NtpRuntime:
         global_loss = self.sync.finish(loss.detach())
         adam_step(self.state, {s.name: p.grad for s, p in self.model.params_in_spec_order()}, self.adam)
         return global_loss
+
+    def rebind(self) -> ReshardReport:
+        """Collective over a re-initialised default group whose processes all hold state in
+        the current layout: rebuild the process groups for it (moves nothing). The world
+        map is learned from the processes themselves."""
+        if self.layout is None:
+            raise PlanError("no layout yet: call start() first")
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, tuple(self.me))
+        return self.apply_plan(self.layout.placements(), {Member(*m): r for r, m in enumerate(gathered)})
+
+    def _rebind_for_step(self) -> None:
+        """``train_step`` found groups of a destroyed default group. When the new default
+        group is exactly the active members (all of them are in ``train_step`` now), they
+        rebind together; otherwise the caller must call ``apply_plan``."""
+        assert self.layout is not None
+        if dist.get_world_size() != len(self.layout.members()):
+            raise PlanError(
+                "the default process group was re-initialised since the last plan and is not "
+                "the plan's members: call apply_plan(placements, new_world) on every process"
+            )
+        log.info("ntp rebinding groups to a re-initialised default group member=%s", tuple(self.me))
+        self.rebind()
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Collective over the active members: replica ``layout.replicas[0]`` writes its
