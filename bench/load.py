@@ -1,0 +1,422 @@
+"""Load: 10,000 simulated nodes on a real etcd against a real ``tpflex-controller`` process.
+
+The nodes live in this process: each has its own etcd lease, kept alive over one
+LeaseKeepAlive stream, a registration and a health record bound to it. An injector fails
+and recovers GPUs at ``--rate`` events per minute (half failures, half recoveries of a
+GPU failed earlier) for ``--minutes``; meanwhile 200 concurrent REST clients read the API.
+Afterwards every committed plan is checked offline against ``tpflex_controller.planner
+.plan``: a decision is right when it equals the planner's output on a state the cluster
+actually passed through since that job's previous decision, and after the run settles
+every job's last plan equals the planner's output on the final state.
+
+Prints one JSON line: ``nodes``, ``decisions_checked``, ``decisions_wrong``,
+``failure_to_commit_p99_ms`` (health write -> the job's next plan seen by a watcher),
+``rss_start_mb`` / ``rss_end_mb`` (controller VmRSS after the first plans / at the end),
+``rest_p99_ms`` (200 concurrent clients), plus the run's parameters and baselines measured
+in the same run (``etcd_put_p99_ms``, ``rest_single_client_p99_ms``).
+
+Default ``--minutes 1`` (the issue's 5 minutes: ``--minutes 5``). Loopback only; every
+process it starts is stopped at the end; bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+from tpflex_controller import convert, synthetic
+from tpflex_controller.cache import decode_plan
+from tpflex_controller.planner import plan as planner_plan
+from tpflex_controller.planner.model import ClusterState, GpuStatus
+from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.etcd import Etcd, Op, etcdrpc
+
+from tests.support.etcd_server import EtcdCluster
+from tests.support.ports import free_ports
+
+NODES_PER_RACK, GPUS_PER_NODE, RACKS_PER_JOB = 18, 4, 32
+LEASE_TTL_S = 60
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, round(q * (len(xs) - 1)))], 2) if xs else -1.0
+
+
+class NodeFleet:
+    """Simulated nodes: leases, registrations, health records; failures injected here."""
+
+    def __init__(self, etcd: Etcd, racks: list[types_pb2.Rack]) -> None:
+        self.etcd = etcd
+        self.node_rack = {n: r.name for r in racks for n in r.nodes}
+        self.leases: dict[str, int] = {}
+        self.failed: dict[str, set[int]] = {n: set() for n in self.node_rack}
+        self.seq = 0
+        self.events: list[tuple[int, float, str, frozenset[int], bool]] = []  # rev, t, node, failed, is_failure
+        self.keepalive_acks = self.expired = 0
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._stop = threading.Event()
+
+    def register(self, batch: int = 64) -> None:
+        nodes = list(self.node_rack)
+        for n in nodes:
+            self.leases[n] = self.etcd.grant_lease(LEASE_TTL_S)
+        for i in range(0, len(nodes), batch):
+            ops = []
+            for n in nodes[i:i + batch]:
+                reg = synthetic.node(n, self.node_rack[n], GPUS_PER_NODE, f"{n}:1")
+                health = synthetic.failed_health(n, GPUS_PER_NODE, set())
+                ops += [Op.put(keys.node(n), codec.encode(reg), self.leases[n]),
+                        Op.put(keys.health(n), codec.encode(health), self.leases[n])]
+            self.etcd.txn([], ops)
+
+    # one LeaseKeepAlive stream for every node (the wrapper's lease stub, one request per lease)
+    def start_keepalive(self) -> None:
+        def requests():
+            while not self._stop.is_set():
+                lease = self._q.get()
+                if lease is None:
+                    return
+                yield etcdrpc.LeaseKeepAliveRequest(ID=lease)
+
+        def responses():
+            try:
+                for resp in self.etcd._lease.LeaseKeepAlive(requests()):
+                    if resp.TTL > 0:
+                        self.keepalive_acks += 1
+                    else:
+                        self.expired += 1
+            except Exception:  # the stream ends when the bench stops
+                pass
+
+        def schedule():
+            period = LEASE_TTL_S / 3
+            while not self._stop.is_set():
+                start = time.monotonic()
+                for lease in self.leases.values():
+                    self._q.put(lease)
+                self._stop.wait(max(0.0, period - (time.monotonic() - start)))
+
+        for fn in (responses, schedule):
+            threading.Thread(target=fn, daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._q.put(None)
+
+    def inject(self, rng: random.Random) -> None:
+        """Fail a healthy GPU, or recover a failed one (about half each)."""
+        down = [n for n, f in self.failed.items() if f] if rng.random() < 0.5 else []
+        if down:
+            node = rng.choice(down)
+            self.failed[node].discard(rng.choice(sorted(self.failed[node])))
+            failure = False
+        else:
+            node = rng.choice(list(self.node_rack))
+            idle = [i for i in range(GPUS_PER_NODE) if i not in self.failed[node]]
+            if not idle:
+                return
+            self.failed[node].add(rng.choice(idle))
+            failure = True
+        self.seq += 1
+        health = synthetic.failed_health(node, GPUS_PER_NODE, self.failed[node], self.seq)
+        t = time.monotonic()
+        rev = self.etcd.put(keys.health(node), codec.encode(health), lease=self.leases[node])
+        self.events.append((rev, t, node, frozenset(self.failed[node]), failure))
+
+
+class PlanLog:
+    """Every plan generation of every job, as an independent watcher sees it."""
+
+    def __init__(self, etcd: Etcd) -> None:
+        self.plans: dict[str, list[tuple[int, float, types_pb2.Plan]]] = {}
+        self.last_arrival = time.monotonic()
+        self._lock = threading.Lock()
+        self._watch = etcd.watch_prefix(keys.JOBS, self._on_events)
+        self._watch.established.wait(10)
+
+    def _on_events(self, events) -> None:
+        now = time.monotonic()
+        for ev in events:
+            split = keys.split_job_key(ev.key)
+            if ev.kind == "put" and split is not None and split[1] == "plan":
+                with self._lock:
+                    self.plans.setdefault(split[0], []).append((ev.mod_revision, now, decode_plan(ev.value, ev.key)))
+                    self.last_arrival = now
+
+    def count(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self.plans.values())
+
+    def close(self) -> None:
+        self._watch.cancel()
+
+
+def _seed(etcd: Etcd, nodes: int) -> tuple[list[types_pb2.Rack], dict[str, types_pb2.JobSpec]]:
+    racks = [synthetic.rack(f"r{i:04d}", NODES_PER_RACK, GPUS_PER_NODE)
+             for i in range((nodes + NODES_PER_RACK - 1) // NODES_PER_RACK)]
+    extra = len(racks) * NODES_PER_RACK - nodes  # trim the last rack to the node count
+    if extra:
+        last = racks[-1]
+        del last.nodes[len(last.nodes) - extra:]
+    for i in range(0, len(racks), 64):
+        etcd.txn([], [Op.put(keys.rack(r.name), codec.encode(r)) for r in racks[i:i + 64]])
+    jobs = {}
+    full = [r for r in racks if len(r.nodes) == NODES_PER_RACK]
+    for j in range(len(full) // RACKS_PER_JOB):
+        names = [r.name for r in full[j * RACKS_PER_JOB:(j + 1) * RACKS_PER_JOB]]
+        spec = synthetic.job(f"job{j:02d}", names, NODES_PER_RACK * GPUS_PER_NODE, min_tp=1)
+        etcd.put(keys.job_spec(spec.name), codec.encode(spec))
+        jobs[spec.name] = spec
+    return racks, jobs
+
+
+def _start_controller(endpoints: list[str], workdir: Path) -> tuple[subprocess.Popen, str]:
+    rest_port, trainer_port = free_ports(2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPFLEX_")}
+    env["TPFLEX_CONTROLLER__FLAP_HOLD_DOWN_S"] = "0"  # every change is a decision to check
+    env["TPFLEX_CONTROLLER__LOG_LEVEL"] = "WARNING"
+    log = open(workdir / "controller.log", "wb")
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "tpflex-controller"), "--name", "load",
+         "--etcd", ",".join(endpoints), "--rest-listen", f"127.0.0.1:{rest_port}",
+         "--trainer-listen", f"127.0.0.1:{trainer_port}"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    return proc, f"http://127.0.0.1:{rest_port}"
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return -1.0
+
+
+async def _rest_load(url: str, paths: list[str], clients: int, per_client: int) -> tuple[list[float], dict]:
+    lat: list[float] = []
+    errors: dict[int, int] = {}
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=30.0, limits=limits) as http:
+        async def client(i: int) -> None:
+            for k in range(per_client):
+                t = time.monotonic()
+                resp = await http.get(paths[(i + k) % len(paths)])
+                lat.append((time.monotonic() - t) * 1000)
+                if resp.status_code >= 400:
+                    errors[resp.status_code] = errors.get(resp.status_code, 0) + 1
+
+        await asyncio.gather(*(client(i) for i in range(clients)))
+    return lat, errors
+
+
+# ---- offline check against the planner ----
+
+
+class DecisionChecker:
+    def __init__(self, racks: list[types_pb2.Rack], jobs: dict[str, types_pb2.JobSpec],
+                 nodes: list[str]) -> None:
+        self.racks = {r.name: convert.rack_info(r) for r in racks}
+        self.live = frozenset(nodes)
+        self.specs = {name: convert.job_spec(spec, self.racks) for name, spec in jobs.items()}
+        self.job_racks = {name: {st.rack for rep in spec.replicas for st in rep.stages}
+                          for name, spec in jobs.items()}
+
+    def expected(self, job: str, failed: dict[str, frozenset[int]]):
+        status = {(n, i): GpuStatus.FAILED for n, idx in failed.items() for i in idx}
+        state = ClusterState(racks=self.racks, gpu_status=status, live_nodes=self.live)
+        return planner_plan(state, self.specs[job])
+
+    def check(self, job: str, plans, events, node_rack: dict[str, str]) -> tuple[int, int]:
+        """(checked, wrong) for one job's plan sequence."""
+        mine = [e for e in events if node_rack[e[2]] in self.job_racks[job]]
+        failed: dict[str, frozenset[int]] = {}
+        checked = wrong = 0
+        k = 0
+        for rev, _, proto in plans:
+            candidates = [dict(failed)]  # the state at the previous decision
+            while k < len(mine) and mine[k][0] < rev:
+                failed[mine[k][2]] = mine[k][3]
+                candidates.append(dict(failed))
+                k += 1
+            decision = convert.plan_from_proto(proto)
+            checked += 1
+            if not any(self.expected(job, c).same_decision(decision) for c in reversed(candidates)):
+                wrong += 1
+        return checked, wrong
+
+    def check_final(self, job: str, plans, events, node_rack: dict[str, str]) -> bool:
+        failed: dict[str, frozenset[int]] = {}
+        for e in events:
+            if node_rack[e[2]] in self.job_racks[job]:
+                failed[e[2]] = e[3]
+        ok = bool(plans) and self.expected(job, failed).same_decision(convert.plan_from_proto(plans[-1][2]))
+        if not ok and os.environ.get("TPFLEX_LOAD_DEBUG"):
+            exp, got = self.expected(job, failed), convert.plan_from_proto(plans[-1][2])
+            print(f"final mismatch job={job} generation={plans[-1][2].generation}", file=sys.stderr)
+            for a, b in zip(exp.replicas, got.replicas, strict=False):
+                if a != b:
+                    print(f"  expected {a}\n  got      {b}", file=sys.stderr)
+            print(f"  caps equal={dict(exp.power_caps) == dict(got.power_caps)} policy {exp.policy} {got.policy}", file=sys.stderr)
+        return ok
+
+
+def _failure_to_commit_ms(log: PlanLog, fleet: NodeFleet, checker: DecisionChecker,
+                          window: tuple[float, float] | None = None, inside: bool = True) -> list[float]:
+    """Per failure write: ms until the next plan of each job it touches; only failures
+    written inside (or outside) ``window`` (monotonic start, end) when given."""
+    out = []
+    for rev, t, node, _, failure in fleet.events:
+        if not failure or (window is not None and (window[0] <= t <= window[1]) != inside):
+            continue
+        jobs = [j for j, rs in checker.job_racks.items() if fleet.node_rack[node] in rs]
+        for j in jobs:
+            nxt = next((arr for r, arr, _ in log.plans.get(j, []) if r > rev), None)
+            if nxt is not None:
+                out.append((nxt - t) * 1000)
+    return out
+
+
+def _rest_into(out: dict, url: str, paths: list[str], args) -> None:
+    out["start"] = time.monotonic()
+    out["lat"], out["errors"] = asyncio.run(_rest_load(url, paths, args.rest_clients, args.rest_requests))
+    out["end"] = time.monotonic()
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.1)
+
+
+def _run(args, workdir: Path) -> dict:
+    rng = random.Random(args.seed)
+    cluster = EtcdCluster(1, workdir / "etcd", ).start()
+    etcd = Etcd(cluster.endpoints, timeout=10.0)
+    procs: list[subprocess.Popen] = []
+    fleet = None
+    try:
+        racks, jobs = _seed(etcd, args.nodes)
+        fleet = NodeFleet(etcd, racks)
+        fleet.register()
+        fleet.start_keepalive()
+        puts = []
+        for _ in range(200):
+            t = time.monotonic()
+            etcd.put("/bench/put", b"x" * 200)
+            puts.append((time.monotonic() - t) * 1000)
+        log = PlanLog(etcd)
+        ctl, url = _start_controller(cluster.endpoints, workdir)
+        procs.append(ctl)
+        _wait(lambda: len(log.plans) == len(jobs), 120, "initial plans")
+        rss_start = _rss_mb(ctl.pid)
+        single = []
+        with httpx.Client(base_url=url, timeout=30) as http:
+            paths = [f"/v1/jobs/{j}/plan" for j in jobs] + [f"/v1/jobs/{j}" for j in jobs]
+            for i in range(50):
+                t = time.monotonic()
+                http.get(paths[i % len(paths)]).raise_for_status()
+                single.append((time.monotonic() - t) * 1000)
+        rest: dict = {}
+        end = time.monotonic() + args.minutes * 60
+        rest_at = time.monotonic() + args.minutes * 60 * 0.5
+        rest_thread = None
+        interval = 60.0 / args.rate
+        nxt = time.monotonic()
+        while time.monotonic() < end:
+            fleet.inject(rng)
+            if rest_thread is None and time.monotonic() >= rest_at:
+                rest_thread = threading.Thread(target=_rest_into, args=(rest, url, paths, args), daemon=True)
+                rest_thread.start()
+            nxt += interval
+            time.sleep(max(0.0, nxt - time.monotonic()))
+        if rest_thread is not None:
+            rest_thread.join(300)
+        last_rev = fleet.events[-1][0] if fleet.events else 0
+        injected_at = time.monotonic()
+        checker = DecisionChecker(racks, jobs, list(fleet.node_rack))
+
+        def settled() -> bool:  # every job at the planner's answer, or 10 s without a plan
+            if time.monotonic() - log.last_arrival > 10.0:
+                return True
+            with log._lock:
+                snapshot = {j: list(v) for j, v in log.plans.items()}
+            return all(checker.check_final(j, snapshot.get(j, []), fleet.events, fleet.node_rack) for j in jobs)
+
+        _wait(settled, 120, "controller settled")
+        settle_ms = (time.monotonic() - injected_at) * 1000
+        rss_end = _rss_mb(ctl.pid)
+        checked = wrong = final_wrong = 0
+        for job in jobs:
+            c, w = checker.check(job, log.plans.get(job, []), fleet.events, fleet.node_rack)
+            checked, wrong = checked + c, wrong + w
+            final_wrong += not checker.check_final(job, log.plans.get(job, []), fleet.events, fleet.node_rack)
+        f2c = _failure_to_commit_ms(log, fleet, checker)
+        window = (rest["start"], rest["end"]) if "end" in rest else None
+        f2c_quiet = _failure_to_commit_ms(log, fleet, checker, window, inside=False)
+        f2c_rest = _failure_to_commit_ms(log, fleet, checker, window, inside=True) if window else []
+        alive = ctl.poll() is None
+        log.close()
+        return {
+            "nodes": args.nodes, "decisions_checked": checked, "decisions_wrong": wrong + final_wrong,
+            "failure_to_commit_p99_ms": _pct(f2c, 0.99), "rss_start_mb": rss_start, "rss_end_mb": rss_end,
+            "rest_p99_ms": _pct(rest.get("lat", []), 0.99),
+            "minutes": args.minutes, "events_per_minute": args.rate, "events": len(fleet.events),
+            "gpus": args.nodes * GPUS_PER_NODE, "racks": len(racks), "jobs": len(jobs),
+            "failure_to_commit_p50_ms": _pct(f2c, 0.5),
+            "failure_to_commit_p99_ms_without_rest_load": _pct(f2c_quiet, 0.99),
+            "failure_to_commit_p99_ms_during_rest_load": _pct(f2c_rest, 0.99),
+            "rest_load_s": round(window[1] - window[0], 1) if window else 0.0, "final_state_wrong": final_wrong,
+            "rest_clients": args.rest_clients, "rest_requests": len(rest.get("lat", [])),
+            "rest_errors": rest.get("errors", {}), "rest_p50_ms": _pct(rest.get("lat", []), 0.5),
+            "rest_single_client_p99_ms": _pct(single, 0.99), "etcd_put_p99_ms": _pct(puts, 0.99),
+            "lease_keepalives": fleet.keepalive_acks, "leases_expired": fleet.expired,
+            "controller_alive": alive, "last_event_revision": last_rev,
+            "settle_after_injection_ms": round(settle_ms, 1),
+        }
+    finally:
+        if fleet is not None:
+            fleet.stop()
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+        etcd.close()
+        cluster.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nodes", type=int, default=10_000)
+    p.add_argument("--minutes", type=float, default=1.0, help="injection time (issue: 5)")
+    p.add_argument("--rate", type=float, default=1000.0, help="GPU failures+recoveries per minute")
+    p.add_argument("--rest-clients", type=int, default=200)
+    p.add_argument("--rest-requests", type=int, default=5, help="GETs per REST client")
+    p.add_argument("--seed", type=int, default=8)
+    args = p.parse_args(argv)
+    if not (1 <= args.nodes <= 20_000 and 0 < args.minutes <= 10 and 0 < args.rate <= 10_000):
+        p.error("need 1 <= nodes <= 20000, 0 < minutes <= 10, 0 < rate <= 10000")
+    with tempfile.TemporaryDirectory(prefix="tpflex-load-") as d:
+        result = _run(args, Path(d))
+    print(json.dumps(result))
+    return 0 if result["decisions_wrong"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
