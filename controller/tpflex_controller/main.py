@@ -133,6 +133,7 @@ def _start_rest(
     except OSError as exc:
         sock.close()
         raise OSError(f"cannot bind the REST API to {s.rest.listen}: {exc.strerror}") from None
+    sock.listen(2048)  # connections queue from now on, not only once uvicorn's loop runs
     config = uvicorn.Config(
         app,
         log_level="warning",

@@ -256,6 +256,14 @@ tls_key_file = "{c}/agent-key.pem"
 """
 
 
+def _healthy(http: httpx.Client, controller: Proc) -> bool:
+    assert controller.proc.poll() is None, f"controller exited: {controller.output()[-2000:]}"
+    try:
+        return http.get("/healthz").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 @dataclass
 class Stack:
     certs: Path
@@ -267,6 +275,7 @@ class Stack:
     agent_node: str
     agent_grpc: str
     agent_metrics_port: int
+    base: Path
     extra: list = field(default_factory=list)
 
     @property
@@ -277,8 +286,17 @@ class Stack:
         ctx = ssl.create_default_context(cafile=str(self.certs / "ca.pem"))
         return httpx.Client(base_url=self.rest_url, verify=ctx, timeout=10)
 
+    def start_agent(self, base: Path, node: str) -> tuple[Proc, str]:
+        """Another agent with the same settings under another node name; (process, gRPC address)."""
+        config = base / f"agent-{node}.toml"
+        config.write_text(agent_toml(self.certs, base / "secrets", self.etcd.endpoint, node))
+        agent = Proc([str(BIN / "tpflex-agent"), "--config", str(config)])
+        self.extra.append(agent)
+        m = agent.wait_line(AGENT_READY, 30)
+        return agent, f"{m.group(2)}:{m.group(3)}"
+
     def stop(self) -> None:
-        for p in (self.agent, self.controller):
+        for p in (*self.extra, self.agent, self.controller):
             p.stop()
         self.etcd.stop()
 
@@ -300,8 +318,11 @@ def start_stack(certs: Path, base: Path) -> Stack:
         procs.append(agent)
         m = agent.wait_line(AGENT_READY, 30)
         controller.wait_line(r"controller started", 30)
-        return Stack(certs, etcd, controller, agent, rest_port, trainer_port, m.group(1),
-                     f"{m.group(2)}:{m.group(3)}", int(m.group(5)))
+        stack = Stack(certs, etcd, controller, agent, rest_port, trainer_port, m.group(1),
+                      f"{m.group(2)}:{m.group(3)}", int(m.group(5)), base)
+        with stack.http() as http:
+            wait_until(lambda: _healthy(http, controller), 30, "the controller's HTTPS /healthz")
+        return stack
     except BaseException:
         for p in procs:
             p.stop()

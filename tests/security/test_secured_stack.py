@@ -88,13 +88,16 @@ def test_controller_agent_client_pushes_power_plans_over_mtls(stack):
 
     creds = channel_credentials(str(stack.certs / "ca.pem"), str(stack.certs / "controller.pem"),
                                 str(stack.certs / "controller-key.pem"))
+    agent, address = stack.start_agent(stack.base, "sec-node-2")  # its own power generations
     pusher = AgentPusher(on_result, timeout=5.0, credentials=creds)
     try:
-        pusher.push(stack.agent_node, stack.agent_grpc, types_pb2.NodePowerPlan(node=stack.agent_node, generation=7))
+        pusher.push("sec-node-2", address, types_pb2.NodePowerPlan(node="sec-node-2", generation=7))
         assert done.wait(20), "no push result"
     finally:
         pusher.close()
+        agent.stop()
     assert results[0].ok and results[0].outcome == "APPLIED", results[0]
+    assert re.search(r"power plan applied node=sec-node-2 generation=7 outcome=APPLIED source=grpc", agent.output())
 
 
 @pytest.mark.parametrize("who,reason", [
@@ -149,3 +152,45 @@ def test_trainer_plan_stream_over_tls(stack, rogue_certs):
             with pytest.raises(grpc.RpcError) as exc:
                 next(controller_pb2_grpc.TrainerStub(channel).WatchPlan(request, timeout=5))
             assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_controller_pushes_power_caps_to_the_agent_over_mtls(stack):
+    """The whole path with TLS on: a job on the agent's rack, a drained GPU, the leader's
+    re-plan boosts the surviving GPU and the controller's push reaches the agent (mTLS)."""
+    ch, agent = _agent_stub(stack, stack.certs, "controller")
+    try:
+        devices = agent.GetDevices(agent_pb2.GetDevicesRequest(), timeout=5).gpus
+        tdp, low, high = devices[0].default_limit_w, devices[0].min_limit_w, devices[0].max_limit_w
+        etcd = stack.etcd.client(cert="controller", user="tpflex-controller",
+                                 password=PASSWORDS["tpflex-controller"])
+        try:
+            own = types_pb2.Rack(name="rack-sec", domain_size=2, power_budget_w=2 * tdp, gpu_tdp_w=tdp,
+                                 gpu_min_w=low, gpu_max_w=high, nodes=[stack.agent_node], gpus_per_node=2)
+            etcd.put(keys.rack("rack-sec"), codec.encode(own))
+            synthetic.store_cluster(etcd, [synthetic.rack("rack-far", 1, 2, tdp_w=tdp, min_w=low, max_w=high)])
+            etcd.put(keys.job_spec("job-e2e"), codec.encode(synthetic.job("job-e2e", ["rack-sec", "rack-far"], 2)))
+        finally:
+            etcd.close()
+        with stack.http() as http:
+            plan = "/v1/jobs/job-e2e/plan"
+            wait_until(lambda: http.get(plan).status_code == 200, 20, "the first plan")
+            r = http.post(f"/v1/nodes/{stack.agent_node}/gpus/1/drain", json={"reason": "e2e"},
+                          headers=_bearer(ADMIN_TOKEN))
+            assert r.status_code == 202, r.text
+            caps = wait_until(lambda: http.get(plan).json().get("power_caps"), 20, "a plan with power caps")
+
+        def boosted():
+            gpus = agent.GetDevices(agent_pb2.GetDevicesRequest(), timeout=5).gpus
+            return gpus[0].power_limit_w > tdp and gpus[0].power_limit_w
+        limit = wait_until(boosted, 20, f"the agent applying the boost cap (plan caps {caps})")
+        assert limit <= high
+        # the controller's own push over mTLS succeeded: only an agent's answer to the push
+        # completes the rollout's power_applied phase (the agent may also have taken the caps
+        # from etcd first; the push then answers ALREADY_APPLIED)
+        phase = re.compile(r'tpflex_reconfiguration_seconds_count\{phase="power_applied"\} ([0-9.]+)')
+        with stack.http() as http:
+            wait_until(lambda: (m := phase.search(http.get("/metrics").text)) and float(m.group(1)) >= 1,
+                       20, "the controller's power_applied phase")
+        assert "agent refused power plan" not in stack.controller.output()
+    finally:
+        ch.close()
