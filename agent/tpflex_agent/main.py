@@ -22,6 +22,16 @@ from .settings import ConfigError, load_settings
 log = logging.getLogger("tpflex_agent")
 EXIT_USAGE = 2
 
+_EPILOG = """\
+configuration: --config FILE (TOML, see deploy/config/agent.toml) or $TPFLEX_AGENT_CONFIG; every
+key can be overridden by TPFLEX_<SECTION>__<KEY> (e.g. TPFLEX_AGENT__RACK, TPFLEX_ETCD__ENDPOINTS);
+precedence: argument > environment > file > default. Unknown keys and bad values exit 2.
+TLS: [grpc] tls_cert_file/tls_key_file (+ client_ca_file: mTLS, refused clients are logged with
+their address; client_names: accepted certificate CNs), [metrics] tls_cert_file/tls_key_file
+(HTTPS), [etcd] ca_file/cert_file/key_file and username/password_file. Secrets are read from
+files only; --print-config prints file paths, never their contents.
+"""
+
 
 # (flag, section, key, type, help)
 _FLAGS = (
@@ -41,7 +51,8 @@ _FLAGS = (
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tpflex-agent", description="tpflex node agent")
+    p = argparse.ArgumentParser(prog="tpflex-agent", description="tpflex node agent", epilog=_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--config", help="TOML configuration file (deploy/config/agent.toml)")
     for flag, section, key, typ, help_ in _FLAGS:
         p.add_argument(flag, dest=f"{section}.{key}", type=typ, help=help_)
