@@ -144,3 +144,44 @@ def test_torn_step_resumes_from_the_newest_holders():
     assert_parity(results, reference(10, lambda s: 4), 10)
     torn = results[0]["reports"][1]
     assert torn["step"] == 6 and torn["peer_units"] > 0
+
+
+def _drain_shrink_and_return(rank: int, world_size: int, port_shrink: int, port_grow: int) -> dict:
+    """The trainer hooks' flow for TP 4+4 -> 4+3 -> 4+4: the leaving member hands over its
+    units, the others continue in a smaller default group (groups rebound by train_step),
+    and the returning member (stale state) rejoins through a new default group."""
+    import torch.distributed as dist
+    from tpflex_trainer.ntp.optim import AdamSettings
+    from tpflex_trainer.ntp.runtime import NtpRuntime
+
+    from tests.trainer.harness import init_gloo
+    from tests.trainer.scenarios import local_batch
+
+    full, drained = (rp(0, range(4)), rp(1, range(4))), (rp(0, range(4)), rp(1, range(3)))
+    everyone = list(members_of(*full))
+    me = everyone[rank]
+    leaving = Member(1, 3)
+    rt = NtpRuntime(CFG, 4, me, adam=AdamSettings(lr=LR), seed=SEED)
+    rt.start(full, {m: i for i, m in enumerate(everyone)})
+    losses = {}
+    for step in range(12):
+        if step == 4:
+            rt.apply_plan(drained, {m: i for i, m in enumerate(everyone)})
+            dist.destroy_process_group()
+            if me != leaving:
+                init_gloo(everyone.index(me) - (everyone.index(me) > everyone.index(leaving)), 7, port_shrink)
+        if step == 8:
+            if me != leaving:
+                dist.destroy_process_group()
+            init_gloo(rank, 8, port_grow)
+            report = rt.apply_plan(full, {m: i for i, m in enumerate(everyone)})
+        if rt.active and dist.is_initialized():
+            losses[step] = rt.train_step(*local_batch(rt, step))
+    return {"member": tuple(me), "losses": losses, "back": report.source, "moved": report.units_moved}
+
+
+def test_drain_to_a_smaller_default_group_and_back():
+    results = run_workers(_drain_shrink_and_return, 8, (free_port(), free_port()), timeout_s=60)
+    assert_parity(results, reference(12, lambda s: 4), 12)
+    assert set(results[7]["losses"]) == set(range(4)) | set(range(8, 12))
+    assert results[0]["back"] == "live" and results[0]["moved"] > 0
