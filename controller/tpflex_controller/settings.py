@@ -295,9 +295,9 @@ def load_settings(
     except ValidationError as exc:
         first = exc.errors()[0]
         loc = [str(p) for p in first["loc"]]
-        where = ".".join(loc) or "configuration"
+        where = " " + ".".join(loc) if loc else ""
         origin = _origin(loc[:2], path, file_data, env_data, arg_data)
-        raise ConfigError(f"invalid configuration {where} (from {origin}): {first['msg']}") from None
+        raise ConfigError(f"invalid configuration{where} (from {origin}): {first['msg']}") from None
 
 
 def _origin(loc: list[str], path: str, *layers: Mapping[str, Mapping[str, Any]]) -> str:
@@ -307,7 +307,7 @@ def _origin(loc: list[str], path: str, *layers: Mapping[str, Mapping[str, Any]])
     for name, layer in zip(names, layers, strict=True):
         if len(loc) == 2 and loc[1] in layer.get(loc[0], {}):
             found = [f"environment TPFLEX_{loc[0].upper()}__{loc[1].upper()}" if name == "environment" else name]
-        elif len(loc) < 2 and (not loc and layer or loc and loc[0] in layer):
+        elif len(loc) < 2 and any(v for sec, v in layer.items() if not loc or sec == loc[0]):
             found.append(name)
     return ", ".join(found) or "defaults"
 
