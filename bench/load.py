@@ -205,16 +205,19 @@ def _rss_mb(pid: int) -> float:
 
 async def _rest_load(url: str, paths: list[str], clients: int, per_client: int) -> tuple[list[float], dict]:
     lat: list[float] = []
-    errors: dict[int, int] = {}
+    errors: dict = {}
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=30.0, limits=limits) as http:
         async def client(i: int) -> None:
             for k in range(per_client):
                 t = time.monotonic()
-                resp = await http.get(paths[(i + k) % len(paths)])
+                try:
+                    status = (await http.get(paths[(i + k) % len(paths)])).status_code
+                except httpx.HTTPError as exc:  # a timeout counts, with its latency
+                    status = type(exc).__name__
                 lat.append((time.monotonic() - t) * 1000)
-                if resp.status_code >= 400:
-                    errors[resp.status_code] = errors.get(resp.status_code, 0) + 1
+                if status != 200:
+                    errors[status] = errors.get(status, 0) + 1
 
         await asyncio.gather(*(client(i) for i in range(clients)))
     return lat, errors
@@ -238,21 +241,34 @@ class DecisionChecker:
         return planner_plan(state, self.specs[job])
 
     def check(self, job: str, plans, events, node_rack: dict[str, str]) -> tuple[int, int]:
-        """(checked, wrong) for one job's plan sequence."""
+        """(checked, wrong) for one job's plan sequence.
+
+        ``states[k]`` is the job's failed set after its k-th health event. The controller's
+        view only moves forward, so decision i must equal the planner's output on some
+        ``states[k]`` with ``lower <= k <= upper``: ``lower`` the state that matched the
+        previous decision, ``upper`` the last event written before decision i's commit."""
         mine = [e for e in events if node_rack[e[2]] in self.job_racks[job]]
-        failed: dict[str, frozenset[int]] = {}
-        checked = wrong = 0
-        k = 0
+        states: list[dict[str, frozenset[int]]] = [{}]
+        for e in mine:
+            states.append({**states[-1], e[2]: e[3]})
+        checked = wrong = lower = upper = 0
         for rev, _, proto in plans:
-            candidates = [dict(failed)]  # the state at the previous decision
-            while k < len(mine) and mine[k][0] < rev:
-                failed[mine[k][2]] = mine[k][3]
-                candidates.append(dict(failed))
-                k += 1
+            while upper < len(mine) and mine[upper][0] < rev:
+                upper += 1
             decision = convert.plan_from_proto(proto)
             checked += 1
-            if not any(self.expected(job, c).same_decision(decision) for c in reversed(candidates)):
-                wrong += 1
+            match = next((k for k in range(upper, lower - 1, -1)
+                          if self.expected(job, states[k]).same_decision(decision)), None)
+            if match is not None:
+                lower = match
+                continue
+            wrong += 1
+            if os.environ.get("TPFLEX_LOAD_DEBUG"):
+                exp = self.expected(job, states[upper])
+                diff = [(a.index, a.tp_degree, b.tp_degree)
+                        for a, b in zip(exp.replicas, decision.replicas, strict=False) if a != b]
+                print(f"wrong decision job={job} generation={proto.generation} cause={proto.cause} "
+                      f"rev={rev} states={lower}..{upper} replica_diffs={diff[:5]}", file=sys.stderr)
         return checked, wrong
 
     def check_final(self, job: str, plans, events, node_rack: dict[str, str]) -> bool:
@@ -329,6 +345,11 @@ def _run(args, workdir: Path) -> dict:
                 t = time.monotonic()
                 http.get(paths[i % len(paths)]).raise_for_status()
                 single.append((time.monotonic() - t) * 1000)
+            node_get = []
+            for n in list(fleet.node_rack)[:5]:  # a one-node read (builds the whole snapshot)
+                t = time.monotonic()
+                http.get(f"/v1/nodes/{n}").raise_for_status()
+                node_get.append((time.monotonic() - t) * 1000)
         rest: dict = {}
         end = time.monotonic() + args.minutes * 60
         rest_at = time.monotonic() + args.minutes * 60 * 0.5
@@ -381,7 +402,8 @@ def _run(args, workdir: Path) -> dict:
             "rest_load_s": round(window[1] - window[0], 1) if window else 0.0, "final_state_wrong": final_wrong,
             "rest_clients": args.rest_clients, "rest_requests": len(rest.get("lat", [])),
             "rest_errors": rest.get("errors", {}), "rest_p50_ms": _pct(rest.get("lat", []), 0.5),
-            "rest_single_client_p99_ms": _pct(single, 0.99), "etcd_put_p99_ms": _pct(puts, 0.99),
+            "rest_single_client_p99_ms": _pct(single, 0.99),
+            "rest_node_get_p50_ms": _pct(node_get, 0.5), "etcd_put_p99_ms": _pct(puts, 0.99),
             "lease_keepalives": fleet.keepalive_acks, "leases_expired": fleet.expired,
             "controller_alive": alive, "last_event_revision": last_rev,
             "settle_after_injection_ms": round(settle_ms, 1),
