@@ -230,6 +230,8 @@ class ClusterView:
     def attach_damper(self, damper: FlapDamper, clock: Callable[[], float]) -> Dirty:
         """Use ``damper`` from here on; re-fold the nodes it holds GPUs of."""
         self.damper, self.damper_clock = damper, clock
+        for gpu in damper.tracked():  # a fresh view has not seen these GPUs fail
+            self._node_health_keys.setdefault(gpu[0], set()).add(gpu)
         return self.refold_health({gpu[0] for gpu in damper.tracked()})
 
     def release_held(self) -> Dirty:

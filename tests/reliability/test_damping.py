@@ -120,3 +120,62 @@ def test_never_reports_healthy_while_reported_failed_and_always_releases(events,
             assert d.phase(GPU) is Phase.HELD and d.next_release() <= t + 8 * base
     d.release_due(t + 8 * base)  # liveness: every hold-down ends by the cap
     assert d.phase(GPU) is not Phase.HELD
+
+
+# ---- wired into the controller's view (pure: folds of etcd values, synthetic clock) ----
+
+
+def _view(hold: float, clock):
+    from tpflex_controller import synthetic
+    from tpflex_controller.cache import ClusterView
+    from tpflex_proto import codec, keys
+
+    view = ClusterView()
+    view.damper, view.damper_clock = FlapDamper(hold), clock
+    rack = synthetic.rack("rack0", 2, 2)
+    view.fold("put", keys.rack("rack0"), codec.encode(rack), 1)
+    for n in rack.nodes:
+        view.fold("put", keys.node(n), codec.encode(synthetic.node(n, "rack0", 2)), 2)
+    view.fold("put", keys.job_spec("job1"), codec.encode(synthetic.job("job1", ["rack0"], 4)), 3)
+    return view
+
+
+def _health(view, failed: set[int], rev: int):
+    from tpflex_controller import synthetic
+    from tpflex_proto import codec, keys
+
+    return view.fold("put", keys.health("rack0-n00"), codec.encode(synthetic.failed_health("rack0-n00", 2, failed, rev)), rev)
+
+
+def test_view_holds_a_recovered_gpu_until_the_hold_down_ends():
+    from tpflex_controller.planner.model import GpuStatus
+
+    now = [100.0]
+    view = _view(5.0, lambda: now[0])
+    assert _health(view, {1}, 10) == [("job1", "gpu_failed")]
+    now[0] = 101.0
+    assert _health(view, set(), 11) == []  # reported healthy, still held: no re-plan
+    assert view.gpu_status[("rack0-n00", 1)] is GpuStatus.FAILED
+    now[0] = 105.9
+    assert view.release_held() == []
+    now[0] = 106.0
+    assert view.release_held() == [("job1", "gpu_recovered")]
+    assert ("rack0-n00", 1) not in view.gpu_status
+
+
+def test_a_re_read_view_keeps_held_gpus_held():
+    from tpflex_controller.cache import ClusterView
+    from tpflex_controller.planner.model import GpuStatus
+    from tpflex_proto import keys
+
+    now = [0.0]
+    view = _view(5.0, lambda: now[0])
+    _health(view, {0}, 10)
+    _health(view, set(), 11)
+    fresh = ClusterView()  # what load_view builds: folded without the damper
+    for key, value in ((keys.rack("rack0"), view.snap.racks["rack0"].SerializeToString()),
+                       (keys.health("rack0-n00"), view.snap.health["rack0-n00"].SerializeToString())):
+        fresh.fold("put", key, value, 12)
+    assert ("rack0-n00", 0) not in fresh.gpu_status
+    fresh.attach_damper(view.damper, lambda: now[0])
+    assert fresh.gpu_status[("rack0-n00", 0)] is GpuStatus.FAILED
