@@ -52,10 +52,12 @@ def _event_phases(run: StoryRun, generation: int, since: float) -> dict[str, flo
 
 
 def _step_table(run: StoryRun) -> dict[int, dict]:
-    """step -> its first record (every active rank reports the same global loss)."""
+    """step -> its last record (every active rank reports the same global loss). The last:
+    a step re-run after a roll-back to a checkpoint (a torn step) may have run at another
+    global batch the first time, and the job's trajectory is the re-run's."""
     table: dict[int, dict] = {}
     for r in sorted((r for r in run.records if r["kind"] == "step"), key=lambda r: r["t"]):
-        table.setdefault(r["step"], r)
+        table[r["step"]] = r
     return table
 
 

@@ -152,13 +152,14 @@ class ControlClient:
             return self._latest
 
     def wait_for_generation(self, generation: int, timeout: float) -> types_pb2.Plan | None:
-        """Block until a plan of at least ``generation`` has arrived (or the timeout)."""
+        """Block until a plan of at least ``generation`` has arrived and return it; None
+        when none has by the timeout (an older plan is not an answer)."""
         with self._lock:
-            self._lock.wait_for(
+            arrived = self._lock.wait_for(
                 lambda: self._latest is not None and self._latest.generation >= generation,
                 timeout,
             )
-            return self._latest
+            return self._latest if arrived else None
 
     def wait_for_newer(self, generation: int, timeout: float) -> types_pb2.Plan | None:
         return self.wait_for_generation(generation + 1, timeout)

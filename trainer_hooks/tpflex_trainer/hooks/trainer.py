@@ -36,7 +36,7 @@ from tpflex_trainer.hooks.control import ControlClient, ControlConfig, PlanRejec
 from tpflex_trainer.hooks.rendezvous import RendezvousAbandoned, connect_store, join_generation
 from tpflex_trainer.ntp.config import GPTConfig
 from tpflex_trainer.ntp.errors import NtpError
-from tpflex_trainer.ntp.layout import Member
+from tpflex_trainer.ntp.layout import Member, ReplicaPlacement, validate_request
 from tpflex_trainer.ntp.optim import AdamSettings
 from tpflex_trainer.ntp.plan_adapter import placements_from_plan
 from tpflex_trainer.ntp.runtime import NtpRuntime, ReshardReport
@@ -76,6 +76,17 @@ def _spec_ranks(spec: types_pb2.JobSpec) -> list[tuple[Member, tuple[str, int]]]
     return out
 
 
+def plan_placements(plan: types_pb2.Plan, spec: types_pb2.JobSpec, job: str,
+                    applied_generation: int, unit_counts: dict[str, int]) -> tuple[ReplicaPlacement, ...]:
+    """The placements of a plan this job can apply; PlanRejected (another job, not newer
+    than the applied generation) or an NtpError (a GPU outside the job spec, an invalid
+    layout) naming why not. Pure."""
+    check_plan(plan, job, applied_generation)
+    placements = placements_from_plan(plan, spec)
+    validate_request(unit_counts, placements, spec.base_tp)
+    return placements
+
+
 class TpflexHooks:
     def __init__(
         self,
@@ -112,6 +123,7 @@ class TpflexHooks:
         self.history: list[AppliedPlan] = []
         self.failures = 0
         self._checkpointed_step = -1
+        self._refused_generation = 0  # newest plan refused at a step boundary
 
     @classmethod
     def from_env(cls, model: GPTConfig, **kwargs) -> TpflexHooks:
@@ -211,13 +223,24 @@ class TpflexHooks:
         t = torch.tensor([seen], dtype=torch.int64, device=device_for_backend())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         newest = int(t.item())
-        if newest <= self.generation:
+        if newest <= max(self.generation, self._refused_generation):
             return False
         plan = self.client.wait_for_generation(newest, self.config.plan_wait_s)
-        if plan is None or plan.generation < newest:
+        if plan is None:
             raise HooksError(f"peers have plan generation {newest}, this rank did not receive it")
+        try:  # every rank decides alike: same plan, same spec
+            self._placements(plan)
+        except (PlanRejected, NtpError) as exc:
+            self._refused_generation = plan.generation
+            log.warning("plan refused job=%s rank=%d generation=%d reason=%s keeping_generation=%d",
+                        self.config.job, self.rank, plan.generation, exc, self.generation)
+            return False
         self._enter(plan, mode="transition")
         return True
+
+    def _placements(self, plan: types_pb2.Plan) -> tuple[ReplicaPlacement, ...]:
+        return plan_placements(plan, self.spec, self.config.job, self.generation,
+                               self.model_config.unit_counts())
 
     def _wait_until_used(self) -> bool:
         plan = self.client.wait_for_newer(self.generation, self.config.plan_wait_s)
@@ -246,8 +269,7 @@ class TpflexHooks:
         """Join ``plan`` (or a newer one that arrives while waiting for the others)."""
         while True:
             try:
-                check_plan(plan, self.config.job, self.generation)
-                placements = placements_from_plan(plan, self.spec)
+                placements = self._placements(plan)
             except (PlanRejected, NtpError) as exc:
                 log.warning("plan refused job=%s rank=%d generation=%d reason=%s",
                             self.config.job, self.rank, plan.generation, exc)
