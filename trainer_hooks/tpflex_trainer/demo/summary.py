@@ -61,7 +61,7 @@ def _step_table(run: StoryRun) -> dict[int, dict]:
     return table
 
 
-def _phase_timings(run: StoryRun, generation: int, since: float) -> dict[str, float]:
+def phase_timings(run: StoryRun, generation: int, since: float) -> dict[str, float]:
     ev = _event_phases(run, generation, since)
     applied = [r for r in run.records if r["kind"] == "applied" and r["generation"] == generation]
     steps = [r for r in run.records if r["kind"] == "step" and r["generation"] == generation]
@@ -100,8 +100,8 @@ def summarize(run: StoryRun) -> Summary:
     first_after_fail = min((r["t"] for r in table.values() if r["generation"] >= 2), default=run.t_fail)
     first_after_repair = min((r["t"] for r in table.values() if r["generation"] >= 3), default=run.t_repair)
     return Summary(
-        phases_failure=_phase_timings(run, 2, run.t_fail),
-        phases_repair=_phase_timings(run, 3, run.t_repair),
+        phases_failure=phase_timings(run, 2, run.t_fail),
+        phases_repair=phase_timings(run, 3, run.t_repair),
         throughput={
             "before": _throughput(table, 0, run.t_fail),
             "during": _throughput(table, first_after_fail, run.t_repair),
