@@ -78,16 +78,16 @@ def test_live_transition_4_4_to_4_3_and_back():
 
 def test_three_degrees_in_one_job():
     start = (rp(0, range(4)), rp(1, range(3)), rp(2, (1, 3)))
-    sc = Scenario(CFG, 4, start, steps=12, members=members_of(*start))
+    sc = Scenario(CFG, 4, start, steps=8, members=members_of(*start))
     results = run_workers(run_scenario, len(sc.members), (sc,))
-    assert_parity(results, reference(12, lambda s: 6), 12)
+    assert_parity(results, reference(8, lambda s: 6), 8)
 
 
 def test_unequal_local_batches_plain_ntp():
     start = (rp(0, range(4), batch=4), rp(1, range(3), batch=3))
-    sc = Scenario(CFG, 4, start, steps=12, members=members_of(*start))
+    sc = Scenario(CFG, 4, start, steps=8, members=members_of(*start))
     results = run_workers(run_scenario, len(sc.members), (sc,))
-    assert_parity(results, reference(12, lambda s: 7), 12)
+    assert_parity(results, reference(8, lambda s: 7), 8)
 
 
 def test_peer_recovery_of_a_dead_rank():
@@ -95,12 +95,12 @@ def test_peer_recovery_of_a_dead_rank():
     degraded = (rp(0, range(4)), rp(1, (0, 1, 3)))
     dead = Member(1, 2)
     sc = Scenario(
-        CFG, 4, start, steps=16, members=members_of(*start),
+        CFG, 4, start, steps=10, members=members_of(*start),
         changes=(Change(6, degraded, kill=dead, rejoin_port=free_port()),),
     )
     results = run_workers(run_scenario, len(sc.members), (sc,), expect_exits=1)
     assert len(results) == 7 and all(r["member"] != tuple(dead) for r in results.values())
-    assert_parity(results, reference(16, lambda s: 4), 16)
+    assert_parity(results, reference(10, lambda s: 4), 10)
     recovery = results[0]["reports"][1]
     assert recovery["source"] == "live" and recovery["step"] == 6
     assert recovery["peer_units"] > 0
@@ -114,12 +114,12 @@ def test_peer_recovery_after_a_rank_dies_mid_step():
     degraded = (rp(0, (0, 2, 3)), rp(1, range(4)))
     dead = Member(0, 1)
     sc = Scenario(
-        CFG, 4, start, steps=12, members=members_of(*start),
+        CFG, 4, start, steps=8, members=members_of(*start),
         changes=(Change(5, degraded, kill=dead, rejoin_port=free_port(), mid_step=True),),
     )
     results = run_workers(run_scenario, len(sc.members), (sc,), expect_exits=1, timeout_s=25)
     assert all(r["reports"][1]["step_failed"] != "completed" for r in results.values())
-    assert_parity(results, reference(12, lambda s: 4), 12)
+    assert_parity(results, reference(8, lambda s: 4), 8)
     assert results[0]["reports"][2]["peer_units"] > 0
 
 
@@ -127,10 +127,10 @@ def test_a_member_without_state_gets_its_units_from_peers():
     """A fresh process in a dead member's place (here: the member drops its runtime and
     state) rejoins the same layout; its units come from the other replica."""
     start = (rp(0, range(4)), rp(1, range(4)))
-    sc = Scenario(CFG, 4, start, steps=10, members=members_of(*start),
+    sc = Scenario(CFG, 4, start, steps=8, members=members_of(*start),
                   changes=(Change(5, start, restart=Member(1, 2)),))
     results = run_workers(run_scenario, len(sc.members), (sc,))
-    assert_parity(results, reference(10, lambda s: 4), 10)
+    assert_parity(results, reference(8, lambda s: 4), 8)
     rejoin = results[0]["reports"][1]
     # its sharded units exist only on the other replica; the replicated ones in its own
     assert rejoin["source"] == "live" and rejoin["peer_units"] == rejoin["units_moved"] - 1 > 0
@@ -138,10 +138,10 @@ def test_a_member_without_state_gets_its_units_from_peers():
 
 def test_torn_step_resumes_from_the_newest_holders():
     start = (rp(0, range(4)), rp(1, range(3)))
-    sc = Scenario(CFG, 4, start, steps=10, members=members_of(*start),
+    sc = Scenario(CFG, 4, start, steps=8, members=members_of(*start),
                   changes=(Change(6, start, stale=Member(1, 0)),))
     results = run_workers(run_scenario, len(sc.members), (sc,))
-    assert_parity(results, reference(10, lambda s: 4), 10)
+    assert_parity(results, reference(8, lambda s: 4), 8)
     torn = results[0]["reports"][1]
     assert torn["step"] == 6 and torn["peer_units"] > 0
 
@@ -164,7 +164,7 @@ def _drain_shrink_and_return(rank: int, world_size: int, port_shrink: int, port_
     rt = NtpRuntime(CFG, 4, me, adam=AdamSettings(lr=LR), seed=SEED)
     rt.start(full, {m: i for i, m in enumerate(everyone)})
     losses = {}
-    for step in range(12):
+    for step in range(10):
         if step == 4:
             rt.apply_plan(drained, {m: i for i, m in enumerate(everyone)})
             dist.destroy_process_group()
@@ -182,6 +182,6 @@ def _drain_shrink_and_return(rank: int, world_size: int, port_shrink: int, port_
 
 def test_drain_to_a_smaller_default_group_and_back():
     results = run_workers(_drain_shrink_and_return, 8, (free_port(), free_port()), timeout_s=60)
-    assert_parity(results, reference(12, lambda s: 4), 12)
-    assert set(results[7]["losses"]) == set(range(4)) | set(range(8, 12))
+    assert_parity(results, reference(10, lambda s: 4), 10)
+    assert set(results[7]["losses"]) == set(range(4)) | set(range(8, 10))
     assert results[0]["back"] == "live" and results[0]["moved"] > 0
