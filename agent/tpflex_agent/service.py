@@ -93,9 +93,11 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
 def create_server(
     settings: AgentSettings, backend: GpuBackend, *, core: AgentCore | None = None,
     max_workers: int = 16,
-) -> tuple[grpc.Server, int]:
+) -> tuple[grpc.Server | GatedServer, int]:
     """Build (not start) the gRPC server bound to ``settings.listen``; returns it and the
-    bound port. Without ``core`` a new :class:`AgentCore` over ``backend`` is started."""
+    bound port (with ``grpc.client_ca_file``: the server behind its mTLS gate, started and
+    stopped the same way). Without ``core`` a new :class:`AgentCore` over ``backend`` is
+    started."""
     if core is None:
         core = AgentCore(settings, backend).start()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="agent-grpc"))
