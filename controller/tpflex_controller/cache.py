@@ -86,6 +86,9 @@ class ClusterView:
             power_pins=self.power_pins,
         )
         self.damper: FlapDamper | None = None  # hold-down of recovered GPUs (damping.py)
+        # newest revision folded per key: after a re-read, a lagging watch replays events
+        # older than what was read; folding them would move the view back in time
+        self._key_revs: dict[str, int] = {}
         self.damper_clock: Callable[[], float] = time.monotonic
 
     # ---- queries ----
@@ -144,6 +147,10 @@ class ClusterView:
 
     def fold(self, kind: str, key: str, value: bytes, mod_revision: int) -> Dirty:
         """Fold one watch event (or one key of a full read) into the view."""
+        if mod_revision and not key.startswith(keys.EVENTS):
+            if mod_revision < self._key_revs.get(key, 0):
+                return []
+            self._key_revs[key] = mod_revision
         deleted = kind == "delete"
         if key.startswith(keys.HEALTH):
             return self._fold_health(key[len(keys.HEALTH):], value, deleted)

@@ -179,3 +179,14 @@ def test_a_re_read_view_keeps_held_gpus_held():
     assert ("rack0-n00", 0) not in fresh.gpu_status
     fresh.attach_damper(view.damper, lambda: now[0])
     assert fresh.gpu_status[("rack0-n00", 0)] is GpuStatus.FAILED
+
+
+def test_a_replayed_older_event_does_not_move_the_view_back():
+    """After a re-read at revision R, a lagging watch delivers events older than R."""
+    from tpflex_controller.planner.model import GpuStatus
+
+    view = _view(0.0, lambda: 0.0)
+    _health(view, {1}, 20)  # what the re-read saw (newest)
+    assert _health(view, set(), 15) == []  # an older write, replayed by the watch: ignored
+    assert view.gpu_status[("rack0-n00", 1)] is GpuStatus.FAILED
+    assert _health(view, set(), 21) == [("job1", "gpu_recovered")]  # newer writes still count
