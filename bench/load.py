@@ -267,8 +267,10 @@ class DecisionChecker:
                 exp = self.expected(job, states[upper])
                 diff = [(a.index, a.tp_degree, b.tp_degree)
                         for a, b in zip(exp.replicas, decision.replicas, strict=False) if a != b]
+                anywhere = [k for k in range(len(states)) if self.expected(job, states[k]).same_decision(decision)]
                 print(f"wrong decision job={job} generation={proto.generation} cause={proto.cause} "
-                      f"rev={rev} states={lower}..{upper} replica_diffs={diff[:5]}", file=sys.stderr)
+                      f"rev={rev} states={lower}..{upper} replica_diffs={diff[:5]} matches_at={anywhere} "
+                      f"event_revs={[e[0] for e in mine[max(0, lower - 3):upper + 2]]}", file=sys.stderr)
         return checked, wrong
 
     def check_final(self, job: str, plans, events, node_rack: dict[str, str]) -> bool:
@@ -389,6 +391,10 @@ def _run(args, workdir: Path) -> dict:
         f2c_quiet = _failure_to_commit_ms(log, fleet, checker, window, inside=False)
         f2c_rest = _failure_to_commit_ms(log, fleet, checker, window, inside=True) if window else []
         alive = ctl.poll() is None
+        ctl_log = (workdir / "controller.log").read_text(errors="replace")
+        log_errors = ctl_log.count(" ERROR ")
+        if os.environ.get("TPFLEX_LOAD_DEBUG") and (wrong or log_errors):
+            sys.stderr.write(ctl_log[-12000:])
         log.close()
         return {
             "nodes": args.nodes, "decisions_checked": checked, "decisions_wrong": wrong + final_wrong,
@@ -405,7 +411,7 @@ def _run(args, workdir: Path) -> dict:
             "rest_single_client_p99_ms": _pct(single, 0.99),
             "rest_node_get_p50_ms": _pct(node_get, 0.5), "etcd_put_p99_ms": _pct(puts, 0.99),
             "lease_keepalives": fleet.keepalive_acks, "leases_expired": fleet.expired,
-            "controller_alive": alive, "last_event_revision": last_rev,
+            "controller_alive": alive, "controller_log_errors": log_errors, "last_event_revision": last_rev,
             "settle_after_injection_ms": round(settle_ms, 1),
         }
     finally:
