@@ -361,6 +361,7 @@ def _run(args, workdir: Path) -> dict:
         while time.monotonic() < end:
             fleet.inject(rng)
             if rest_thread is None and time.monotonic() >= rest_at:
+                rest["rss_before_mb"] = _rss_mb(ctl.pid)
                 rest_thread = threading.Thread(target=_rest_into, args=(rest, url, paths, args), daemon=True)
                 rest_thread.start()
             nxt += interval
@@ -400,6 +401,7 @@ def _run(args, workdir: Path) -> dict:
             "nodes": args.nodes, "decisions_checked": checked, "decisions_wrong": wrong + final_wrong,
             "failure_to_commit_p99_ms": _pct(f2c, 0.99), "rss_start_mb": rss_start, "rss_end_mb": rss_end,
             "rest_p99_ms": _pct(rest.get("lat", []), 0.99),
+            "rss_before_rest_load_mb": rest.get("rss_before_mb", -1.0),
             "minutes": args.minutes, "events_per_minute": args.rate, "events": len(fleet.events),
             "gpus": args.nodes * GPUS_PER_NODE, "racks": len(racks), "jobs": len(jobs),
             "failure_to_commit_p50_ms": _pct(f2c, 0.5),

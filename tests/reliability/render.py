@@ -19,7 +19,7 @@ FIGURES = ROOT / "build" / "reliability"
 BEGIN, END = "<!-- BEGIN measured table -->", "<!-- END measured table -->"
 ORDER = [
     "etcd_member_loss", "leader_killed_before_push", "etcd_down_10s", "agent_frozen",
-    "controller_restart", "gpu_flapping", "etcd_compaction_resync", "etcd_malformed_values",
+    "controller_restart", "gpu_flapping", "gpu_flapping_no_hold_down", "etcd_compaction_resync", "etcd_malformed_values",
     "rest_schemathesis", "rest_auth", "grpc_agent_fuzz", "grpc_trainer_fuzz", "load",
 ]
 
