@@ -62,3 +62,8 @@ def test_process_exits_2_on_bad_config_and_on_a_taken_port(tmp_path, etcd_server
         )
     assert busy.returncode == 2 and "cannot bind the REST API" in busy.stderr
     assert "Traceback" not in busy.stderr
+
+
+def test_a_bracketed_ipv6_listen_address_from_the_environment_is_accepted():
+    s = load_settings(env={"TPFLEX_REST__LISTEN": "[::1]:8470", "TPFLEX_TRAINER__CLIENT_NAMES": '["a", "b"]'})
+    assert (s.rest.host, s.rest.port, s.trainer.client_names) == ("::1", 8470, ["a", "b"])
