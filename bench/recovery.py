@@ -18,6 +18,9 @@ One demo cluster (real etcd, tpflex-controller, 2 simulated agents of 4 GPUs) an
   completed its first step. Detection and re-planning are not included (they would come
   on top in a real restart-based recovery), so this is the restart's lower bound.
 
+``regrouped_p50_s`` (not a phase of the issue's list): injection until the last survivor
+has its new process group (failure noticed, groups aborted, plan received, rendezvous
+and gloo initialisation done; the reshard comes next).
 ``speedup_vs_checkpoint_restart`` = checkpoint_restart_p50_s / recovery_p50_s.
 Prints one JSON line. Run: PYTHONPATH=. .venv/bin/python bench/recovery.py
 """
@@ -109,7 +112,11 @@ class Bench:
         run.events = [codec.decode(types_pb2.Event, kv.value, kv.key) for kv in kvs]
         run.records = [r for r in self.launcher.records() if r["t"] >= t_fail]
         phases = phase_timings(run, self.generation, t_fail)
-        return t_all - t_fail, {p: phases[p] for p in PHASES}
+        split = {p: phases[p] for p in PHASES}
+        # when the last survivor had its new process group (rendezvous done, reshard next)
+        split["regrouped"] = max(r["at"] - r["reshard_s"] for r in run.records
+                                 if r["kind"] == "applied" and r["generation"] == self.generation) - t_fail
+        return t_all - t_fail, split
 
     def repair(self, gpu: tuple[str, int]) -> None:
         t = time.time()
@@ -159,6 +166,7 @@ def main() -> int:
     print(json.dumps({
         "recovery_p50_s": round(recovery, 3),
         "phases_p50_s": {p: round(statistics.median(s[p] for s in phases), 3) for p in PHASES},
+        "regrouped_p50_s": round(statistics.median(s["regrouped"] for s in phases), 3),
         "checkpoint_restart_p50_s": round(restart, 3),
         "speedup_vs_checkpoint_restart": round(restart / recovery, 2),
         "recovery_runs_s": [round(x, 3) for x in recoveries],
