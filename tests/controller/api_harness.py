@@ -6,6 +6,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,8 @@ from tpflex_controller.api import ApiDeps, create_app, load_tokens
 from tpflex_controller.store import Store
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import Etcd
+
+from tests.support.etcd_server import EtcdCluster
 
 ADMIN = "admin-3f9c1e7d2b"
 READER = "reader-8a4d6b2c1f"
@@ -95,6 +99,24 @@ def serve(etcd: Etcd, token_dir: Path, *, protect_reads: bool = False) -> Served
     app_server = ServedApp(create_app(make_deps(etcd, token_dir, protect_reads=protect_reads))).start()
     http = httpx.Client(base_url=app_server.url, timeout=10.0)
     return Served(etcd, Store(etcd), app_server, http)
+
+
+@contextmanager
+def served_api(base: Path, *, protect_reads: bool = False) -> Iterator[Served]:
+    """A fresh one-member etcd under ``base`` and the API served over it (token files in
+    ``base``); all of it stopped on exit."""
+    cluster = EtcdCluster(1, base / "etcd").start()
+    etcd = Etcd(cluster.endpoints, timeout=2.0)
+    try:
+        served = serve(etcd, write_token_file(base), protect_reads=protect_reads)
+        try:
+            yield served
+        finally:
+            served.http.close()
+            served.app_server.stop()
+    finally:
+        etcd.close()
+        cluster.stop()
 
 
 def admin() -> dict[str, str]:

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tpflex_controller.api import TokenFileError, load_tokens
-from tpflex_proto.etcd import Etcd
 
 from tests.controller import api_harness as h
 
@@ -39,20 +38,9 @@ def test_bad_token_files_are_refused_with_the_reason(tmp_path, admin, read_only,
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from tests.support.etcd_server import EtcdCluster
-
-    base = tmp_path_factory.mktemp("api-auth")
-    cluster = EtcdCluster(1, base / "etcd").start()
-    etcd = Etcd(cluster.endpoints, timeout=2.0)
-    served = h.serve(etcd, h.write_token_file(base), protect_reads=True)
-    h.seed(served.store)
-    try:
+    with h.served_api(tmp_path_factory.mktemp("api-auth"), protect_reads=True) as served:
+        h.seed(served.store)
         yield served
-    finally:
-        served.http.close()
-        served.app_server.stop()
-        etcd.close()
-        cluster.stop()
 
 
 def test_protected_reads_accept_either_scope(served):

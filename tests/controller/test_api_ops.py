@@ -8,7 +8,6 @@ from tpflex_proto import keys, types_pb2
 from tpflex_proto.etcd import Etcd
 
 from tests.controller import api_harness as h
-from tests.support.etcd_server import EtcdCluster
 
 DRAIN = "/v1/nodes/rack-a-n1/gpus/2/drain"
 UNDRAIN = "/v1/nodes/rack-a-n1/gpus/2/undrain"
@@ -20,27 +19,6 @@ MUTATIONS = [
     (UNDRAIN, None),
     (RECONF, {"pins": [{"replica": 0, "tp_degree": 6}]}),
 ]
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    base = tmp_path_factory.mktemp("api-ops")
-    cluster = EtcdCluster(1, base / "etcd").start()
-    etcd = Etcd(cluster.endpoints, timeout=2.0)
-    served = h.serve(etcd, h.write_token_file(base))
-    try:
-        yield served
-    finally:
-        served.http.close()
-        served.app_server.stop()
-        etcd.close()
-        cluster.stop()
-
-
-@pytest.fixture
-def api(served):
-    served.plan = h.seed(served.store)
-    return served
 
 
 def _error(resp, status: int) -> str:

@@ -5,31 +5,8 @@ from __future__ import annotations
 
 import pytest
 from tpflex_proto import codec, keys, types_pb2
-from tpflex_proto.etcd import Etcd
 
 from tests.controller import api_harness as h
-from tests.support.etcd_server import EtcdCluster
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    base = tmp_path_factory.mktemp("api-reads")
-    cluster = EtcdCluster(1, base / "etcd").start()
-    etcd = Etcd(cluster.endpoints, timeout=2.0)
-    served = h.serve(etcd, h.write_token_file(base))
-    try:
-        yield served
-    finally:
-        served.http.close()
-        served.app_server.stop()
-        etcd.close()
-        cluster.stop()
-
-
-@pytest.fixture
-def api(served):
-    served.plan = h.seed(served.store)
-    return served
 
 
 def _error(resp, status: int) -> str:

@@ -12,37 +12,26 @@ from pathlib import Path
 import pytest
 from tpflex_controller import cli
 from tpflex_proto import keys
-from tpflex_proto.etcd import Etcd
 
 from tests.controller import api_harness as h
-from tests.support.etcd_server import EtcdCluster
 from tests.support.ports import free_port
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     base = tmp_path_factory.mktemp("cli")
-    cluster = EtcdCluster(1, base / "etcd").start()
-    etcd = Etcd(cluster.endpoints, timeout=2.0)
-    served = h.serve(etcd, h.write_token_file(base))
-    served.admin_file = base / "admin.token"
-    served.admin_file.write_text(h.ADMIN + "\n")
-    served.reader_file = base / "reader.token"
-    served.reader_file.write_text(f"# read-only\n{h.READER}\n")
-    try:
+    with h.served_api(base) as served:
+        served.admin_file = base / "admin.token"
+        served.admin_file.write_text(h.ADMIN + "\n")
+        served.reader_file = base / "reader.token"
+        served.reader_file.write_text(f"# read-only\n{h.READER}\n")
         yield served
-    finally:
-        served.http.close()
-        served.app_server.stop()
-        etcd.close()
-        cluster.stop()
 
 
 @pytest.fixture
-def ctl(served, capsys, monkeypatch):
-    h.seed(served.store)
+def ctl(api, capsys, monkeypatch):
     monkeypatch.delenv("TPFLEX_TOKEN_FILE", raising=False)
-    monkeypatch.setenv("TPFLEX_URL", served.url)
+    monkeypatch.setenv("TPFLEX_URL", api.url)
 
     def run(*argv: str, token: Path | None = None) -> tuple[int, str, str]:
         args = (["--token-file", str(token)] if token else []) + list(argv)
@@ -50,7 +39,7 @@ def ctl(served, capsys, monkeypatch):
         out, err = capsys.readouterr()
         return code, out, err
 
-    run.served = served
+    run.served = api
     return run
 
 
