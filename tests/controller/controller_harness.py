@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -99,6 +101,24 @@ def put_job(etcd: Etcd, racks: list[types_pb2.Rack], name: str = "job1", **kw) -
     spec = synthetic.job(name, [r.name for r in racks], racks[0].domain_size, **kw)
     etcd.put(keys.job_spec(name), codec.encode(spec))
     return spec
+
+
+@contextmanager
+def controller_on_job(
+    etcd_server, etcd: Etcd, *, lease: int = 0, **controller_kw
+) -> Iterator[tuple[list[types_pb2.Rack], PlanWatcher, InProcessController]]:
+    """The small cluster (nodes on ``lease``, 0 = none) with job1 on it, a watcher of
+    job1's plan and an in-process controller (``controller_kw`` to
+    :func:`start_controller`); the controller is stopped, then the watcher, on exit."""
+    racks = small_cluster(etcd, lease=lease)
+    put_job(etcd, racks)
+    watcher = PlanWatcher(etcd, "job1")
+    ctl = start_controller(etcd_server.endpoints, **controller_kw)
+    try:
+        yield racks, watcher, ctl
+    finally:
+        ctl.stop()
+        watcher.close()
 
 
 def fail_gpu(etcd: Etcd, node: str, gpus: int, failed: set[int], seq: int = 1) -> float:

@@ -11,22 +11,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from tpflex_controller.metrics import CAUSES, PHASES, ControllerMetrics
 
 from tests.controller.controller_harness import (
-    PlanWatcher,
+    controller_on_job,
     eventually,
     fail_gpu,
-    put_job,
-    small_cluster,
-    start_controller,
 )
 
 
 def test_metrics_follow_a_gpu_failure(etcd_server, etcd):
-    racks = small_cluster(etcd)
-    put_job(etcd, racks)
-    watcher = PlanWatcher(etcd, "job1")
-    ctl = start_controller(etcd_server.endpoints)
-    value = ctl.registry.get_sample_value
-    try:
+    with controller_on_job(etcd_server, etcd) as (_, watcher, ctl):
+        value = ctl.registry.get_sample_value
         watcher.wait_generation(1)
         for cause in CAUSES:  # pre-created at zero
             assert value("tpflex_reconfigurations_total", {"job": "job1", "cause": cause}) is not None
@@ -47,9 +40,6 @@ def test_metrics_follow_a_gpu_failure(etcd_server, etcd):
         assert value("tpflex_reconfigurations_total", {"job": "job1", "cause": "drain"}) == 0.0
         boosted = {(c.gpu.node, c.gpu.index): c.cap_w for c in plan.power_caps}
         assert value("tpflex_gpu_power_cap_watts", {"node": "rack1-n01", "gpu": "0"}) == boosted[("rack1-n01", 0)]
-    finally:
-        ctl.stop()
-        watcher.close()
     assert value("tpflex_controller_is_leader") == 0.0
 
 

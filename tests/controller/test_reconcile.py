@@ -5,11 +5,8 @@ from __future__ import annotations
 from tpflex_proto import codec, keys, types_pb2
 
 from tests.controller.controller_harness import (
-    PlanWatcher,
+    controller_on_job,
     fail_gpu,
-    put_job,
-    small_cluster,
-    start_controller,
 )
 
 
@@ -19,11 +16,7 @@ def _events(etcd) -> list[types_pb2.Event]:
 
 
 def test_failed_gpu_gets_new_generation_and_recovery_restores(etcd_server, etcd):
-    racks = small_cluster(etcd)
-    put_job(etcd, racks)
-    watcher = PlanWatcher(etcd, "job1")
-    ctl = start_controller(etcd_server.endpoints)
-    try:
+    with controller_on_job(etcd_server, etcd) as (racks, watcher, ctl):
         first = watcher.wait_generation(1)
         assert [r.tp_degree for r in first.replicas] == [4, 4]
         assert first.expected_throughput_ratio == 1.0
@@ -55,6 +48,3 @@ def test_failed_gpu_gets_new_generation_and_recovery_restores(etcd_server, etcd)
         committed = [e for e in _events(etcd) if e.kind == "plan_committed"]
         assert [(e.generation, e.cause) for e in committed][-2:] == [(2, "gpu_failed"), (3, "gpu_recovered")]
         assert {"detected", "committed"} <= {p.phase for p in committed[-1].phases}
-    finally:
-        ctl.stop()
-        watcher.close()

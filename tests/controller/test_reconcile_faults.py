@@ -11,6 +11,7 @@ from tpflex_proto.etcd import Etcd
 
 from tests.controller.controller_harness import (
     PlanWatcher,
+    controller_on_job,
     eventually,
     fail_gpu,
     put_job,
@@ -27,11 +28,7 @@ def _events(etcd, kind: str) -> list[types_pb2.Event]:
 
 def test_node_whose_lease_lapses_counts_as_failed(etcd_server, etcd):
     lease = etcd.grant_lease(1)
-    racks = small_cluster(etcd, lease=lease)
-    put_job(etcd, racks)
-    watcher = PlanWatcher(etcd, "job1")
-    ctl = start_controller(etcd_server.endpoints)
-    try:
+    with controller_on_job(etcd_server, etcd, lease=lease) as (racks, watcher, ctl):
         watcher.wait_generation(1)
         # every node but rack1-n01 keeps its registration alive on its own lease
         for r in racks:
@@ -47,9 +44,6 @@ def test_node_whose_lease_lapses_counts_as_failed(etcd_server, etcd):
         etcd.put(keys.node("rack1-n01"), codec.encode(synthetic.node("rack1-n01", "rack1", 2)))
         back = watcher.wait_generation(3)
         assert back.cause == "node_joined" and [r.tp_degree for r in back.replicas] == [4, 4]
-    finally:
-        ctl.stop()
-        watcher.close()
 
 
 def test_bad_input_is_logged_and_skipped_and_unplannable_jobs_get_an_event(etcd_server, etcd, caplog):
@@ -108,11 +102,7 @@ def test_controller_recovers_when_etcd_returns(etcd_server, etcd):
 
 
 def test_all_ranks_acked_completes_the_rollout(etcd_server, etcd):
-    racks = small_cluster(etcd)
-    put_job(etcd, racks)
-    watcher = PlanWatcher(etcd, "job1")
-    ctl = start_controller(etcd_server.endpoints)
-    try:
+    with controller_on_job(etcd_server, etcd) as (_, watcher, ctl):
         watcher.wait_generation(1)
         fail_gpu(etcd, "rack1-n00", 2, {0})
         watcher.wait_generation(2)
@@ -127,17 +117,10 @@ def test_all_ranks_acked_completes_the_rollout(etcd_server, etcd):
             time.sleep(0.05)
         assert {"detected", "committed", "acked"} <= phases
         assert ctl.registry.get_sample_value("tpflex_reconfiguration_seconds_count", {"phase": "acked"}) == 1.0
-    finally:
-        ctl.stop()
-        watcher.close()
 
 
 def test_event_log_stays_bounded_and_generations_contiguous(etcd_server, etcd):
-    racks = small_cluster(etcd)
-    put_job(etcd, racks)
-    watcher = PlanWatcher(etcd, "job1")
-    ctl = start_controller(etcd_server.endpoints, event_log_size=4, history_size=3)
-    try:
+    with controller_on_job(etcd_server, etcd, event_log_size=4, history_size=3) as (_, watcher, ctl):
         watcher.wait_generation(1)
         for flap in range(6):  # fail / recover the same GPU: one generation each
             fail_gpu(etcd, "rack0-n00", 2, {0} if flap % 2 == 0 else set(), seq=flap + 1)
@@ -148,6 +131,3 @@ def test_event_log_stays_bounded_and_generations_contiguous(etcd_server, etcd):
         history, _ = etcd.get_prefix(keys.job_plan_history("job1", 0)[:-12])
         assert [codec.decode(types_pb2.Plan, kv.value).generation for kv in history] == [5, 6, 7]
         assert [p.generation for p in watcher.plans] == list(range(1, 8))
-    finally:
-        ctl.stop()
-        watcher.close()
