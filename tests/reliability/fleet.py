@@ -61,7 +61,7 @@ class Fleet:
     """``racks`` racks of ``nodes`` agents x ``gpus`` simulated GPUs, one job over them."""
 
     def __init__(self, endpoints: list[str], tmp: Path, *, racks: int = 2, nodes: int = 2,
-                 gpus: int = 2, agent_ttl: int = 2, hold_down_s: float = 0.0) -> None:
+                 gpus: int = 2, agent_ttl: int = 5, hold_down_s: float = 0.0) -> None:
         self.endpoints, self.tmp = endpoints, tmp
         self.etcd = Etcd(endpoints, timeout=2.0)
         self.racks = [synthetic.rack(f"rack{i}", nodes, gpus, tdp_w=SIM_TDP_W, min_w=200.0,

@@ -59,7 +59,7 @@ def _etcd_leader_index(cluster) -> int:
 
 
 def test_etcd_member_loss_mid_reconfiguration(etcd_cluster3, fleet_factory):
-    fleet = fleet_factory(etcd_cluster3.endpoints)
+    fleet = fleet_factory(etcd_cluster3.endpoints, agent_ttl=10)
     _boot(fleet)
     victim = _etcd_leader_index(etcd_cluster3)
     sw = Stopwatch()
@@ -159,7 +159,7 @@ def test_etcd_down_for_10_seconds(etcd_server, fleet_factory):
 
 
 def test_agent_frozen_past_its_lease(etcd_server, fleet_factory):
-    fleet = fleet_factory(etcd_server.endpoints, agent_ttl=1)
+    fleet = fleet_factory(etcd_server.endpoints, agent_ttl=2)
     _boot(fleet)
     sw = Stopwatch()
     fleet.pause("rack1-n01")
@@ -176,7 +176,7 @@ def test_agent_frozen_past_its_lease(etcd_server, fleet_factory):
     wait_until(fleet.caps_converged, 15, "agents at the plan's caps")
     wait_until(lambda: fleet.ranks_at(3), 15, "every rank acked generation 3")
     assert fleet.history() == [1, 2, 3]
-    record("agent_frozen", "SIGSTOP one agent (lease TTL 1 s) until its lease lapses; then SIGCONT",
+    record("agent_frozen", "SIGSTOP one agent (lease TTL 2 s) until its lease lapses; then SIGCONT",
            "its GPUs count as failed (gen 2, degrees [4, 2], cause node_lost); it re-registers and "
            "the job is restored (gen 3, [4, 4]); caps applied; all ranks ack",
            {"freeze_to_replan_ms": lost_ms, "thaw_to_restore_ms": back_ms})
