@@ -19,7 +19,7 @@ from tests.controller.controller_harness import (
 from tests.reliability.fleet import Stopwatch, record
 from tests.reliability.proxy import CuttableProxy
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 GARBAGE = b"\x0a\xff\xff\xff\x12\x05not-a-protobuf\xfe"
 MALFORMED_KEYS = [

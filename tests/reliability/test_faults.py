@@ -15,7 +15,7 @@ from tests.agent.support import wait_until
 from tests.controller.controller_harness import wait_leader
 from tests.reliability.fleet import Fleet, Stopwatch, contiguous, record
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(90)]
 
 
 @pytest.fixture

@@ -18,6 +18,8 @@ from tests.agent.support import AgentProcess
 from tests.controller.controller_harness import put_job, small_cluster
 from tests.reliability.fleet import record
 
+pytestmark = pytest.mark.slow  # a real agent process
+
 REJECTIONS = {
     grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
     grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.ABORTED,
