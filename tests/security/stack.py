@@ -15,11 +15,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import httpx
-from pyetcd import etcdrpc
+from tpflex_proto.devtools.secure_etcd import (
+    ROOT_PASSWORD,
+    SERVICE_PASSWORDS,
+    CertSet,
+    enable_etcd_auth,
+    etcd_tls_args,
+    write_password_files,
+)
 from tpflex_proto.etcd import Etcd, EtcdTls
-from tpflex_proto.tls import channel_credentials
 
 from tests.support.etcd_server import ETCD_BIN
 from tests.support.ports import free_ports
@@ -27,8 +32,7 @@ from tests.support.ports import free_ports
 BIN = Path(sys.executable).parent
 ADMIN_TOKEN = "admin-" + "a" * 40
 READ_TOKEN = "reader-" + "r" * 40
-PASSWORDS = {"tpflex-controller": "controller-pw", "tpflex-agent": "agent-pw"}
-ROOT_PASSWORD = "root-pw"
+PASSWORDS = SERVICE_PASSWORDS
 AGENT_READY = re.compile(r"tpflex-agent ready node=(\S+) backend=\S+ grpc=(\S+):(\d+) metrics=(\S+):(\d+)")
 
 
@@ -115,21 +119,9 @@ class SecureEtcd:
 
     def enable_auth(self) -> None:
         """Root user, a role with read-write on /tpflex/v1/, the controller and agent users
-        with passwords; then auth on (etcd's gRPC Auth API, as etcdctl would)."""
-        creds = channel_credentials(str(self.certs / "ca.pem"), str(self.certs / "etcd.pem"),
-                                    str(self.certs / "etcd-key.pem"))
-        with grpc.secure_channel(self.endpoint, creds) as ch:
-            auth = etcdrpc.AuthStub(ch)
-            auth.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password=ROOT_PASSWORD), timeout=5)
-            auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=5)
-            auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name="tpflex"), timeout=5)
-            perm = etcdrpc.Permission(permType=etcdrpc.Permission.READWRITE, key=b"/tpflex/v1/",
-                                      range_end=b"/tpflex/v10")
-            auth.RoleGrantPermission(etcdrpc.AuthRoleGrantPermissionRequest(name="tpflex", perm=perm), timeout=5)
-            for user, password in PASSWORDS.items():
-                auth.UserAdd(etcdrpc.AuthUserAddRequest(name=user, password=password), timeout=5)
-                auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=user, role="tpflex"), timeout=5)
-            auth.AuthEnable(etcdrpc.AuthEnableRequest(), timeout=5)
+        with passwords; then auth on (tpflex_proto.devtools.secure_etcd)."""
+        enable_etcd_auth(self.endpoint, CertSet(self.certs), root_password=ROOT_PASSWORD,
+                         users=PASSWORDS)
 
     def stop(self) -> None:
         self.proc.stop()
@@ -145,8 +137,7 @@ def start_secure_etcd(certs: Path, base: Path, *, auth_token_ttl_s: int = 300) -
         "--listen-client-urls", url, "--advertise-client-urls", url,
         "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
         "--initial-cluster", f"s0={peer}", "--initial-cluster-token", "tpflex-sec",
-        "--cert-file", str(certs / "etcd.pem"), "--key-file", str(certs / "etcd-key.pem"),
-        "--trusted-ca-file", str(certs / "ca.pem"), "--client-cert-auth",
+        *etcd_tls_args(CertSet(certs)),
         "--auth-token-ttl", str(auth_token_ttl_s),
         "--heartbeat-interval", "50", "--election-timeout", "500",
         "--log-level", "error", "--logger", "zap",
@@ -176,8 +167,7 @@ def write_secrets(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "admin.tokens").write_text(f"# admins\n{ADMIN_TOKEN}\n")
     (directory / "readonly.tokens").write_text(f"{READ_TOKEN}\n")
-    for user, password in PASSWORDS.items():
-        (directory / f"{user}.password").write_text(password + "\n")
+    write_password_files(directory, PASSWORDS)
     return directory
 
 

@@ -15,13 +15,16 @@ import time
 from pathlib import Path
 
 from tpflex_proto.devtools.ports import free_ports
+from tpflex_proto.devtools.secure_etcd import CertSet, etcd_tls_args
 
 ETCD_BIN = os.environ.get("TPFLEX_ETCD_BIN") or shutil.which("etcd") or "/usr/bin/etcd"
 
 
 class EtcdMember:
-    def __init__(self, name: str, data_dir: Path, client_port: int, peer_port: int) -> None:
+    def __init__(self, name: str, data_dir: Path, client_port: int, peer_port: int,
+                 *, certs: CertSet | None = None) -> None:
         self.name = name
+        self.certs = certs  # serve clients over TLS with client-certificate checks
         self.data_dir = data_dir
         self.client_port = client_port
         self.peer_port = peer_port
@@ -33,6 +36,10 @@ class EtcdMember:
         return f"127.0.0.1:{self.client_port}"
 
     @property
+    def client_url(self) -> str:
+        return f"{'https' if self.certs else 'http'}://{self.endpoint}"
+
+    @property
     def peer_url(self) -> str:
         return f"http://127.0.0.1:{self.peer_port}"
 
@@ -41,8 +48,8 @@ class EtcdMember:
             ETCD_BIN,
             "--name", self.name,
             "--data-dir", str(self.data_dir),
-            "--listen-client-urls", f"http://{self.endpoint}",
-            "--advertise-client-urls", f"http://{self.endpoint}",
+            "--listen-client-urls", self.client_url,
+            "--advertise-client-urls", self.client_url,
             "--listen-peer-urls", self.peer_url,
             "--initial-advertise-peer-urls", self.peer_url,
             "--initial-cluster", initial_cluster,
@@ -54,6 +61,7 @@ class EtcdMember:
             "--quota-backend-bytes", str(2 << 30),
             "--log-level", "error",
             "--logger", "zap",
+            *(etcd_tls_args(self.certs) if self.certs else []),
             *extra,
         ]
         self._log = open(self.log_path, "ab")
@@ -142,10 +150,15 @@ class EtcdCluster:
 
 def _member_healthy(m: EtcdMember) -> bool:
     """Healthy = the member answers a linearizable read (so it has a leader)."""
+    import ssl
     import urllib.request
 
+    ctx = None
+    if m.certs is not None:
+        ctx = ssl.create_default_context(cafile=m.certs.ca)
+        ctx.load_cert_chain(m.certs.cert("etcd"), m.certs.key("etcd"))
     try:
-        with urllib.request.urlopen(f"http://{m.endpoint}/health", timeout=0.5) as r:
+        with urllib.request.urlopen(f"{m.client_url}/health", timeout=0.5, context=ctx) as r:
             return b'"health":"true"' in r.read()
     except OSError:
         return False
