@@ -111,6 +111,7 @@ class _Rest:
     server: object
     thread: threading.Thread
     port: int
+    cache: object  # api.cache.ApiStateCache: the watch-fed view the routes read
 
 
 def _start_rest(
@@ -119,12 +120,17 @@ def _start_rest(
     import uvicorn
 
     from tpflex_controller.api import ApiDeps, create_app, load_tokens
+    from tpflex_controller.api.cache import ApiStateCache
 
     r = s.rest
     tokens = load_tokens(
         r.admin_tokens_file or None, r.readonly_tokens_file or None, protect_reads=r.protect_reads
     )
-    app = create_app(ApiDeps(store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry, steps=steps))
+    cache = ApiStateCache(etcd)
+    app = create_app(ApiDeps(
+        store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry, steps=steps,
+        state=cache, max_in_flight=r.max_in_flight, busy_wait_s=r.busy_wait_s,
+    ))
     family = socket.AF_INET6 if ":" in s.rest.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -143,8 +149,9 @@ def _start_rest(
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rest", daemon=True)
+    cache.start()
     thread.start()
-    return _Rest(server, thread, sock.getsockname()[1])
+    return _Rest(server, thread, sock.getsockname()[1], cache)
 
 
 class ControllerProcess:
@@ -207,6 +214,7 @@ class ControllerProcess:
         if self.rest is not None:
             self.rest.server.should_exit = True
             self.rest.thread.join(timeout=5)
+            self.rest.cache.stop()
         self.etcd.close()
         log.info("controller stopped id=%s", self.settings.controller.name)
 

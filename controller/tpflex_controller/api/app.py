@@ -8,6 +8,7 @@ from tpflex_controller import __version__
 from tpflex_controller.api import schemas as s
 from tpflex_controller.api.deps import ApiDeps, require_reader
 from tpflex_controller.api.errors import install_error_handlers
+from tpflex_controller.api.limits import InFlightLimit
 from tpflex_controller.api.routes import events, jobs, nodes, racks, system
 
 _ERRORS = {
@@ -15,7 +16,7 @@ _ERRORS = {
     403: {"model": s.ErrorBody, "description": "read-only token on a mutating call"},
     404: {"model": s.ErrorBody, "description": "unknown rack, node, GPU or job"},
     422: {"model": s.ErrorBody, "description": "impossible or malformed request"},
-    503: {"model": s.ErrorBody, "description": "etcd unreachable"},
+    503: {"model": s.ErrorBody, "description": "etcd unreachable, state not loaded, or busy"},
 }
 
 DESCRIPTION = """tpflex controller API: inspect racks, nodes, GPUs, jobs, plans and events;
@@ -32,4 +33,6 @@ def create_app(deps: ApiDeps) -> FastAPI:
     for router in (system.status_router, racks.router, nodes.router, jobs.router, events.router):
         v1.include_router(router)
     app.include_router(v1)
+    if deps.max_in_flight > 0:
+        app.add_middleware(InFlightLimit, limit=deps.max_in_flight, wait_s=deps.busy_wait_s)
     return app

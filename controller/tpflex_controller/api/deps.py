@@ -22,6 +22,7 @@ from tpflex_proto.etcd import Etcd
 from tpflex_proto.powermodel import PowerModel
 
 from tpflex_controller.api.errors import ApiError, ErrorCode
+from tpflex_controller.api.state import ApiState, EtcdState
 from tpflex_controller.steps import StepStats
 from tpflex_controller.store import Store
 
@@ -95,6 +96,15 @@ class ApiDeps:
     power_model: PowerModel | None = None  # None = the planner's default table
     planner: Callable | None = field(default=None)  # None = tpflex_controller.planner.plan
     steps: StepStats | None = None  # trainers' step reports on this replica (goodput)
+    state: ApiState | None = None  # reads; None = etcd on every request (EtcdState)
+    max_in_flight: int = 0  # requests served at once (0 = unbounded); others wait
+    busy_wait_s: float = 10.0  # longest wait for a slot before 503 "busy, retry"
+
+    @property
+    def reads(self) -> ApiState:
+        if self.state is None:
+            self.state = EtcdState(self.store)
+        return self.state
 
 
 def get_deps(request: Request) -> ApiDeps:

@@ -29,6 +29,7 @@ class ErrorCode(enum.StrEnum):
     INVALID_REQUEST = "invalid_request"
     ETCD_UNAVAILABLE = "etcd_unavailable"
     NOT_READY = "not_ready"
+    BUSY = "busy"
     INTERNAL = "internal"
 
 
@@ -38,6 +39,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.INVALID_REQUEST: 422,
+    ErrorCode.BUSY: 503,  # before the others: a bare 503 maps to the last one listed
     ErrorCode.ETCD_UNAVAILABLE: 503,
     ErrorCode.NOT_READY: 503,
     ErrorCode.INTERNAL: 500,

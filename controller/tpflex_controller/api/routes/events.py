@@ -19,7 +19,7 @@ def list_events(
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     job: Annotated[str | None, Query(max_length=253)] = None,
 ) -> s.EventList:
-    events = deps.store.events(limit if job is None else 1000)
+    events = deps.reads.events(limit if job is None else 1000)
     if job is not None:
         events = [e for e in events if e.job == job][-limit:]
     return s.EventList(events=[views.event_view(e) for e in events])

@@ -14,7 +14,7 @@ from tpflex_controller.api import views
 from tpflex_controller.api.checks import check_gpus_exist, check_pins
 from tpflex_controller.api.deps import Admin, ApiDeps, Deps
 from tpflex_controller.api.errors import invalid, not_found
-from tpflex_controller.api.state import job_spec, planner_job, read_cluster
+from tpflex_controller.api.state import job_spec, planner_job
 from tpflex_controller.planner import plan
 from tpflex_controller.planner.model import GpuStatus, JobOverrides
 
@@ -25,11 +25,11 @@ JobName = Annotated[str, Path(min_length=1, max_length=253)]
 
 @router.get("", response_model=list[s.JobView], summary="List jobs with their current plan")
 def list_jobs(deps: Deps) -> list[s.JobView]:
-    store = deps.store
+    reads = deps.reads
     return [
-        views.job_view(spec, store.plan(name), store.job_override(name), store.acks(name),
+        views.job_view(spec, reads.plan(name), reads.job_override(name), reads.acks(name),
                        _goodput(deps, name))
-        for name, spec in sorted(store.jobs().items())
+        for name, spec in sorted(reads.jobs().items())
     ]
 
 
@@ -39,16 +39,16 @@ def _goodput(deps, job: str):
 
 @router.get("/{job}", response_model=s.JobView, summary="One job: spec, plan summary, acks")
 def get_job(job: JobName, deps: Deps) -> s.JobView:
-    spec = job_spec(deps.store, job)
-    store = deps.store
-    return views.job_view(spec, store.plan(job), store.job_override(job), store.acks(job),
+    reads = deps.reads
+    spec = job_spec(reads, job)
+    return views.job_view(spec, reads.plan(job), reads.job_override(job), reads.acks(job),
                           _goodput(deps, job))
 
 
 @router.get("/{job}/plan", response_model=s.PlanView, summary="The job's current plan")
 def get_plan(job: JobName, deps: Deps) -> s.PlanView:
-    job_spec(deps.store, job)
-    plan = deps.store.plan(job)
+    job_spec(deps.reads, job)
+    plan = deps.reads.plan(job)
     if plan is None:
         raise not_found(f"job {job!r} has no committed plan yet")
     return views.plan_view(plan)
@@ -58,8 +58,8 @@ def get_plan(job: JobName, deps: Deps) -> s.PlanView:
 def plan_history(
     job: JobName, deps: Deps, limit: Annotated[int, Query(ge=1, le=1000)] = 100
 ) -> s.PlanHistory:
-    job_spec(deps.store, job)
-    plans = deps.store.plan_history(job)[-limit:]
+    job_spec(deps.reads, job)
+    plans = deps.reads.plan_history(job, limit)
     return s.PlanHistory(job=job, plans=[views.plan_view(p) for p in plans])
 
 
@@ -68,13 +68,13 @@ def plan_history(
     summary="Pin replicas' TP degrees and/or switch the policy (writes the job override)",
 )
 def reconfigure(job: JobName, body: s.ReconfigureRequest, deps: Deps, _: Admin) -> s.ReconfigureResult:
-    spec = job_spec(deps.store, job)
+    spec = job_spec(deps.reads, job)
     if not body.pins and body.policy is None and not body.clear:
         raise invalid("nothing to do: give pins, a policy, or clear=true")
-    snap = read_cluster(deps.store)
+    snap = deps.reads.cluster()
     model = planner_job(spec, snap)
     pins = check_pins(model, ((p.replica, p.tp_degree) for p in body.pins), convert.cluster_state(snap))
-    old = None if body.clear else deps.store.job_override(job)
+    old = None if body.clear else deps.store.job_override(job)  # etcd now, not the view
     merged = {p.replica: p.tp_degree for p in old.pins} if old else {}
     merged.update(pins)
     policy = body.policy.value if body.policy is not None else (old.policy if old else "")
@@ -97,8 +97,8 @@ def dry_run(
     job: JobName, deps: Deps, body: Annotated[s.DryRunRequest | None, Body()] = None
 ) -> s.DryRunResult:
     body = body or s.DryRunRequest()
-    spec = job_spec(deps.store, job)
-    snap = read_cluster(deps.store)
+    spec = job_spec(deps.reads, job)
+    snap = deps.reads.cluster()
     model = planner_job(spec, snap)
     failed = check_gpus_exist(((g.node, g.index) for g in body.fail), views.gpu_locations(snap))
     state = convert.cluster_state(snap)
@@ -110,7 +110,7 @@ def dry_run(
         state, model, policy=body.policy, power_model=deps.power_model, overrides=overrides,
         now=deps.clock(),
     )
-    current = deps.store.plan(job)
+    current = deps.reads.plan(job)
     return s.DryRunResult(
         job=job,
         failed_gpus=[s.GpuRefView(node=n, index=i) for n, i in failed],
@@ -122,7 +122,7 @@ def dry_run(
 
 def _job_overrides(deps: ApiDeps, job: str) -> JobOverrides:
     try:
-        return convert.job_overrides(deps.store.job_override(job))
+        return convert.job_overrides(deps.reads.job_override(job))
     except ValueError:  # an unknown stored policy: plan as if there were no override
         return JobOverrides()
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
-from tpflex_proto import types_pb2
+from tpflex_proto import keys, types_pb2
 
 from tpflex_controller.api import schemas as s
 from tpflex_controller.api import views
 from tpflex_controller.api.checks import unknown_gpu
 from tpflex_controller.api.deps import Admin, Deps
 from tpflex_controller.api.errors import not_found
-from tpflex_controller.api.state import read_cluster
+from tpflex_controller.store import Snapshot, decode_or_skip
 
 router = APIRouter(tags=["nodes"])
 
@@ -22,20 +22,22 @@ GpuIndex = Annotated[int, Path(ge=0, le=1_000_000, description="NVML index on th
 
 @router.get("/nodes", response_model=list[s.NodeView], summary="List nodes")
 def list_nodes(deps: Deps) -> list[s.NodeView]:
-    snap = read_cluster(deps.store)
-    gpus = views.gpu_views(snap)
+    snap = deps.reads.cluster()
+    by_node: dict[str, list[s.GpuView]] = {}
+    for g in views.gpu_views(snap):
+        by_node.setdefault(g.node, []).append(g)
     return [
-        views.node_view(name, rack, snap, [g for g in gpus if g.node == name])
+        views.node_view(name, rack, snap, by_node.get(name, []))
         for name, rack in sorted(views.node_names(snap).items())
     ]
 
 
 @router.get("/nodes/{node}", response_model=s.NodeDetail, summary="One node with its GPUs")
 def get_node(node: NodeName, deps: Deps) -> s.NodeDetail:
-    snap = read_cluster(deps.store)
-    rack = views.node_names(snap).get(node)
-    if rack is None:
+    found = deps.reads.node_cluster(node)
+    if found is None:
         raise not_found(f"node {node!r} not found")
+    snap, rack = found
     gpus = [g for g in views.gpu_views(snap) if g.node == node]
     return s.NodeDetail(**views.node_view(node, rack, snap, gpus).model_dump(), gpu_list=gpus)
 
@@ -46,13 +48,14 @@ def list_gpus(
     state: Annotated[str | None, Query(pattern="^(healthy|degraded|failed|drained)$")] = None,
     rack: Annotated[str | None, Query(max_length=253)] = None,
 ) -> list[s.GpuView]:
-    gpus = views.gpu_views(read_cluster(deps.store))
+    gpus = views.gpu_views(deps.reads.cluster())
     return [g for g in gpus if (state is None or g.state == state) and (rack is None or g.rack == rack)]
 
 
 @router.get("/nodes/{node}/gpus/{index}", response_model=s.GpuView, summary="One GPU")
 def get_gpu(node: NodeName, index: GpuIndex, deps: Deps) -> s.GpuView:
-    for g in views.gpu_views(read_cluster(deps.store)):
+    found = deps.reads.node_cluster(node)
+    for g in views.gpu_views(found[0]) if found is not None else ():
         if (g.node, g.index) == (node, index):
             return g
     raise not_found(f"GPU {node}:{index} not found")
@@ -63,8 +66,8 @@ def get_gpu(node: NodeName, index: GpuIndex, deps: Deps) -> s.GpuView:
     summary="Drain a GPU (the leader re-plans without it)",
 )
 def drain_gpu(node: NodeName, index: GpuIndex, body: s.DrainRequest, deps: Deps, _: Admin) -> s.DrainResult:
-    snap = _existing_gpu(deps, node, index)
-    old = snap.gpu_overrides.get((node, index))
+    _existing_gpu(deps, node, index)
+    old = _stored_override(deps, node, index)
     override = types_pb2.GpuOverride(
         gpu=types_pb2.GpuRef(node=node, index=index), drained=True, reason=body.reason,
         power_cap_w=old.power_cap_w if old else 0.0, at=deps.clock(),
@@ -79,8 +82,8 @@ def drain_gpu(node: NodeName, index: GpuIndex, body: s.DrainRequest, deps: Deps,
     summary="Undrain a GPU (removes the drain override)",
 )
 def undrain_gpu(node: NodeName, index: GpuIndex, deps: Deps, _: Admin) -> s.DrainResult:
-    snap = _existing_gpu(deps, node, index)
-    old = snap.gpu_overrides.get((node, index))
+    _existing_gpu(deps, node, index)
+    old = _stored_override(deps, node, index)
     if old is not None and old.power_cap_w > 0:  # keep an operator power pin
         kept = types_pb2.GpuOverride(gpu=old.gpu, power_cap_w=old.power_cap_w, at=deps.clock())
         deps.store.put_gpu_override(kept)
@@ -91,8 +94,14 @@ def undrain_gpu(node: NodeName, index: GpuIndex, deps: Deps, _: Admin) -> s.Drai
 
 
 def _existing_gpu(deps, node: str, index: int):
-    snap = read_cluster(deps.store)
-    known = views.gpu_locations(snap)
+    found = deps.reads.node_cluster(node)
+    snap = found[0] if found is not None else Snapshot()
+    known = {g: r for g, r in views.gpu_locations(snap).items() if g[0] == node}
     if (node, index) not in known:
         raise unknown_gpu((node, index), known)
-    return snap
+
+
+def _stored_override(deps, node: str, index: int) -> types_pb2.GpuOverride | None:
+    """The GPU's override as etcd has it now (a mutation must not act on a lagging view)."""
+    kv = deps.etcd.get(keys.gpu_override(node, index))
+    return decode_or_skip(types_pb2.GpuOverride, kv) if kv is not None else None

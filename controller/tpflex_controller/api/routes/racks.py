@@ -10,26 +10,24 @@ from tpflex_controller.api import schemas as s
 from tpflex_controller.api import views
 from tpflex_controller.api.deps import Deps
 from tpflex_controller.api.errors import not_found
-from tpflex_controller.api.state import read_cluster
 
 router = APIRouter(prefix="/racks", tags=["racks"])
 
 
 @router.get("", response_model=list[s.RackView], summary="List racks")
 def list_racks(deps: Deps) -> list[s.RackView]:
-    snap = read_cluster(deps.store)
-    gpus = views.gpu_views(snap)
-    return [
-        views.rack_view(rack, [g for g in gpus if g.rack == name])
-        for name, rack in sorted(snap.racks.items())
-    ]
+    snap = deps.reads.cluster()
+    by_rack: dict[str, list[s.GpuView]] = {}
+    for g in views.gpu_views(snap):
+        by_rack.setdefault(g.rack, []).append(g)
+    return [views.rack_view(rack, by_rack.get(name, [])) for name, rack in sorted(snap.racks.items())]
 
 
 @router.get("/{rack}", response_model=s.RackDetail, summary="One rack with its GPUs")
 def get_rack(rack: Annotated[str, Path(min_length=1, max_length=253)], deps: Deps) -> s.RackDetail:
-    snap = read_cluster(deps.store)
-    stored = snap.racks.get(rack)
-    if stored is None:
+    snap = deps.reads.rack_cluster(rack)
+    if snap is None:
         raise not_found(f"rack {rack!r} not found")
+    stored = snap.racks[rack]
     gpus = [g for g in views.gpu_views(snap) if g.rack == rack]
     return s.RackDetail(**views.rack_view(stored, gpus).model_dump(), gpu_list=gpus)

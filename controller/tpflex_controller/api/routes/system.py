@@ -10,8 +10,7 @@ from tpflex_proto.etcd import EtcdError
 from tpflex_controller.api import schemas as s
 from tpflex_controller.api import views
 from tpflex_controller.api.deps import Deps
-from tpflex_controller.api.errors import ErrorCode, error_response
-from tpflex_controller.api.state import leader, read_cluster
+from tpflex_controller.api.errors import ApiError, ErrorCode, error_response
 
 probes = APIRouter(tags=["system"])
 status_router = APIRouter(tags=["system"])
@@ -27,9 +26,11 @@ def healthz() -> s.Health:
 @probes.get("/readyz", response_model=s.Health, responses=_NOT_READY, summary="Readiness")
 def readyz(deps: Deps) -> s.Health | JSONResponse:
     try:
-        record = leader(deps.store)
+        record = deps.reads.leader()
     except EtcdError as exc:
         return error_response(ErrorCode.ETCD_UNAVAILABLE, f"not ready: etcd unreachable ({exc})")
+    except ApiError as exc:  # the watch-fed view is not synced or lost etcd
+        return error_response(ErrorCode.ETCD_UNAVAILABLE, f"not ready: {exc.message}")
     if record is None:
         return error_response(ErrorCode.NOT_READY, "not ready: no controller leader is elected")
     return s.Health(status="ready", leader=record.id)
@@ -45,12 +46,12 @@ def metrics(deps: Deps) -> Response:
 
 @status_router.get("/status", response_model=s.StatusView, summary="Cluster summary")
 def status(deps: Deps) -> s.StatusView:
-    store = deps.store
-    snap = read_cluster(store)
-    record = leader(store)
+    reads = deps.reads
+    snap = reads.cluster()
+    record = reads.leader()
     jobs = []
-    for name, spec in sorted(store.jobs().items()):
-        plan = store.plan(name)
+    for name, spec in sorted(reads.jobs().items()):
+        plan = reads.plan(name)
         jobs.append(s.JobStatus(
             name=name, generation=plan.generation if plan else None,
             policy=plan.policy if plan else (spec.policy or "ntp-pw"),
@@ -59,7 +60,7 @@ def status(deps: Deps) -> s.StatusView:
         ))
     return s.StatusView(
         leader=s.LeaderView(id=record.id, address=record.address, since=record.since) if record else None,
-        etcd_revision=store.etcd.status().header.revision,
+        etcd_revision=reads.revision(),
         racks=len(snap.racks), nodes=len(views.node_names(snap)), live_nodes=len(snap.nodes),
         gpus=views.count_states(views.gpu_views(snap)), jobs=jobs,
     )
