@@ -1,5 +1,11 @@
 """The demo's local cluster: a real etcd, a `tpflex-controller` process and one simulated
-`tpflex-agent` process per node, on fixed loopback ports (checked free up front)."""
+`tpflex-agent` process per node, on fixed loopback ports (checked free up front).
+
+With ``tls=True`` everything is secured as docs/deploy.md describes: development
+certificates (deploy/certs/make-dev-certs.sh) in the workdir, etcd with client TLS,
+client-certificate checks and user/password auth, mTLS between the controller and the
+agents, TLS (mTLS) on the trainer plan stream, HTTPS REST with admin and read-only tokens,
+HTTPS agent /metrics."""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -14,9 +21,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.devtools.etcd_server import EtcdCluster, EtcdMember
-from tpflex_proto.etcd import Etcd
+from tpflex_proto.devtools.secure_etcd import (
+    SERVICE_PASSWORDS,
+    CertSet,
+    enable_etcd_auth,
+    make_dev_certs,
+    write_password_files,
+)
+from tpflex_proto.etcd import Etcd, EtcdTls
+from tpflex_proto.tls import channel_credentials
 
 
 class PortsTaken(RuntimeError):
@@ -88,7 +104,9 @@ class DemoCluster:
     racks: tuple[RackLayout, ...]
     workdir: Path
     admin_token: str = "demo-admin-token"
+    readonly_token: str = "demo-readonly-token"
     lease_ttl_s: int = 2
+    tls: bool = False
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     etcd_server: EtcdCluster | None = None
     etcd: Etcd | None = None
@@ -100,7 +118,15 @@ class DemoCluster:
 
     @property
     def rest_url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.rest}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.ports.rest}"
+
+    @property
+    def certs(self) -> CertSet:
+        return CertSet(self.workdir / "certs")
+
+    @property
+    def secrets(self) -> Path:
+        return self.workdir / "secrets"
 
     @property
     def trainer_endpoint(self) -> str:
@@ -108,19 +134,23 @@ class DemoCluster:
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.tls:
+            make_dev_certs(self.certs.directory)
+            write_password_files(self.secrets)
         self._start_etcd()
-        self.etcd = Etcd([self.etcd_endpoint], timeout=2.0)
+        self.etcd = self._etcd_client()
         for rack in self.racks:
             self._write_rack(rack)
-        tokens = self.workdir / "admin.tokens"
-        tokens.write_text(self.admin_token + "\n")
-        tokens.chmod(0o600)
+        tokens = self._token_file("admin.tokens", self.admin_token)
+        readonly = self._token_file("readonly.tokens", self.readonly_token)
         self._spawn("controller", [
             _script("tpflex-controller"), "--name", "demo-controller", "--etcd", self.etcd_endpoint,
             "--rest-listen", f"127.0.0.1:{self.ports.rest}",
             "--trainer-listen", f"127.0.0.1:{self.ports.trainer}",
-            "--admin-tokens-file", str(tokens), "--lease-ttl-s", "3", "--log-level", "WARNING",
-        ], env={"TPFLEX_TIMEOUTS__AGENT_LEASE_TTL_S": str(self.lease_ttl_s)})
+            "--admin-tokens-file", str(tokens), "--readonly-tokens-file", str(readonly),
+            "--lease-ttl-s", "3", "--log-level", "WARNING",
+        ], env={"TPFLEX_TIMEOUTS__AGENT_LEASE_TTL_S": str(self.lease_ttl_s),
+                **self._controller_tls_env()})
         for i, rack in enumerate(self.racks):
             self._spawn(f"agent-{rack.node}", [
                 _script("tpflex-agent"), "--backend", "sim", "--sim-gpus", str(rack.gpus),
@@ -129,16 +159,91 @@ class DemoCluster:
                 "--listen", f"127.0.0.1:{self.ports.agent_grpc(i)}",
                 "--metrics-listen", f"127.0.0.1:{self.ports.agent_metrics(i)}",
                 "--health-debounce-s", "0.2", "--log-level", "WARNING",
-            ])
+            ], env=self._agent_tls_env())
             self.agent_addresses[rack.node] = f"127.0.0.1:{self.ports.agent_grpc(i)}"
         self._wait_ready(timeout=60)
 
     def _start_etcd(self) -> None:
         server = EtcdCluster(1, self.workdir / "etcd")
         data = self.workdir / "etcd" / "demo.etcd"
-        server.members = [EtcdMember("demo", data, self.ports.etcd_client, self.ports.etcd_peer)]
+        server.members = [EtcdMember("demo", data, self.ports.etcd_client, self.ports.etcd_peer,
+                                     certs=self.certs if self.tls else None)]
         server.start()
         self.etcd_server = server
+        if self.tls:
+            enable_etcd_auth(self.etcd_endpoint, self.certs)
+
+    def _etcd_client(self) -> Etcd:
+        """The demo's own etcd client (the controller's identity when TLS is on)."""
+        if not self.tls:
+            return Etcd([self.etcd_endpoint], timeout=2.0)
+        c = self.certs
+        return Etcd([self.etcd_endpoint], timeout=2.0, user="tpflex-controller",
+                    password=SERVICE_PASSWORDS["tpflex-controller"],
+                    tls=EtcdTls(c.ca, c.cert("controller"), c.key("controller")))
+
+    def _token_file(self, name: str, token: str) -> Path:
+        path = self.workdir / name
+        path.write_text(token + "\n")
+        path.chmod(0o600)
+        return path
+
+    def _etcd_env(self, identity: str, user: str) -> dict[str, str]:
+        c = self.certs
+        return {"TPFLEX_ETCD__CA_FILE": c.ca, "TPFLEX_ETCD__CERT_FILE": c.cert(identity),
+                "TPFLEX_ETCD__KEY_FILE": c.key(identity), "TPFLEX_ETCD__USERNAME": user,
+                "TPFLEX_ETCD__PASSWORD_FILE": str(self.secrets / f"{user}.password")}
+
+    def _controller_tls_env(self) -> dict[str, str]:
+        if not self.tls:
+            return {}
+        c, me = self.certs, "controller"
+        return {
+            **self._etcd_env(me, "tpflex-controller"),
+            "TPFLEX_REST__TLS_CERT_FILE": c.cert(me), "TPFLEX_REST__TLS_KEY_FILE": c.key(me),
+            "TPFLEX_TRAINER__TLS_CERT_FILE": c.cert(me), "TPFLEX_TRAINER__TLS_KEY_FILE": c.key(me),
+            "TPFLEX_TRAINER__CLIENT_CA_FILE": c.ca, "TPFLEX_TRAINER__CLIENT_NAMES": "tpflex-trainer",
+            "TPFLEX_AGENTS__CA_FILE": c.ca, "TPFLEX_AGENTS__CERT_FILE": c.cert(me),
+            "TPFLEX_AGENTS__KEY_FILE": c.key(me),
+        }
+
+    def _agent_tls_env(self) -> dict[str, str]:
+        if not self.tls:
+            return {}
+        c, me = self.certs, "agent"
+        return {
+            **self._etcd_env(me, "tpflex-agent"),
+            "TPFLEX_GRPC__TLS_CERT_FILE": c.cert(me), "TPFLEX_GRPC__TLS_KEY_FILE": c.key(me),
+            "TPFLEX_GRPC__CLIENT_CA_FILE": c.ca,
+            "TPFLEX_METRICS__TLS_CERT_FILE": c.cert(me), "TPFLEX_METRICS__TLS_KEY_FILE": c.key(me),
+        }
+
+    def trainer_env(self) -> dict[str, str]:
+        """What every training rank needs to reach the plan stream (TLS with a client
+        certificate when TLS is on)."""
+        if not self.tls:
+            return {}
+        c = self.certs
+        return {"TPFLEX_TLS_CA": c.ca, "TPFLEX_TLS_CERT": c.cert("trainer"),
+                "TPFLEX_TLS_KEY": c.key("trainer")}
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """For HTTPS to the REST API and the agents' /metrics (None when TLS is off)."""
+        return ssl.create_default_context(cafile=self.certs.ca) if self.tls else None
+
+    def rest_headers(self, *, admin: bool = True) -> dict[str, str]:
+        token = self.admin_token if admin else self.readonly_token
+        return {"Authorization": f"Bearer {token}"}
+
+    def agent_channel(self, node: str) -> grpc.Channel:
+        """A channel to ``node``'s agent: mTLS with the controller's certificate when TLS is
+        on (the agents accept only clients with a certificate of the demo's CA)."""
+        address = self.agent_addresses[node]
+        if not self.tls:
+            return grpc.insecure_channel(address)
+        c = self.certs
+        creds = channel_credentials(c.ca, c.cert("controller"), c.key("controller"))
+        return grpc.secure_channel(address, creds)
 
     def _write_rack(self, rack: RackLayout) -> None:
         tdp = 700.0
@@ -167,7 +272,8 @@ class DemoCluster:
             nodes, _ = self.etcd.get_prefix(keys.NODES)
             if leader is not None and len(nodes) == len(self.racks):
                 try:
-                    with urllib.request.urlopen(self.rest_url + "/readyz", timeout=1) as r:
+                    with urllib.request.urlopen(self.rest_url + "/readyz", timeout=1,
+                                                context=self.ssl_context()) as r:
                         if r.status == 200:
                             return
                 except OSError:

@@ -31,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-running", action="store_true",
                    help="leave etcd, the controller and the agents up afterwards (Ctrl-C stops)")
     p.add_argument("--workdir", type=Path, help="where logs and data go (default: a temp dir)")
+    p.add_argument("--tls", action="store_true",
+                   help="secure everything: development certificates in the workdir, etcd with "
+                        "TLS and auth, mTLS between services and on the plan stream, REST over "
+                        "HTTPS with admin and read-only tokens")
     return p
 
 
@@ -48,12 +52,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
 
     story = Story(StoryConfig(workdir=workdir, base_port=a.base_port, steps=a.steps,
-                              fail_at_step=a.fail_at, repair_at_step=a.repair_at), say)
+                              fail_at_step=a.fail_at, repair_at_step=a.repair_at, tls=a.tls), say)
     try:
         story.start()
     except PortsTaken as exc:
         print(f"tpflex-demo: {exc}", file=sys.stderr)
         return 2
+    except (RuntimeError, TimeoutError, OSError) as exc:
+        story.stop()
+        print(f"tpflex-demo: the services did not start: {exc}\n"
+              f"tpflex-demo: logs kept in {workdir}", file=sys.stderr)
+        return 1
     ok = False
     try:
         run = story.play()
@@ -78,18 +87,36 @@ def main(argv: list[str] | None = None) -> int:
 
 def _keep_running(story: Story) -> None:
     c = story.cluster
-    print(f"""
+    print(_explore_tls(story) if c.tls else _explore(story), flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+
+
+def _explore_tls(story: Story) -> str:
+    c = story.cluster
+    ca, read, admin = c.certs.ca, c.workdir / "readonly.tokens", c.workdir / "admin.tokens"
+    return f"""
+services are up with TLS (Ctrl-C to stop them); certificates in {c.certs.directory}:
+  REST:     curl --cacert {ca} -H "Authorization: Bearer $(cat {read})" {c.rest_url}/v1/status
+  metrics:  curl --cacert {ca} {c.rest_url}/metrics | grep tpflex_
+  agents:   curl --cacert {ca} https://127.0.0.1:{story.ports.agent_metrics(0)}/metrics
+  SSL_CERT_FILE={ca} tpflexctl --url {c.rest_url} --token-file {read} status
+  SSL_CERT_FILE={ca} tpflexctl --url {c.rest_url} --token-file {admin} drain node-0 1 --reason test
+"""
+
+
+def _explore(story: Story) -> str:
+    c = story.cluster
+    return f"""
 services are up (Ctrl-C to stop them):
   REST:     curl {c.rest_url}/v1/status ; curl {c.rest_url}/v1/jobs/{JOB}/plan
   metrics:  curl {c.rest_url}/metrics | grep tpflex_
   agents:   curl http://127.0.0.1:{story.ports.agent_metrics(0)}/metrics
   tpflexctl --url {c.rest_url} status
   tpflexctl --url {c.rest_url} --token-file {c.workdir / 'admin.tokens'} drain node-0 1 --reason test
-""", flush=True)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+"""
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, types_pb2
 
 from tpflex_trainer.demo.cluster import DemoCluster, DemoPorts, RackLayout, check_ports_free
@@ -41,6 +40,9 @@ class StoryConfig:
     # only on the dead rank) and what a whole-job restart loads
     checkpoint_every: int = 10
     worker_env: dict[str, str] = field(default_factory=dict)
+    # everything over TLS (mTLS between services, to the plan stream and the agents), etcd
+    # with auth, REST with tokens: see DemoCluster
+    tls: bool = False
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -70,18 +72,19 @@ class Story:
         self.config = config
         self.progress = progress
         self.ports = DemoPorts(config.base_port)
-        self.cluster = DemoCluster(self.ports, RACKS, config.workdir / "cluster")
+        self.cluster = DemoCluster(self.ports, RACKS, config.workdir / "cluster", tls=config.tls)
         self.launcher: JobLauncher | None = None
         self.run = StoryRun(workdir=config.workdir)
 
     # ------------------------------------------------------------------ phases
     def start(self) -> None:
         check_ports_free(self.ports.all(len(RACKS)))
-        self.progress("starting etcd, tpflex-controller and 2 simulated agents (2 racks x 4 GPUs)")
+        secured = " with TLS/mTLS, etcd auth and REST tokens" if self.config.tls else ""
+        self.progress(f"starting etcd, tpflex-controller and 2 simulated agents (2 racks x 4 GPUs){secured}")
         self.cluster.start()
         spec = demo_job_spec(JOB, [(r.name, r.node, r.gpus) for r in RACKS], LOCAL_BATCH,
                              DEMO_MODEL.unit_counts(), policy=self.config.policy)
-        env = dict(self.config.worker_env)
+        env = {**self.cluster.trainer_env(), **self.config.worker_env}
         if self.config.checkpoint_every:
             self.config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             env = {"TPFLEX_CHECKPOINT_DIR": str(self.config.checkpoint_dir),
@@ -130,20 +133,21 @@ class Story:
         self.inject(node, index, "recover")
 
     def inject(self, node: str, index: int, kind: str) -> None:
-        with grpc.insecure_channel(self.cluster.agent_addresses[node]) as ch:
+        with self.cluster.agent_channel(node) as ch:
             agent_pb2_grpc.AgentStub(ch).InjectFault(
                 agent_pb2.InjectFaultRequest(index=index, kind=kind), timeout=5)
 
     def applied_caps(self, node: str) -> dict[int, float]:
-        with grpc.insecure_channel(self.cluster.agent_addresses[node]) as ch:
+        with self.cluster.agent_channel(node) as ch:
             resp = agent_pb2_grpc.AgentStub(ch).GetDevices(agent_pb2.GetDevicesRequest(), timeout=5)
         return {g.index: g.power_limit_w for g in resp.gpus}
 
     def dry_run_ratio(self, policy: str) -> float:
         req = urllib.request.Request(
             f"{self.cluster.rest_url}/v1/jobs/{JOB}/dry-run", method="POST",
-            data=json.dumps({"policy": policy}).encode(), headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as r:
+            data=json.dumps({"policy": policy}).encode(),
+            headers={"Content-Type": "application/json", **self.cluster.rest_headers()})
+        with urllib.request.urlopen(req, timeout=10, context=self.cluster.ssl_context()) as r:
             body = json.loads(r.read())
         return float(body["plan"]["expected_throughput_ratio"])
 

@@ -29,7 +29,13 @@ class HooksConfig:
     checkpoint_every: int = 0  # steps; 0 = never
     collective_timeout_s: float = 60.0  # above the controller's reaction bound
     plan_wait_s: float = 30.0  # how long to wait for a plan after a failure / at start
+    # TLS on the plan stream: trust tls_ca_file; tls_cert_file/tls_key_file = this rank's
+    # client certificate (mTLS); tls_server_name overrides the name checked in the
+    # controller's certificate
     tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_server_name: str = ""
     extra: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
@@ -67,8 +73,28 @@ class HooksConfig:
             checkpoint_every=int(number("TPFLEX_CHECKPOINT_EVERY", 0, int)),
             collective_timeout_s=number("TPFLEX_COLLECTIVE_TIMEOUT_S", 60.0),
             plan_wait_s=number("TPFLEX_PLAN_WAIT_S", 30.0),
-            tls_ca_file=env.get("TPFLEX_TLS_CA", ""),
+            **_tls_from_env(env),
         )
+
+
+def _tls_from_env(env: Mapping[str, str]) -> dict[str, str]:
+    tls = {
+        "tls_ca_file": env.get("TPFLEX_TLS_CA", "").strip(),
+        "tls_cert_file": env.get("TPFLEX_TLS_CERT", "").strip(),
+        "tls_key_file": env.get("TPFLEX_TLS_KEY", "").strip(),
+        "tls_server_name": env.get("TPFLEX_TLS_SERVER_NAME", "").strip(),
+    }
+    if bool(tls["tls_cert_file"]) != bool(tls["tls_key_file"]):
+        raise HooksConfigError("TPFLEX_TLS_CERT and TPFLEX_TLS_KEY go together")
+    if tls["tls_cert_file"] and not tls["tls_ca_file"]:
+        raise HooksConfigError("TPFLEX_TLS_CERT needs TPFLEX_TLS_CA (the controller's CA)")
+    names = {"tls_ca_file": "TPFLEX_TLS_CA", "tls_cert_file": "TPFLEX_TLS_CERT",
+             "tls_key_file": "TPFLEX_TLS_KEY"}
+    for field_name, var in names.items():
+        path = tls[field_name]
+        if path and not os.access(path, os.R_OK):
+            raise HooksConfigError(f"{var}: cannot read {path}")
+    return tls
 
 
 def _missing(name: str):

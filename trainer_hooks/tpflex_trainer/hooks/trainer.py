@@ -114,6 +114,9 @@ class TpflexHooks:
         self.client = ControlClient(ControlConfig(
             endpoints=config.controller, job=config.job, rank=self.rank,
             tls_ca_file=config.tls_ca_file or None,
+            tls_cert_file=config.tls_cert_file or None,
+            tls_key_file=config.tls_key_file or None,
+            tls_server_name=config.tls_server_name or None,
         ))
         self.backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.store: dist.Store | None = None
