@@ -59,6 +59,19 @@ class PlanFeed:
                 )
         return sub
 
+    def history(self, job: str) -> list[types_pb2.Plan]:
+        """The job's kept plan generations (``jobs/<job>/history/``), oldest first;
+        malformed values skipped with a log line."""
+        prefix = keys.job_plan_history(job, 0)[: -12]
+        kvs, _ = self.etcd.get_prefix(prefix)
+        plans = []
+        for kv in kvs:
+            try:
+                plans.append(decode_plan(kv.value, kv.key))
+            except codec.MalformedValue as exc:
+                log.warning("skipping malformed etcd value key=%s error=%s", kv.key, exc)
+        return plans
+
     def unsubscribe(self, sub: Subscription) -> None:
         watch = None
         with self._lock:

@@ -70,6 +70,30 @@ def _same_spec(a: types_pb2.JobSpec, b: types_pb2.JobSpec) -> bool:
     return codec.encode(x) == codec.encode(y)
 
 
+def replay_plans(
+    job: str, after: int, current: types_pb2.Plan, history: list[types_pb2.Plan]
+) -> list[types_pb2.Plan]:
+    """Generations (after, current.generation] from ``history`` (any order), then the
+    current plan; when the history no longer holds generation after+1, logs it and
+    returns the current plan alone."""
+    missed = sorted(
+        (p for p in history if after < p.generation < current.generation),
+        key=lambda p: p.generation,
+    )
+    have = {p.generation for p in history} | {current.generation}
+    if after + 1 not in have:
+        oldest = min(have)
+        log.warning(
+            "plan replay older than history job=%s after_generation=%d oldest_kept=%d current=%d",
+            job, after, oldest, current.generation,
+        )
+        return [current]
+    if missed:
+        log.info("plan replay job=%s after_generation=%d generations=%d current=%d",
+                 job, after, len(missed) + 1, current.generation)
+    return [*missed, current]
+
+
 class TrainerServicer(controller_pb2_grpc.TrainerServicer):
     def __init__(self, etcd: Etcd, *, steps: StepStats, clock: Callable[[], float] = time.time):
         self.etcd = etcd
@@ -149,12 +173,13 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
         try:
             last = request.after_generation
             try:
-                current = self._plan(request.job)
+                backlog = self._backlog(request.job, last)
             except EtcdError as exc:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
-            if current is not None and current.generation > last:
-                last = current.generation
-                yield current
+            for plan in backlog:
+                if plan.generation > last:
+                    last = plan.generation
+                    yield plan
             while context.is_active() and not sub.closed:
                 plan = sub.get(timeout=1.0)
                 if plan is not None and plan.generation > last:
@@ -162,6 +187,17 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
                     yield plan
         finally:
             self.feed.unsubscribe(sub)
+
+    def _backlog(self, job: str, after: int) -> list[types_pb2.Plan]:
+        """What a stream resuming after generation ``after`` missed, oldest first: every
+        committed generation in (after, current] from the job's plan history, or the
+        current plan alone when ``after`` is 0 or older than the history keeps."""
+        current = self._plan(job)
+        if current is None or current.generation <= after:
+            return []
+        if after <= 0:
+            return [current]
+        return replay_plans(job, after, current, self.feed.history(job))
 
     def AckPlan(self, request, context):
         return self._run(context, self._ack, request)
