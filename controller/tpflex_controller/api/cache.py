@@ -163,6 +163,12 @@ class ApiStateCache:
             self._watch = self.etcd.watch_prefix(
                 keys.PREFIX, self._on_events, start_revision=rev + 1, on_resync=self._on_resync
             )
+            while not self._watch.established.wait(self._retry_s):
+                if self._stop.is_set():
+                    return
+            with self._changed:
+                self._synced = True
+                self._changed.notify_all()
             log.info("api cache synced revision=%d", rev)
             return
 
@@ -173,7 +179,6 @@ class ApiStateCache:
             tables.fold(kv, False)
         with self._changed:
             self._t = tables
-            self._synced = True
             self._changed.notify_all()
         return rev
 

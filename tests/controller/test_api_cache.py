@@ -1,0 +1,152 @@
+"""The REST API served from the watch-fed ApiStateCache: a real etcd, real uvicorn, real
+HTTP. The cached app must answer exactly what the etcd-per-request app answers, follow
+changes, answer 503 with a message while it has no current view, and bound the requests
+it serves at once."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+
+import httpx
+from tpflex_controller.api import create_app
+from tpflex_controller.api.cache import ApiStateCache
+from tpflex_controller.store import Store
+from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.etcd import Etcd
+
+from tests.controller import api_harness as h
+from tests.controller.api_harness import ServedApp, make_deps, write_token_file
+from tests.controller.controller_harness import eventually
+
+
+def _error(resp, status: int) -> str:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and body["error"]["message"], body
+    return body["error"]["message"]
+
+
+@contextmanager
+def _cached_app(etcd: Etcd, tmp_path, **deps_kw):
+    cache = ApiStateCache(etcd, retry_s=0.05).start()
+    deps = make_deps(etcd, write_token_file(tmp_path))
+    deps.state = cache
+    for k, v in deps_kw.items():
+        setattr(deps, k, v)
+    server = ServedApp(create_app(deps)).start()
+    http = httpx.Client(base_url=server.url, timeout=10.0)
+    try:
+        yield cache, http
+    finally:
+        http.close()
+        server.stop()
+        cache.stop()
+
+
+def _caught_up(cache: ApiStateCache, etcd: Etcd) -> None:
+    assert cache.wait_revision(etcd.status().header.revision, timeout=10)
+
+
+PATHS = [
+    "/v1/racks", "/v1/racks/rack-a", "/v1/nodes", "/v1/nodes/rack-a-n1", "/v1/nodes/rack-b-n0",
+    "/v1/gpus", "/v1/gpus?state=failed", "/v1/nodes/rack-a-n1/gpus/2", "/v1/jobs",
+    f"/v1/jobs/{h.JOB}", f"/v1/jobs/{h.JOB}/plan", f"/v1/jobs/{h.JOB}/plans", "/v1/events?limit=2",
+    "/v1/status", "/readyz", "/v1/nodes/ghost", "/v1/racks/ghost", "/v1/jobs/ghost",
+]
+
+
+def test_cached_reads_equal_etcd_reads_and_follow_changes(etcd, tmp_path):
+    store = Store(etcd)
+    h.seed(store, registered_missing="rack-b-n0")
+    h.put_health(store, "rack-a-n1", {2: (types_pb2.GPU_FAILED, "xid 79")})
+    etcd.put(keys.gpu_override("rack-a-n0", 1), codec.encode(types_pb2.GpuOverride(
+        gpu=types_pb2.GpuRef(node="rack-a-n0", index=1), drained=True, reason="maint")))
+    direct = ServedApp(create_app(make_deps(etcd, write_token_file(tmp_path)))).start()
+    try:
+        with _cached_app(etcd, tmp_path) as (cache, http), httpx.Client(base_url=direct.url) as ref:
+            _caught_up(cache, etcd)
+            for path in PATHS:
+                a, b = http.get(path), ref.get(path)
+                assert (a.status_code, a.json()) == (b.status_code, b.json()), path
+            assert http.get("/v1/nodes/rack-a-n1/gpus/2").json()["state"] == "failed"
+
+            h.put_health(store, "rack-a-n1", {})  # recovered
+            etcd.delete(keys.node("rack-a-n0"))  # its lease lapsed
+            etcd.delete(keys.gpu_override("rack-a-n0", 1))
+            h.register(store, "rack-b", "rack-b-n0")
+            _caught_up(cache, etcd)
+            assert http.get("/v1/nodes/rack-a-n1/gpus/2").json()["state"] == "healthy"
+            assert http.get("/v1/nodes/rack-a-n0").json()["live"] is False
+            assert http.get("/v1/nodes/rack-b-n0").json()["live"] is True
+            for path in PATHS:
+                a, b = http.get(path), ref.get(path)
+                assert (a.status_code, a.json()) == (b.status_code, b.json()), path
+    finally:
+        direct.stop()
+
+
+def test_single_object_reads_touch_only_that_object(etcd, tmp_path):
+    store = Store(etcd)
+    h.seed(store)
+    cache = ApiStateCache(etcd).start()
+    try:
+        _caught_up(cache, etcd)
+        snap, rack = cache.node_cluster("rack-b-n1")
+        assert rack == "rack-b" and set(snap.nodes) == set(snap.health) == {"rack-b-n1"}
+        assert set(snap.racks) == {"rack-b"}
+        part = cache.rack_cluster("rack-a")
+        assert set(part.racks) == {"rack-a"} and set(part.nodes) == {"rack-a-n0", "rack-a-n1"}
+        assert cache.node_cluster("ghost") is None and cache.rack_cluster("ghost") is None
+        assert [p.generation for p in cache.plan_history(h.JOB)] == [1]
+        assert sorted(cache.acks(h.JOB)) == [0, 1]
+    finally:
+        cache.stop()
+
+
+def test_reads_answer_503_until_synced_and_while_etcd_is_away(etcd_server, etcd, tmp_path):
+    h.seed(Store(etcd))
+    member = etcd_server.members[0]
+    member.stop()
+    with _cached_app(etcd, tmp_path) as (cache, http):
+        assert "not loaded" in _error(http.get("/v1/nodes/rack-a-n0"), 503)
+        assert "not ready" in _error(http.get("/readyz"), 503)
+        etcd_server.restart_member(0)
+        _caught_up(cache, etcd)
+        assert http.get("/v1/nodes/rack-a-n0").status_code == 200
+        assert http.get("/readyz").json()["leader"] == "ctl-1"
+
+        member.stop()
+        eventually(lambda: not cache.ready)  # the watch notices etcd is gone
+        assert "etcd unreachable" in _error(http.get(f"/v1/jobs/{h.JOB}"), 503)
+        assert "etcd unreachable" in _error(http.get("/readyz"), 503)
+        etcd_server.restart_member(0)
+        etcd.put(keys.health("rack-a-n0"), codec.encode(types_pb2.NodeHealth(node="rack-a-n0")))
+        _caught_up(cache, etcd)
+        assert http.get(f"/v1/jobs/{h.JOB}").status_code == 200
+
+
+def test_requests_beyond_the_in_flight_bound_wait_then_get_busy(etcd, tmp_path):
+    h.seed(Store(etcd))
+    entered, release = threading.Event(), threading.Event()
+    from tpflex_controller.planner import plan as real_plan
+
+    def slow_planner(*args, **kw):
+        entered.set()
+        release.wait(30)
+        return real_plan(*args, **kw)
+
+    with _cached_app(etcd, tmp_path, max_in_flight=1, busy_wait_s=0.3, planner=slow_planner) as (cache, http):
+        _caught_up(cache, etcd)
+        done: dict = {}
+        holder = threading.Thread(
+            target=lambda: done.setdefault("r", http.post(f"/v1/jobs/{h.JOB}/dry-run", json={})))
+        holder.start()
+        assert entered.wait(10)
+        busy = http.get("/v1/jobs")
+        assert "busy" in _error(busy, 503) and busy.headers["retry-after"] == "1"
+        assert http.get("/readyz").status_code == 200  # probes are never held back
+        release.set()
+        holder.join(10)
+        assert done["r"].status_code == 200
+        assert http.get("/v1/jobs").status_code == 200  # the slot is free again
