@@ -71,9 +71,10 @@ def _security_checks(cluster: DemoCluster) -> None:
     with pytest.raises(httpx.HTTPError):
         httpx.get(cluster.rest_url.replace("https://", "http://") + "/v1/status", timeout=5)
 
-    # etcd: a certificate without a user is not enough once auth is on
+    # etcd: auth is on. Without a user etcd takes the certificate's CN as the user name (the
+    # services' certificates name their users); the trainers' CN is no etcd user
     anonymous = Etcd([cluster.etcd_endpoint], timeout=3.0,
-                     tls=EtcdTls(c.ca, c.cert("controller"), c.key("controller")))
+                     tls=EtcdTls(c.ca, c.cert("trainer"), c.key("trainer")))
     try:
         with pytest.raises(Exception, match="(?i)user|auth|permission"):
             anonymous.get(keys.LEADER)
