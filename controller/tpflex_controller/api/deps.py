@@ -22,6 +22,7 @@ from tpflex_proto.etcd import Etcd
 from tpflex_proto.powermodel import PowerModel
 
 from tpflex_controller.api.errors import ApiError, ErrorCode
+from tpflex_controller.api.memo import RenderMemo
 from tpflex_controller.api.state import ApiState, EtcdState
 from tpflex_controller.steps import StepStats
 from tpflex_controller.store import Store
@@ -99,6 +100,7 @@ class ApiDeps:
     state: ApiState | None = None  # reads; None = etcd on every request (EtcdState)
     max_in_flight: int = 0  # requests served at once (0 = unbounded); others wait
     busy_wait_s: float = 10.0  # longest wait for a slot before 503 "busy, retry"
+    memo: RenderMemo = field(default_factory=RenderMemo)  # rendered plans, per job
 
     @property
     def reads(self) -> ApiState:

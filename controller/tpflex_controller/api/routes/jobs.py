@@ -6,6 +6,7 @@ import dataclasses
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, Query
+from fastapi.responses import Response
 from tpflex_proto import types_pb2
 
 from tpflex_controller import convert
@@ -46,12 +47,12 @@ def get_job(job: JobName, deps: Deps) -> s.JobView:
 
 
 @router.get("/{job}/plan", response_model=s.PlanView, summary="The job's current plan")
-def get_plan(job: JobName, deps: Deps) -> s.PlanView:
+def get_plan(job: JobName, deps: Deps) -> Response:
     job_spec(deps.reads, job)
     plan = deps.reads.plan(job)
     if plan is None:
         raise not_found(f"job {job!r} has no committed plan yet")
-    return views.plan_view(plan)
+    return deps.memo.json("plan", job, plan, lambda: views.plan_view(plan))
 
 
 @router.get("/{job}/plans", response_model=s.PlanHistory, summary="Plan history, oldest first")

@@ -1,0 +1,31 @@
+"""Rendered JSON of large, rarely changing responses (a job's plan lists every GPU and
+cap), kept per job and reused while the stored object is the same one. The watch-fed
+cache replaces an object whenever its key changes, so identity is the version; reads
+from etcd (``EtcdState``) produce fresh objects and simply never hit."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+
+class RenderMemo:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._kept: dict[tuple[str, str], tuple[object, bytes]] = {}
+
+    def json(self, kind: str, name: str, source: object, render: Callable[[], BaseModel]) -> Response:
+        """The JSON of ``render()`` for ``source`` (rendered once per source object)."""
+        key = (kind, name)
+        with self._lock:
+            kept = self._kept.get(key)
+        if kept is not None and kept[0] is source:
+            body = kept[1]
+        else:
+            body = JSONResponse(render().model_dump(mode="json")).body
+            with self._lock:
+                self._kept[key] = (source, body)
+        return Response(content=body, media_type="application/json")
