@@ -61,7 +61,7 @@ class RestSection(_Listener):
     readonly_tokens_file: str = Field("", description="read-only bearer tokens, one per line")
     protect_reads: bool = Field(False, description="GETs under /v1 need a token of either scope")
     max_in_flight: int = Field(
-        8, ge=0, description="REST requests served at once (0 = unbounded); the rest wait"
+        4, ge=0, description="REST requests served at once (0 = unbounded); the rest wait"
     )
     busy_wait_s: float = Field(
         10.0, gt=0, description="longest wait for a REST slot before 503 busy (Retry-After)"

@@ -13,7 +13,7 @@ from tpflex_controller.api import create_app
 from tpflex_controller.api.cache import ApiStateCache
 from tpflex_controller.store import Store
 from tpflex_proto import codec, keys, types_pb2
-from tpflex_proto.etcd import Etcd
+from tpflex_proto.etcd import Etcd, EtcdError
 
 from tests.controller import api_harness as h
 from tests.controller.api_harness import ServedApp, make_deps, write_token_file
@@ -46,6 +46,17 @@ def _cached_app(etcd: Etcd, tmp_path, **deps_kw):
 
 def _caught_up(cache: ApiStateCache, etcd: Etcd) -> None:
     assert cache.wait_revision(etcd.status().header.revision, timeout=10)
+
+
+def _put_when_back(etcd: Etcd, key: str, value: bytes) -> None:
+    """A write once the restarted etcd accepts one (the client may still be backing off)."""
+    def attempt() -> bool:
+        try:
+            etcd.put(key, value)
+        except EtcdError:
+            return False
+        return True
+    eventually(attempt, timeout=15, interval=0.1)
 
 
 PATHS = [
@@ -112,6 +123,7 @@ def test_reads_answer_503_until_synced_and_while_etcd_is_away(etcd_server, etcd,
         assert "not loaded" in _error(http.get("/v1/nodes/rack-a-n0"), 503)
         assert "not ready" in _error(http.get("/readyz"), 503)
         etcd_server.restart_member(0)
+        _put_when_back(etcd, keys.health("rack-a-n1"), codec.encode(types_pb2.NodeHealth(node="rack-a-n1")))
         _caught_up(cache, etcd)
         assert http.get("/v1/nodes/rack-a-n0").status_code == 200
         assert http.get("/readyz").json()["leader"] == "ctl-1"
@@ -121,7 +133,7 @@ def test_reads_answer_503_until_synced_and_while_etcd_is_away(etcd_server, etcd,
         assert "etcd unreachable" in _error(http.get(f"/v1/jobs/{h.JOB}"), 503)
         assert "etcd unreachable" in _error(http.get("/readyz"), 503)
         etcd_server.restart_member(0)
-        etcd.put(keys.health("rack-a-n0"), codec.encode(types_pb2.NodeHealth(node="rack-a-n0")))
+        _put_when_back(etcd, keys.health("rack-a-n0"), codec.encode(types_pb2.NodeHealth(node="rack-a-n0")))
         _caught_up(cache, etcd)
         assert http.get(f"/v1/jobs/{h.JOB}").status_code == 200
 

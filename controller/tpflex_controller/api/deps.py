@@ -109,7 +109,7 @@ class ApiDeps:
         return self.state
 
 
-def get_deps(request: Request) -> ApiDeps:
+async def get_deps(request: Request) -> ApiDeps:
     return request.app.state.deps
 
 
@@ -127,7 +127,7 @@ def _scope(deps: ApiDeps, creds: HTTPAuthorizationCredentials | None) -> str:
     return scope
 
 
-def require_admin(
+async def require_admin(
     deps: Deps, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> str:
     if _scope(deps, creds) != "admin":
@@ -135,7 +135,7 @@ def require_admin(
     return "admin"
 
 
-def require_reader(
+async def require_reader(
     deps: Deps, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 ) -> str | None:
     if not deps.tokens.protect_reads:

@@ -14,7 +14,7 @@ router = APIRouter(tags=["events"])
 
 
 @router.get("/events", response_model=s.EventList, summary="Latest events, oldest first")
-def list_events(
+async def list_events(
     deps: Deps,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     job: Annotated[str | None, Query(max_length=253)] = None,

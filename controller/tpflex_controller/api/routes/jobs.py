@@ -25,7 +25,7 @@ JobName = Annotated[str, Path(min_length=1, max_length=253)]
 
 
 @router.get("", response_model=list[s.JobView], summary="List jobs with their current plan")
-def list_jobs(deps: Deps) -> list[s.JobView]:
+async def list_jobs(deps: Deps) -> list[s.JobView]:
     reads = deps.reads
     return [
         views.job_view(spec, reads.plan(name), reads.job_override(name), reads.acks(name),
@@ -39,7 +39,7 @@ def _goodput(deps, job: str):
 
 
 @router.get("/{job}", response_model=s.JobView, summary="One job: spec, plan summary, acks")
-def get_job(job: JobName, deps: Deps) -> s.JobView:
+async def get_job(job: JobName, deps: Deps) -> s.JobView:
     reads = deps.reads
     spec = job_spec(reads, job)
     return views.job_view(spec, reads.plan(job), reads.job_override(job), reads.acks(job),
@@ -47,7 +47,7 @@ def get_job(job: JobName, deps: Deps) -> s.JobView:
 
 
 @router.get("/{job}/plan", response_model=s.PlanView, summary="The job's current plan")
-def get_plan(job: JobName, deps: Deps) -> Response:
+async def get_plan(job: JobName, deps: Deps) -> Response:
     job_spec(deps.reads, job)
     plan = deps.reads.plan(job)
     if plan is None:
@@ -56,7 +56,7 @@ def get_plan(job: JobName, deps: Deps) -> Response:
 
 
 @router.get("/{job}/plans", response_model=s.PlanHistory, summary="Plan history, oldest first")
-def plan_history(
+async def plan_history(
     job: JobName, deps: Deps, limit: Annotated[int, Query(ge=1, le=1000)] = 100
 ) -> s.PlanHistory:
     job_spec(deps.reads, job)

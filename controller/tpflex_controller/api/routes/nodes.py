@@ -33,7 +33,7 @@ def list_nodes(deps: Deps) -> list[s.NodeView]:
 
 
 @router.get("/nodes/{node}", response_model=s.NodeDetail, summary="One node with its GPUs")
-def get_node(node: NodeName, deps: Deps) -> s.NodeDetail:
+async def get_node(node: NodeName, deps: Deps) -> s.NodeDetail:
     found = deps.reads.node_cluster(node)
     if found is None:
         raise not_found(f"node {node!r} not found")
@@ -53,7 +53,7 @@ def list_gpus(
 
 
 @router.get("/nodes/{node}/gpus/{index}", response_model=s.GpuView, summary="One GPU")
-def get_gpu(node: NodeName, index: GpuIndex, deps: Deps) -> s.GpuView:
+async def get_gpu(node: NodeName, index: GpuIndex, deps: Deps) -> s.GpuView:
     found = deps.reads.node_cluster(node)
     for g in views.gpu_views(found[0]) if found is not None else ():
         if (g.node, g.index) == (node, index):

@@ -24,7 +24,7 @@ def list_racks(deps: Deps) -> list[s.RackView]:
 
 
 @router.get("/{rack}", response_model=s.RackDetail, summary="One rack with its GPUs")
-def get_rack(rack: Annotated[str, Path(min_length=1, max_length=253)], deps: Deps) -> s.RackDetail:
+async def get_rack(rack: Annotated[str, Path(min_length=1, max_length=253)], deps: Deps) -> s.RackDetail:
     snap = deps.reads.rack_cluster(rack)
     if snap is None:
         raise not_found(f"rack {rack!r} not found")

@@ -19,12 +19,12 @@ _NOT_READY = {503: {"model": s.ErrorBody, "description": "etcd unreachable or no
 
 
 @probes.get("/healthz", response_model=s.Health, summary="Liveness: the process serves")
-def healthz() -> s.Health:
+async def healthz() -> s.Health:
     return s.Health(status="ok")
 
 
 @probes.get("/readyz", response_model=s.Health, responses=_NOT_READY, summary="Readiness")
-def readyz(deps: Deps) -> s.Health | JSONResponse:
+async def readyz(deps: Deps) -> s.Health | JSONResponse:
     try:
         record = deps.reads.leader()
     except EtcdError as exc:
