@@ -48,7 +48,11 @@ def _refusals(stack) -> list[tuple[str, str]]:
 
 def test_agent_registers_through_etcd_tls_auth_and_rest_serves_it_over_https(stack):
     with stack.http() as http:
-        nodes = wait_until(lambda: http.get("/v1/nodes").json(), 10, "the agent's registration")
+        def registered():
+            r = http.get("/v1/nodes")  # 503 until the API's etcd cache has synced
+            return r.status_code == 200 and r.json()
+
+        nodes = wait_until(registered, 10, "the agent's registration")
         assert [(n["name"], n["live"], n["gpus"]["total"]) for n in nodes] == [("sec-node-1", True, 2)]
         assert nodes[0]["agent_address"] == stack.agent_grpc
         assert http.get("/readyz").status_code == 200  # the controller won the election via etcd
