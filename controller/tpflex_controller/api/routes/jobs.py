@@ -56,7 +56,7 @@ async def get_plan(job: JobName, deps: Deps) -> Response:
 
 
 @router.get("/{job}/plans", response_model=s.PlanHistory, summary="Plan history, oldest first")
-async def plan_history(
+def plan_history(
     job: JobName, deps: Deps, limit: Annotated[int, Query(ge=1, le=1000)] = 100
 ) -> s.PlanHistory:
     job_spec(deps.reads, job)
