@@ -214,6 +214,7 @@ class Etcd:
     # etcd is back (seen with grpcio 1.76); a fresh channel connects at once. So after an
     # UNAVAILABLE we replace the channel, at most once per this many seconds.
     _CHANNEL_RESET_INTERVAL_S = 0.5
+    _OLD_CHANNEL_GRACE_S = 30.0
 
     def _make_channel(self) -> None:
         tls = self._tls
@@ -236,8 +237,10 @@ class Etcd:
 
     def _reset_channel(self) -> None:
         """Replace the channel after etcd was unreachable (see _CHANNEL_RESET_INTERVAL_S).
-        Calls in flight on the old channel fail with UNAVAILABLE and are retried by their
-        callers; watches reconnect on the new channel."""
+        The old channel is closed only after a grace period: another thread may have taken
+        a stub of it a moment ago, and a call on a closed channel raises ValueError rather
+        than an RPC error. Calls that fail on it are retried by their callers; watches
+        reconnect on the new channel."""
         if self._closed:
             return
         with self._channel_lock:
@@ -246,7 +249,9 @@ class Etcd:
             old = self._channel
             self._make_channel()
             self._metadata = None
-        old.close()
+        closer = threading.Timer(self._OLD_CHANNEL_GRACE_S, old.close)
+        closer.daemon = True
+        closer.start()
 
     def _call(self, method, request, *, timeout: float | None = None):
         try:
@@ -263,6 +268,8 @@ class Etcd:
             if isinstance(err, EtcdUnavailable):
                 self._reset_channel()
             raise err from exc
+        except ValueError as exc:  # "Cannot invoke RPC on closed channel!" (client closing)
+            raise EtcdUnavailable(f"etcd client channel closed: {exc}") from exc
 
     def _token_rejected(self, exc: grpc.RpcError) -> bool:
         """True (and the cached token dropped) when etcd refused our auth token."""
@@ -489,9 +496,12 @@ class Watch:
                 self._next_rev = 0
                 if self._on_resync:
                     self._on_resync()
-            except (grpc.RpcError, EtcdError) as exc:
+            except (grpc.RpcError, EtcdError, ValueError) as exc:
+                # ValueError: a call on a channel closed under us (client closing)
                 if self._stop.is_set():
                     return
+                if isinstance(exc, ValueError):
+                    exc = EtcdUnavailable(f"etcd client channel closed: {exc}")
                 self.established.clear()
                 if isinstance(exc, grpc.RpcError):
                     self._client._token_rejected(exc)
