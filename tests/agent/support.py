@@ -11,9 +11,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.support.wait import wait_until  # noqa: F401  (re-exported)
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE_NVML_DIR = ROOT / "agent" / "fake_nvml" / "build"
@@ -132,12 +133,3 @@ class AgentProcess:
         self.kill()
 
 
-def wait_until(cond, timeout: float, what: str, interval: float = 0.02):
-    """Poll ``cond`` (an external process's state) until truthy or the deadline."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

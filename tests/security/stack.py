@@ -28,6 +28,7 @@ from tpflex_proto.etcd import Etcd, EtcdTls
 
 from tests.support.etcd_server import ETCD_BIN
 from tests.support.ports import free_ports
+from tests.support.wait import wait_until  # noqa: F401  (re-exported)
 
 BIN = Path(sys.executable).parent
 ADMIN_TOKEN = "admin-" + "a" * 40
@@ -36,15 +37,6 @@ PASSWORDS = SERVICE_PASSWORDS
 AGENT_READY = re.compile(r"tpflex-agent ready node=(\S+) backend=\S+ grpc=(\S+):(\d+) metrics=(\S+):(\d+)")
 
 
-def wait_until(cond, timeout: float, what: str, interval: float = 0.05):
-    """Poll ``cond`` (an external process's state) until truthy or the deadline."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 class Proc:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from tpflex_trainer.demo.data import global_batch  # noqa: F401  (the demo's data; re-exported)
 from tpflex_trainer.ntp.config import GPTConfig
 from tpflex_trainer.ntp.errors import UnitsUnavailableError
 from tpflex_trainer.ntp.layout import Member, ReplicaPlacement
@@ -48,17 +49,6 @@ class Scenario:
     checkpoint_dir: str = ""
     bucket_bytes: int = 32 * 1024
     start_checkpoint: str | None = None
-
-
-def global_batch(cfg: GPTConfig, step: int, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Deterministic tokens for a step: a noisy arithmetic sequence (learnable)."""
-    gen = torch.Generator().manual_seed(1000 + step)
-    start = torch.randint(0, cfg.vocab, (samples, 1), generator=gen)
-    stride = torch.randint(1, 4, (samples, 1), generator=gen)
-    seq = (start + stride * torch.arange(cfg.seq_len + 1)) % cfg.vocab
-    noise = torch.rand(seq.shape, generator=gen) < 0.1
-    seq = torch.where(noise, torch.randint(0, cfg.vocab, seq.shape, generator=gen), seq)
-    return seq[:, :-1], seq[:, 1:]
 
 
 def local_batch(rt: NtpRuntime, step: int) -> tuple[torch.Tensor, torch.Tensor]:
