@@ -6,6 +6,7 @@ from __future__ import annotations
 import httpx
 
 from tests.controller.controller_harness import ControllerProc, PlanWatcher, put_job, small_cluster
+from tests.support.wait import wait_until
 
 TOKEN = "s3cret-admin-token"
 
@@ -22,7 +23,9 @@ def test_drain_and_undrain_through_rest_change_and_restore_the_plan(etcd_server,
         proc.wait_http()
         watcher.wait_generation(1, timeout=20)
         with httpx.Client(base_url=proc.rest_url, timeout=10) as http:
-            assert http.get("/readyz").json()["leader"] == "rest1"
+            ready = wait_until(  # 503 until the API's etcd cache has folded the leader key
+                lambda: (r := http.get("/readyz")).status_code == 200 and r.json(), 10, "readyz 200")
+            assert ready["leader"] == "rest1"
             drain = "/v1/nodes/rack1-n00/gpus/1/drain"
             assert http.post(drain, json={"reason": "flaky NVLink"}).status_code == 401
             assert http.post(drain, json={"reason": "x"}, headers={"Authorization": "Bearer nope"}).status_code == 401

@@ -55,7 +55,8 @@ def test_agent_registers_through_etcd_tls_auth_and_rest_serves_it_over_https(sta
         nodes = wait_until(registered, 10, "the agent's registration")
         assert [(n["name"], n["live"], n["gpus"]["total"]) for n in nodes] == [("sec-node-1", True, 2)]
         assert nodes[0]["agent_address"] == stack.agent_grpc
-        assert http.get("/readyz").status_code == 200  # the controller won the election via etcd
+        # the controller won the election via etcd (once the API's cache has the leader key)
+        wait_until(lambda: http.get("/readyz").status_code == 200, 10, "readyz 200")
     with pytest.raises(httpx.HTTPError):  # plain HTTP on the HTTPS port
         httpx.get(f"http://127.0.0.1:{stack.rest_port}/healthz", timeout=5)
     untrusting = ssl.create_default_context()  # the system CAs do not include ours
