@@ -66,6 +66,8 @@ def _query(url: str, expr: str, proc: Proc) -> list[dict]:
         r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=2)
     except httpx.HTTPError:
         return []  # not listening yet
+    if r.status_code == 503:
+        return []  # listening, still starting up ("Service Unavailable", not JSON)
     body = r.json()
     assert body["status"] == "success", body
     return body["data"]["result"]
