@@ -121,10 +121,11 @@ def show_status(d: dict) -> str:
     ]
     rows = [
         [j["name"], j["generation"] if j["generation"] is not None else "-", j["policy"],
-         _ratio(j["expected_throughput_ratio"]), ",".join(map(str, j["replica_tp_degrees"])) or "-"]
+         _ratio(j["expected_throughput_ratio"]), ",".join(map(str, j["replica_tp_degrees"])) or "-",
+         j.get("suspended_pins", 0)]
         for j in d["jobs"]
     ]
-    return "\n".join(out) + table(["JOB", "GEN", "POLICY", "THROUGHPUT", "TP DEGREES"], rows)
+    return "\n".join(out) + table(["JOB", "GEN", "POLICY", "THROUGHPUT", "TP DEGREES", "SUSPENDED PINS"], rows)
 
 
 def show_racks(d: list) -> str:
@@ -150,8 +151,10 @@ def show_jobs(d: list) -> str:
             j["name"], j["base_tp"], j["replicas"], j["effective_policy"], p.get("generation", "-"),
             ",".join(map(str, p.get("replica_tp_degrees", []))) or "-",
             _ratio(p.get("expected_throughput_ratio")), j["acked_current"],
+            len(p.get("suspended_pins", [])),
         ])
-    return table(["JOB", "T", "REPLICAS", "POLICY", "GEN", "TP DEGREES", "THROUGHPUT", "ACKED"], rows)
+    return table(["JOB", "T", "REPLICAS", "POLICY", "GEN", "TP DEGREES", "THROUGHPUT", "ACKED",
+                  "SUSPENDED PINS"], rows)
 
 
 def _replicas(plan: dict) -> str:
@@ -168,6 +171,8 @@ def _replicas(plan: dict) -> str:
         shown = ", ".join(gpus[:4]) + (f", ... ({len(gpus)} GPUs)" if len(gpus) > 4 else "")
         out.append(f"power cap {cap:.0f} W: {shown}")
     out += [f"- {reason}" for reason in plan["reasons"]]
+    out += [f"SUSPENDED PIN: replica {p['replica']} -> TP {p['tp_degree']}: {p['reason']}"
+            for p in plan.get("suspended_pins", [])]
     return "\n".join(out)
 
 

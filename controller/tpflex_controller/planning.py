@@ -11,7 +11,7 @@ from tpflex_proto import codec, types_pb2
 from tpflex_controller.cache import ClusterView, PlanRecord
 from tpflex_controller.election import PlanCommit
 from tpflex_controller.planbytes import PlanEncoder
-from tpflex_controller.planner.model import PlanResult
+from tpflex_controller.planner.model import PlanResult, SuspendedPin
 
 # plan(cluster, job, *, policy=None, power_model=None, overrides=None, now=0.0) -> PlanResult
 PlanFn = Callable[..., PlanResult]
@@ -122,3 +122,16 @@ def changed_degrees(p: Planned) -> list[tuple[int, int]]:
         for r, o in zip(new, old, strict=True)
         if r is not o and r.tp_degree != o.tp_degree
     ]
+
+
+def pin_changes(p: Planned) -> dict[str, list[SuspendedPin]]:
+    """Pins the new plan suspends (``pin_suspended``) and the ones it no longer suspends
+    (``pin_resumed``), compared with the previous decision."""
+    old = p.prev.decision().suspended_pins if p.prev is not None else ()
+    new = p.result.suspended_pins
+    old_keys = {(x.replica, x.tp_degree) for x in old}
+    new_keys = {(x.replica, x.tp_degree) for x in new}
+    return {
+        "pin_suspended": [x for x in new if (x.replica, x.tp_degree) not in old_keys],
+        "pin_resumed": [x for x in old if (x.replica, x.tp_degree) not in new_keys],
+    }

@@ -32,7 +32,7 @@ from tpflex_controller.loader import load_view
 from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.planbytes import PlanEncoder
 from tpflex_controller.planner.model import PlanningError
-from tpflex_controller.planning import PlanFn, Planned, build_commit, changed_degrees
+from tpflex_controller.planning import PlanFn, Planned, build_commit, changed_degrees, pin_changes
 from tpflex_controller.rollout import Phase, Rollout, RolloutTracker
 
 log = logging.getLogger(__name__)
@@ -364,7 +364,7 @@ class Reconciler:
         self.metrics.reconfigurations.labels(job=p.job, cause=p.cause).inc()
         degrees = changed_degrees(p)
         ratio = p.result.expected_throughput_ratio
-        self.metrics.plan_observed(p.job, commit.generation, ratio, degrees)
+        self.metrics.plan_observed(p.job, commit.generation, ratio, degrees, len(p.result.suspended_pins))
         log.info(
             "plan committed job=%s generation=%d cause=%s ratio=%.4f nodes=%d",
             p.job, commit.generation, p.cause, p.result.expected_throughput_ratio, len(power),
@@ -376,6 +376,23 @@ class Reconciler:
                 self._phase_reached(rollout, phase)
         for node, np in power.items():
             self._push(node, np)
+        self._note_pins(p, commit.generation)
+
+    def _note_pins(self, p: Planned, generation: int) -> None:
+        """An event for every pin the new plan suspends or gives back (pin_suspended /
+        pin_resumed); the plan itself lists the suspended ones."""
+        for kind, pins in pin_changes(p).items():
+            if pins:
+                log.warning("operator pins changed job=%s generation=%d kind=%s pins=%s",
+                            p.job, generation, kind, [(x.replica, x.tp_degree) for x in pins])
+                what = "suspended" if kind == "pin_suspended" else "holds again, was suspended"
+                reasons = [f"replica {x.replica}: TP pin {x.tp_degree} {what}: {x.reason}" for x in pins]
+                event = types_pb2.Event(at=self._clock(), kind=kind, job=p.job,
+                                        generation=generation, cause=p.cause, reasons=reasons)
+                try:
+                    append_event(self._session, self.view, event)
+                except EtcdError as exc:  # the plan is committed; the event is informational
+                    log.warning("pin event not stored job=%s error=%s", p.job, exc)
 
     def _push(self, node: str, plan: types_pb2.NodePowerPlan) -> None:
         reg = self.view.snap.nodes.get(node)

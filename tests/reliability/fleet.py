@@ -30,6 +30,8 @@ from tests.controller.controller_harness import ControllerProc
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES_DIR = ROOT / "build" / "reliability"
 SIM_TDP_W = 700.0
+ADMIN_TOKEN = "fleet-admin-token"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 def record(scenario: str, injected: str, checked: str, figures: dict) -> None:
@@ -97,13 +99,18 @@ class Fleet:
         self.etcd.put(keys.job_spec(self.job), codec.encode(spec))
         return spec
 
-    def start_controller(self, name: str, ttl: int = 2, ports: tuple[int, int] | None = None) -> ControllerProc:
-        env = {"TPFLEX_CONTROLLER__FLAP_HOLD_DOWN_S": str(self.hold_down_s)}
+    def start_controller(self, name: str, ttl: int = 2, ports: tuple[int, int] | None = None,
+                         env: dict[str, str] | None = None) -> ControllerProc:
+        """A controller process; it takes ``ADMIN_TOKEN`` as its admin REST token."""
+        env = {"TPFLEX_CONTROLLER__FLAP_HOLD_DOWN_S": str(self.hold_down_s), **(env or {})}
+        tokens = self.tmp / "admin.tokens"
+        tokens.write_text(ADMIN_TOKEN + "\n")
         saved = harness.free_ports
         if ports is not None:  # a restart on the same REST and trainer ports
             harness.free_ports = lambda n: list(ports)
         try:
-            proc = ControllerProc(self.endpoints, name, self.tmp, ttl=ttl, env=env)
+            proc = ControllerProc(self.endpoints, name, self.tmp, ttl=ttl, env=env,
+                                  extra=["--admin-tokens-file", str(tokens)])
         finally:
             harness.free_ports = saved
         self.controllers[name] = proc

@@ -137,6 +137,12 @@ class ReplicaPlanView(BaseModel):
     stages: list[StagePlanView]
 
 
+class SuspendedPinView(BaseModel):
+    replica: int
+    tp_degree: int
+    reason: str = Field(description="why the pin cannot hold now; the plan ignores it until it can")
+
+
 class PowerCapView(BaseModel):
     node: str
     index: int
@@ -149,6 +155,8 @@ class PlanDecision(BaseModel):
     reasons: list[str]
     replicas: list[ReplicaPlanView]
     power_caps: list[PowerCapView]
+    suspended_pins: list[SuspendedPinView] = Field(
+        default_factory=list, description="operator TP pins this plan could not honour")
 
 
 class PlanView(PlanDecision):
@@ -167,6 +175,7 @@ class PlanSummary(BaseModel):
     replica_tp_degrees: list[int]
     degraded_replicas: int
     dropped_replicas: int
+    suspended_pins: list[SuspendedPinView] = Field(default_factory=list)
 
 
 class AckView(BaseModel):
@@ -287,6 +296,7 @@ class JobStatus(BaseModel):
     policy: str
     expected_throughput_ratio: float | None
     replica_tp_degrees: list[int]
+    suspended_pins: int = Field(0, description="operator TP pins the current plan ignores")
 
 
 class StatusView(BaseModel):
