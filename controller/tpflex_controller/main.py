@@ -130,6 +130,8 @@ def _start_rest(
     app = create_app(ApiDeps(
         store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry, steps=steps,
         state=cache, max_in_flight=r.max_in_flight, busy_wait_s=r.busy_wait_s,
+        max_body_bytes=r.max_body_bytes, max_bodies=r.max_concurrent_bodies,
+        body_timeout_s=r.body_timeout_s,
     ))
     family = socket.AF_INET6 if ":" in s.rest.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

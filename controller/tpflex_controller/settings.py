@@ -66,6 +66,15 @@ class RestSection(_Listener):
     busy_wait_s: float = Field(
         10.0, gt=0, description="longest wait for a REST slot before 503 busy (Retry-After)"
     )
+    max_body_bytes: int = Field(
+        1 << 20, ge=1024, le=1 << 30, description="longer request bodies are refused (413) unread"
+    )
+    max_concurrent_bodies: int = Field(
+        8, ge=1, le=4096, description="request bodies read at once; others wait (then 503 busy)"
+    )
+    body_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="a request body must arrive within this (408 otherwise)"
+    )
 
     @model_validator(mode="after")
     def _tokens(self) -> RestSection:

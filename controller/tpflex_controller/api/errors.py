@@ -26,6 +26,9 @@ class ErrorCode(enum.StrEnum):
     FORBIDDEN = "forbidden"
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    REQUEST_TIMEOUT = "request_timeout"
+    CONFLICT = "conflict"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
     INVALID_REQUEST = "invalid_request"
     ETCD_UNAVAILABLE = "etcd_unavailable"
     NOT_READY = "not_ready"
@@ -38,6 +41,9 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.FORBIDDEN: 403,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.REQUEST_TIMEOUT: 408,
+    ErrorCode.CONFLICT: 409,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.INVALID_REQUEST: 422,
     ErrorCode.BUSY: 503,  # before the others: a bare 503 maps to the last one listed
     ErrorCode.ETCD_UNAVAILABLE: 503,
@@ -91,6 +97,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(ErrorCode.INVALID_REQUEST, _format_validation(exc))
 
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # a body FastAPI could not parse (too deeply nested, ...)
+            return error_response(ErrorCode.INVALID_REQUEST, f"invalid request: {exc.detail}")
         code = _BY_STATUS.get(exc.status_code)
         if code is None:
             code = ErrorCode.INVALID_REQUEST if exc.status_code < 500 else ErrorCode.INTERNAL

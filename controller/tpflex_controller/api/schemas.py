@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from tpflex_controller.api.params import NAME_PATTERN, TEXT_PATTERN
 from tpflex_controller.planner.model import Policy
 
 # ---- errors ----
@@ -26,7 +27,8 @@ class _Request(BaseModel):
 
 
 class DrainRequest(_Request):
-    reason: str = Field(min_length=1, max_length=500, examples=["flaky NVLink, RMA ticket 123"])
+    reason: str = Field(min_length=1, max_length=500, pattern=TEXT_PATTERN,
+                        examples=["flaky NVLink, RMA ticket 123"])
 
 
 class ReplicaPinRequest(_Request):
@@ -37,12 +39,12 @@ class ReplicaPinRequest(_Request):
 class ReconfigureRequest(_Request):
     pins: list[ReplicaPinRequest] = Field(default_factory=list, max_length=4096)
     policy: Policy | None = Field(default=None, description="switch the job's policy")
-    reason: str = Field(default="", max_length=500)
+    reason: str = Field(default="", max_length=500, pattern=TEXT_PATTERN)
     clear: StrictBool = Field(default=False, description="drop existing pins and policy override first")
 
 
 class GpuRefModel(_Request):
-    node: str = Field(min_length=1, max_length=253)
+    node: str = Field(pattern=NAME_PATTERN)
     index: StrictInt = Field(ge=0, le=1_000_000)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Path, Query
+from fastapi import APIRouter, Body
 from fastapi.responses import Response
 from tpflex_proto import types_pb2
 
@@ -15,13 +15,12 @@ from tpflex_controller.api import views
 from tpflex_controller.api.checks import check_gpus_exist, check_pins
 from tpflex_controller.api.deps import Admin, ApiDeps, Deps
 from tpflex_controller.api.errors import invalid, not_found
+from tpflex_controller.api.params import JobName, Limit
 from tpflex_controller.api.state import job_spec, planner_job
 from tpflex_controller.planner import plan
 from tpflex_controller.planner.model import GpuStatus, JobOverrides
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
-
-JobName = Annotated[str, Path(min_length=1, max_length=253)]
 
 
 @router.get("", response_model=list[s.JobView], summary="List jobs with their current plan")
@@ -57,7 +56,7 @@ async def get_plan(job: JobName, deps: Deps) -> Response:
 
 @router.get("/{job}/plans", response_model=s.PlanHistory, summary="Plan history, oldest first")
 def plan_history(
-    job: JobName, deps: Deps, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+    job: JobName, deps: Deps, limit: Limit = 100
 ) -> s.PlanHistory:
     job_spec(deps.reads, job)
     plans = deps.reads.plan_history(job, limit)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Query
 from tpflex_proto import keys, types_pb2
 
 from tpflex_controller.api import schemas as s
@@ -12,12 +12,10 @@ from tpflex_controller.api import views
 from tpflex_controller.api.checks import unknown_gpu
 from tpflex_controller.api.deps import Admin, Deps
 from tpflex_controller.api.errors import not_found
+from tpflex_controller.api.params import NAME_PATTERN, GpuIndex, NodeName
 from tpflex_controller.store import Snapshot, decode_or_skip
 
 router = APIRouter(tags=["nodes"])
-
-NodeName = Annotated[str, Path(min_length=1, max_length=253)]
-GpuIndex = Annotated[int, Path(ge=0, le=1_000_000, description="NVML index on the node")]
 
 
 @router.get("/nodes", response_model=list[s.NodeView], summary="List nodes")
@@ -46,7 +44,7 @@ async def get_node(node: NodeName, deps: Deps) -> s.NodeDetail:
 def list_gpus(
     deps: Deps,
     state: Annotated[str | None, Query(pattern="^(healthy|degraded|failed|drained)$")] = None,
-    rack: Annotated[str | None, Query(max_length=253)] = None,
+    rack: Annotated[str | None, Query(pattern=NAME_PATTERN)] = None,
 ) -> list[s.GpuView]:
     gpus = views.gpu_views(deps.reads.cluster())
     return [g for g in gpus if (state is None or g.state == state) and (rack is None or g.rack == rack)]
