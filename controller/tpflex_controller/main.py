@@ -176,6 +176,7 @@ class ControllerProcess:
             agent_credentials=_agent_credentials(settings),
             default_policy=c.default_policy,
             flap_hold_down_s=c.flap_hold_down_s,
+            override_coalesce_s=c.override_coalesce_s,
         )
         self.grpc_server = None
         self.rest: _Rest | None = None

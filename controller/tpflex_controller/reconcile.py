@@ -38,13 +38,27 @@ from tpflex_controller.rollout import Phase, Rollout, RolloutTracker
 log = logging.getLogger(__name__)
 
 
+# operator changes: a burst of them (a drain/undrain storm) is planned once, when it stops
+OPERATOR_CAUSES = frozenset({"drain", "undrain", "power_pin", "override"})
+
+
 @dataclass
 class _Dirty:
     cause: str
     detected_at: float  # wall clock when the change was seen
     revision: int = 0  # etcd revision of the latest change that marked it
-    not_before: float = 0.0  # monotonic; retry backoff
+    not_before: float = 0.0  # monotonic; retry backoff, or the end of an operator burst
     attempts: int = 0
+    first_seen: float = 0.0  # monotonic
+    urgent: bool = True  # marked by something else than operator overrides
+
+
+def coalesce_until(d: _Dirty, now: float, quiet_s: float) -> float:
+    """When a job marked only by operator overrides is planned: ``quiet_s`` after the
+    latest one, but no later than ``8 x quiet_s`` after the first (pure)."""
+    if d.urgent or quiet_s <= 0:
+        return d.not_before
+    return max(d.not_before, min(now + quiet_s, d.first_seen + 8 * quiet_s))
 
 
 class Reconciler:
@@ -61,6 +75,7 @@ class Reconciler:
         default_policy: str = "ntp-pw",
         clock: Callable[[], float] = time.time,
         flap_hold_down_s: float = 0.0,
+        override_coalesce_s: float = 0.0,
     ) -> None:
         self.etcd = etcd
         self.metrics = metrics
@@ -69,6 +84,7 @@ class Reconciler:
         self._history_size = history_size
         self._clock = clock
         self._default_policy = default_policy
+        self._coalesce_s = override_coalesce_s
         self.view = ClusterView(event_log_size, default_policy)
         self._damper = FlapDamper(flap_hold_down_s)
         self.view.damper = self._damper
@@ -272,13 +288,19 @@ class Reconciler:
             self.metrics.job_seen(job, len(self.view.snap.jobs[job].replicas))
 
     def _mark(self, job: str, cause: str, at: float, revision: int = 0) -> None:
+        now = time.monotonic()
+        operator = cause in OPERATOR_CAUSES
         d = self._dirty.get(job)
         if d is None:
-            self._dirty[job] = _Dirty(cause, at, revision)
-            return
-        d.revision = max(d.revision, revision)
-        if d.cause == "resync" and cause != "resync":
-            d.cause = cause
+            d = self._dirty[job] = _Dirty(cause, at, revision, first_seen=now, urgent=not operator)
+        else:
+            d.revision = max(d.revision, revision)
+            d.urgent = d.urgent or not operator
+            if d.cause == "resync" and cause != "resync":
+                d.cause = cause
+            if not operator and d.attempts == 0:
+                d.not_before = 0.0  # a failure is not held back by an operator burst
+        d.not_before = coalesce_until(d, now, self._coalesce_s)
 
     def _forget_handled(self, ev: WatchEvent) -> None:
         """A follower sees the leader commit a plan: the changes before it are handled

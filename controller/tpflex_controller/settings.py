@@ -35,6 +35,12 @@ class ControllerSection(config.Section):
         " recent flap, up to 8x; 0 = off; see docs/reliability.md)",
     )
 
+    override_coalesce_s: float = Field(
+        0.25, ge=0, le=60,
+        description="operator overrides (drain, undrain, pins) of a job are planned once this"
+        " long after the last of a burst (at most 8x this after the first; 0 = at once)",
+    )
+
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:

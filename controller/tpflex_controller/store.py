@@ -8,13 +8,13 @@ are *not* here: they go through the fenced transactions of ``election.LeaderSess
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from google.protobuf.message import Message
 from tpflex_proto import codec, keys, types_pb2
-from tpflex_proto.etcd import Etcd, KeyValue
+from tpflex_proto.etcd import Cmp, Etcd, KeyValue, Op
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,10 @@ def decode_or_skip(cls: type[M], kv: KeyValue) -> M | None:
     except codec.MalformedValue as exc:
         log.warning("skipping malformed etcd value key=%s error=%s", kv.key, exc)
         return None
+
+
+class UpdateConflict(Exception):
+    """A compare-and-swap kept losing to concurrent writers of the same key."""
 
 
 def _decode_all(cls: type[M], kvs: Iterable[KeyValue], prefix: str) -> dict[str, M]:
@@ -128,6 +132,26 @@ class Store:
         return list(_decode_all(types_pb2.Event, kvs[-limit:], keys.EVENTS).values())
 
     # ---- operator / registration writes (any controller replica) ----
+
+    def update(
+        self, key: str, cls: type[M], change: Callable[[M | None], M | None], attempts: int = 8
+    ) -> tuple[M | None, M | None]:
+        """Read-modify-write of one key, atomic: ``change`` gets the stored value (None
+        when absent or unreadable) and returns the one to store (None = delete; the very
+        object it was given = leave the key as it is). The write compares the key's mod
+        revision with the one read, and is retried on a lost race. Returns (old, new) of
+        the write that won; :class:`UpdateConflict` after ``attempts`` lost races."""
+        for _ in range(attempts):
+            kv = self.etcd.get(key)
+            old = decode_or_skip(cls, kv) if kv is not None else None
+            new = change(old)
+            if new is old:
+                return old, old
+            guard = Cmp.mod_revision(key, "==", kv.mod_revision) if kv is not None else Cmp.create_revision(key, "==", 0)
+            op = Op.put(key, codec.encode(new)) if new is not None else Op.delete(key)
+            if self.etcd.txn([guard], [op]).succeeded:
+                return old, new
+        raise UpdateConflict(f"{key} was changed concurrently {attempts} times in a row; retry")
 
     def put_rack(self, rack: types_pb2.Rack) -> int:
         return self.etcd.put(keys.rack(rack.name), codec.encode(rack))

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tpflex_proto.etcd import EtcdError, EtcdUnavailable
 
 from tpflex_controller.planner.model import PlanningError
+from tpflex_controller.store import UpdateConflict
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_planning(_: Request, exc: PlanningError) -> JSONResponse:
         return error_response(ErrorCode.INVALID_REQUEST, str(exc))
 
+    async def on_conflict(_: Request, exc: UpdateConflict) -> JSONResponse:
+        return error_response(ErrorCode.CONFLICT, str(exc))
+
     async def on_etcd(request: Request, exc: EtcdError) -> JSONResponse:
         log.warning("etcd request failed path=%s error=%s", request.url.path, exc)
         what = "unreachable" if isinstance(exc, EtcdUnavailable) else "request failed"
@@ -125,5 +129,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(PlanningError, on_planning)
+    app.add_exception_handler(UpdateConflict, on_conflict)
     app.add_exception_handler(EtcdError, on_etcd)
     app.add_exception_handler(Exception, on_unexpected)

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body
 from fastapi.responses import Response
-from tpflex_proto import types_pb2
+from tpflex_proto import keys, types_pb2
 
 from tpflex_controller import convert
 from tpflex_controller.api import schemas as s
@@ -74,19 +74,28 @@ def reconfigure(job: JobName, body: s.ReconfigureRequest, deps: Deps, _: Admin) 
     snap = deps.reads.cluster()
     model = planner_job(spec, snap)
     pins = check_pins(model, ((p.replica, p.tp_degree) for p in body.pins), convert.cluster_state(snap))
-    old = None if body.clear else deps.store.job_override(job)  # etcd now, not the view
+    _, new = deps.store.update(
+        keys.job_override(job), types_pb2.JobOverride,
+        lambda old: merged_override(job, None if body.clear else old, pins, body, deps.clock()),
+    )
+    return s.ReconfigureResult(override=views.override_view(new))
+
+
+def merged_override(
+    job: str, old: types_pb2.JobOverride | None, pins: dict[int, int], body: s.ReconfigureRequest,
+    at: float,
+) -> types_pb2.JobOverride | None:
+    """The job override after a reconfigure: the stored pins with the new ones on top, the
+    new policy or the stored one; None (no override) when nothing is left."""
     merged = {p.replica: p.tp_degree for p in old.pins} if old else {}
     merged.update(pins)
     policy = body.policy.value if body.policy is not None else (old.policy if old else "")
     if not merged and not policy:
-        deps.store.delete_job_override(job)
-        return s.ReconfigureResult(override=None)
-    override = types_pb2.JobOverride(
-        job=job, policy=policy, reason=body.reason or (old.reason if old else ""), at=deps.clock(),
+        return None
+    return types_pb2.JobOverride(
+        job=job, policy=policy, reason=body.reason or (old.reason if old else ""), at=at,
         pins=[types_pb2.ReplicaPin(replica=r, tp_degree=t) for r, t in sorted(merged.items())],
     )
-    deps.store.put_job_override(override)
-    return s.ReconfigureResult(override=views.override_view(override))
 
 
 @router.post(
