@@ -148,6 +148,16 @@ class ClusterView:
         if commit.event_seq:
             self.event_seqs.append(commit.event_seq)
 
+    def forget_plan(self, job: str, power: dict[str, types_pb2.NodePowerPlan], rev: int) -> None:
+        """Fold the removal of a deleted job's plan this process made at ``rev``."""
+        self.plans.pop(job, None)
+        self.snap.plans.pop(job, None)
+        self.acks.pop(job, None)
+        self._key_revs[keys.job_plan(job)] = rev
+        for node, np in power.items():
+            self.power[node] = (np, rev)
+            self._key_revs[keys.power(node)] = rev
+
     # ---- folding ----
 
     def fold(self, kind: str, key: str, value: bytes, mod_revision: int) -> Dirty:

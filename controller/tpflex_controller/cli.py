@@ -268,6 +268,16 @@ def _run_dry_run(c: Client, a: argparse.Namespace):
     return c.call("POST", f"/v1/jobs/{_q(a.job)}/dry-run", body), show_dry_run
 
 
+def _run_set_spec(c: Client, a: argparse.Namespace):
+    try:
+        with open(a.file) as f:
+            body = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot read the spec file {a.file}: {exc}", 2) from None
+    return c.call("PUT", f"/v1/jobs/{_q(a.job)}/spec", body), lambda d: (
+        f"job {d['job']}: spec {'changed' if d['changed'] else 'unchanged'}. {d['note']}")
+
+
 COMMANDS: dict[str, Command] = {
     "status": lambda c, a: (c.call("GET", "/v1/status"), show_status),
     "racks": lambda c, a: (c.call("GET", "/v1/racks"), show_racks),
@@ -280,6 +290,9 @@ COMMANDS: dict[str, Command] = {
     "undrain": lambda c, a: (c.call("POST", _gpu_path(a, "undrain")), show_drain),
     "reconfigure": _run_reconfigure,
     "dry-run": _run_dry_run,
+    "set-spec": _run_set_spec,
+    "delete-job": lambda c, a: (c.call("DELETE", f"/v1/jobs/{_q(a.job)}"),
+                                lambda d: f"job {d['job']} deleted. {d['note']}"),
 }
 
 _POLICIES = ["ntp-pw", "ntp", "dp-drop", "spare"]
@@ -326,6 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--fail", type=_gpu, action="append", default=[], metavar="NODE:GPU")
     dr.add_argument("--policy", choices=_POLICIES)
     dr.add_argument("--ignore-overrides", action="store_true")
+    ss = sub.add_parser("set-spec", help="change a registered job's spec (admin)")
+    ss.add_argument("job")
+    ss.add_argument("--file", required=True, help="the spec as JSON (see docs/api.md)")
+    dj = sub.add_parser("delete-job", help="delete a job: spec, override, acks; its plan goes (admin)")
+    dj.add_argument("job")
     return p
 
 

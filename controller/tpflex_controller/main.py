@@ -164,7 +164,7 @@ class ControllerProcess:
         self.registry = CollectorRegistry()
         self.metrics = ControllerMetrics(self.registry)
         self.etcd = create_etcd(settings)
-        self.steps = StepStats()
+        self.steps = StepStats(stale_after_s=settings.trainer.step_report_stale_s)
         self.registry.register(GoodputCollector(self.steps))
         c = settings.controller
         self.reconciler = Reconciler(
@@ -190,6 +190,7 @@ class ControllerProcess:
             max_workers=s.trainer.max_workers,
             steps=self.steps,
             tls=_trainer_tls(s),
+            min_step_seconds=s.trainer.min_step_seconds,
         )
         self.rest = _start_rest(s, self.etcd, self.registry, self.steps)
         self.grpc_server.start()

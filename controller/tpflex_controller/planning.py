@@ -6,7 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tpflex_proto import codec, types_pb2
+from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.etcd import Cmp, Op
 
 from tpflex_controller.cache import ClusterView, PlanRecord
 from tpflex_controller.election import PlanCommit
@@ -135,3 +136,21 @@ def pin_changes(p: Planned) -> dict[str, list[SuspendedPin]]:
         "pin_suspended": [x for x in new if (x.replica, x.tp_degree) not in old_keys],
         "pin_resumed": [x for x in old if (x.replica, x.tp_degree) not in new_keys],
     }
+
+
+def build_retire(
+    view: ClusterView, job: str
+) -> tuple[list, list, dict[str, types_pb2.NodePowerPlan]] | None:
+    """What removing a deleted job's plan writes: the plan and its history go, and the
+    nodes whose caps the plan set go back to their TDP. (compare, ops, power) for one
+    fenced transaction; None when the job has no plan."""
+    rec = view.plans.get(job)
+    if rec is None:
+        return None
+    power = desired_power(view, rec.decision().power_caps, {})
+    compare = [Cmp.mod_revision(keys.job_plan(job), "==", rec.mod_revision)]
+    ops = [Op.delete(keys.job_plan(job)), Op.delete_prefix(keys.job_prefix(job) + "history/")]
+    for node, np in sorted(power.items()):
+        compare.append(Cmp.mod_revision(keys.power(node), "==", view.power.get(node, (None, 0))[1]))
+        ops.append(Op.put(keys.power(node), codec.encode(np)))
+    return compare, ops, power

@@ -32,7 +32,14 @@ from tpflex_controller.loader import load_view
 from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.planbytes import PlanEncoder
 from tpflex_controller.planner.model import PlanningError
-from tpflex_controller.planning import PlanFn, Planned, build_commit, changed_degrees, pin_changes
+from tpflex_controller.planning import (
+    PlanFn,
+    Planned,
+    build_commit,
+    build_retire,
+    changed_degrees,
+    pin_changes,
+)
 from tpflex_controller.rollout import Phase, Rollout, RolloutTracker
 
 log = logging.getLogger(__name__)
@@ -355,6 +362,7 @@ class Reconciler:
     def _reconcile_job(self, job: str, d: _Dirty) -> None:
         if job not in self.view.snap.jobs:
             self._rollouts.forget(job)
+            self._retire(job)
             return
         now = self._clock()
         try:
@@ -415,6 +423,32 @@ class Reconciler:
                     append_event(self._session, self.view, event)
                 except EtcdError as exc:  # the plan is committed; the event is informational
                     log.warning("pin event not stored job=%s error=%s", p.job, exc)
+
+    def _retire(self, job: str) -> None:
+        """A deleted job: its plan and history leave etcd and the caps it set go back to
+        TDP, in one fenced transaction."""
+        built = build_retire(self.view, job)
+        if built is None:
+            return
+        compare, ops, power = built
+        session = self._session
+        if session is None:
+            raise NotLeader("not leading")
+        replicas = len(self.view.plans[job].decision().replicas)
+        res = session.txn(compare, ops)
+        if not res.succeeded:
+            raise Conflict(f"plan of deleted job {job} or its power keys changed since read")
+        self.view.forget_plan(job, power, res.revision)
+        self._unplannable.pop(job, None)
+        self.metrics.unplannable_jobs.set(len(self._unplannable))
+        self.metrics.job_gone(job, replicas)
+        for node, np in power.items():
+            self.metrics.node_power_observed(node, np)
+            self._push(node, np)
+        log.info("deleted job retired job=%s nodes_reset=%d", job, len(power))
+        append_event(session, self.view, types_pb2.Event(
+            at=self._clock(), kind="job_deleted", job=job, cause="job_spec",
+            reasons=[f"job {job} deleted: plan removed, {len(power)} node(s) back to TDP"]))
 
     def _push(self, node: str, plan: types_pb2.NodePowerPlan) -> None:
         reg = self.view.snap.nodes.get(node)

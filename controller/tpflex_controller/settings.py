@@ -92,6 +92,14 @@ class RestSection(_Listener):
 class TrainerSection(config.ClientCaListener, _Listener):
     listen: str = "127.0.0.1:8471"
     max_workers: int = Field(64, ge=4, le=4096, description="concurrent RPCs incl. plan streams")
+    min_step_seconds: float = Field(
+        1e-3, gt=0, le=3600,
+        description="shortest step a report may claim: with local_batch samples per replica"
+        " per step, the job's physical bound on samples/s",
+    )
+    step_report_stale_s: float = Field(
+        10.0, gt=0, le=3600, description="a replica whose reports stopped this long counts 0"
+    )
 
 
 class AgentsSection(config.Section):

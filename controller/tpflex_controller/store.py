@@ -101,6 +101,37 @@ class Store:
             for k, v in _decode_all(types_pb2.JobSpec, (kv for kv in kvs if kv.key.endswith("/spec")), keys.JOBS).items()
         }
 
+    def job_specs(self) -> dict[str, types_pb2.JobSpec]:
+        """Every job spec, without reading plans or their history (a keys-only listing,
+        then the spec keys)."""
+        listed, _ = self.etcd.get_prefix(keys.JOBS, keys_only=True)
+        out: dict[str, types_pb2.JobSpec] = {}
+        for kv in listed:
+            split = keys.split_job_key(kv.key)
+            if split is not None and split[1] == "spec":
+                spec = self.job(split[0])
+                if spec is not None:
+                    out[split[0]] = spec
+        return out
+
+    def spec_guard_revision(self) -> int:
+        kv = self.etcd.get(keys.SPEC_GUARD)
+        return kv.mod_revision if kv is not None else 0
+
+    def write_spec(self, job: str, spec: types_pb2.JobSpec | None, *, spec_revision: int,
+                   guard_revision: int) -> bool:
+        """Store (or with None delete, with its override and acks) a job spec, only if
+        neither the spec key nor the spec guard moved since they were read at the given
+        mod revisions (0 = absent). False when one did (nothing written)."""
+        key = keys.job_spec(job)
+        compare = [_unchanged(key, spec_revision), _unchanged(keys.SPEC_GUARD, guard_revision)]
+        if spec is not None:
+            ops = [Op.put(key, codec.encode(spec))]
+        else:
+            ops = [Op.delete(key), Op.delete_prefix(keys.job_acks(job)), Op.delete(keys.job_override(job))]
+        ops.append(Op.put(keys.SPEC_GUARD, job.encode()))
+        return self.etcd.txn(compare, ops).succeeded
+
     def plan(self, job: str) -> types_pb2.Plan | None:
         return self._get(types_pb2.Plan, keys.job_plan(job))
 
@@ -147,7 +178,7 @@ class Store:
             new = change(old)
             if new is old:
                 return old, old
-            guard = Cmp.mod_revision(key, "==", kv.mod_revision) if kv is not None else Cmp.create_revision(key, "==", 0)
+            guard = _unchanged(key, kv.mod_revision if kv is not None else 0)
             op = Op.put(key, codec.encode(new)) if new is not None else Op.delete(key)
             if self.etcd.txn([guard], [op]).succeeded:
                 return old, new
@@ -171,6 +202,12 @@ class Store:
 
     def delete_job_override(self, job: str) -> bool:
         return self.etcd.delete(keys.job_override(job))
+
+
+def _unchanged(key: str, mod_revision: int):
+    if mod_revision:
+        return Cmp.mod_revision(key, "==", mod_revision)
+    return Cmp.create_revision(key, "==", 0)
 
 
 def apply_kv(snap: Snapshot, kv: KeyValue, deleted: bool = False) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from tpflex_controller.api.params import NAME_PATTERN, TEXT_PATTERN
@@ -46,6 +48,35 @@ class ReconfigureRequest(_Request):
 class GpuRefModel(_Request):
     node: str = Field(pattern=NAME_PATTERN)
     index: StrictInt = Field(ge=0, le=1_000_000)
+
+
+class StageSpecRequest(_Request):
+    rack: str = Field(pattern=NAME_PATTERN)
+    ranks: list[GpuRefModel] = Field(default_factory=list, max_length=4096,
+                                     description="TP ranks in order; empty = the rack's first base_tp GPUs")
+
+
+class ReplicaSpecRequest(_Request):
+    stages: list[StageSpecRequest] = Field(min_length=1, max_length=256)
+
+
+class UnitFamilyRequest(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", examples=["heads"])
+    count: StrictInt = Field(ge=1, le=1 << 24)
+    bytes_per_unit: StrictInt = Field(default=0, ge=0, le=1 << 50)
+
+
+class JobSpecRequest(_Request):
+    """A job's spec as the Trainer service's RegisterJob takes it (the name is the path's)."""
+
+    base_tp: StrictInt = Field(ge=1, le=4096)
+    replicas: list[ReplicaSpecRequest] = Field(min_length=1, max_length=65536)
+    units: list[UnitFamilyRequest] = Field(min_length=1, max_length=64)
+    min_tp: StrictInt = Field(default=1, ge=1, le=4096)
+    policy: Policy | None = None
+    spare_racks: list[Annotated[str, Field(pattern=NAME_PATTERN)]] = Field(default_factory=list, max_length=4096)
+    global_batch: StrictInt = Field(ge=1, le=1 << 40, description="local_batch x replicas")
+    local_batch: StrictInt = Field(ge=1, le=1 << 20)
 
 
 class DryRunRequest(_Request):
@@ -256,6 +287,18 @@ class DrainResult(BaseModel):
     drained: bool
     changed: bool
     reason: str = ""
+
+
+class SpecChangeResult(BaseModel):
+    job: str
+    changed: bool = Field(description="false when the stored spec was already this one")
+    note: str = "the controller leader re-plans the job asynchronously"
+
+
+class JobDeleted(BaseModel):
+    job: str
+    deleted: bool = True
+    note: str = "the controller leader removes the plan and restores the caps it set"
 
 
 class ReconfigureResult(BaseModel):
