@@ -159,6 +159,7 @@ class DemoCluster:
                 "--listen", f"127.0.0.1:{self.ports.agent_grpc(i)}",
                 "--metrics-listen", f"127.0.0.1:{self.ports.agent_metrics(i)}",
                 "--health-debounce-s", "0.2", "--log-level", "WARNING",
+                *([] if self.tls else ["--insecure"]),  # plaintext only as an explicit choice
             ], env=self._agent_tls_env())
             self.agent_addresses[rack.node] = f"127.0.0.1:{self.ports.agent_grpc(i)}"
         self._wait_ready(timeout=60)
