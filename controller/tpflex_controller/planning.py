@@ -125,6 +125,19 @@ def changed_degrees(p: Planned) -> list[tuple[int, int]]:
     ]
 
 
+def pin_events(p: Planned, generation: int, at: float) -> list[types_pb2.Event]:
+    """``pin_suspended`` / ``pin_resumed`` events for the pins whose state the new plan
+    changes (none when it changes none)."""
+    out = []
+    for kind, pins in pin_changes(p).items():
+        if pins:
+            what = "suspended" if kind == "pin_suspended" else "holds again, was suspended"
+            reasons = [f"replica {x.replica}: TP pin {x.tp_degree} {what}: {x.reason}" for x in pins]
+            out.append(types_pb2.Event(at=at, kind=kind, job=p.job, generation=generation,
+                                       cause=p.cause, reasons=reasons))
+    return out
+
+
 def pin_changes(p: Planned) -> dict[str, list[SuspendedPin]]:
     """Pins the new plan suspends (``pin_suspended``) and the ones it no longer suspends
     (``pin_resumed``), compared with the previous decision."""

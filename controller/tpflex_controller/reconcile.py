@@ -16,7 +16,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 from tpflex_proto import keys, types_pb2
@@ -26,6 +25,7 @@ from tpflex_controller import convert, planning
 from tpflex_controller.agent_client import AgentPusher, PushResult
 from tpflex_controller.cache import ClusterView, node_of_key
 from tpflex_controller.damping import FlapDamper
+from tpflex_controller.dirty import OPERATOR_CAUSES, DirtyJob, coalesce_until
 from tpflex_controller.election import Conflict, LeaderSession, NotLeader
 from tpflex_controller.events import append_event, store_phases
 from tpflex_controller.loader import load_view
@@ -38,34 +38,11 @@ from tpflex_controller.planning import (
     build_commit,
     build_retire,
     changed_degrees,
-    pin_changes,
+    pin_events,
 )
 from tpflex_controller.rollout import Phase, Rollout, RolloutTracker
 
 log = logging.getLogger(__name__)
-
-
-# operator changes: a burst of them (a drain/undrain storm) is planned once, when it stops
-OPERATOR_CAUSES = frozenset({"drain", "undrain", "power_pin", "override"})
-
-
-@dataclass
-class _Dirty:
-    cause: str
-    detected_at: float  # wall clock when the change was seen
-    revision: int = 0  # etcd revision of the latest change that marked it
-    not_before: float = 0.0  # monotonic; retry backoff, or the end of an operator burst
-    attempts: int = 0
-    first_seen: float = 0.0  # monotonic
-    urgent: bool = True  # marked by something else than operator overrides
-
-
-def coalesce_until(d: _Dirty, now: float, quiet_s: float) -> float:
-    """When a job marked only by operator overrides is planned: ``quiet_s`` after the
-    latest one, but no later than ``8 x quiet_s`` after the first (pure)."""
-    if d.urgent or quiet_s <= 0:
-        return d.not_before
-    return max(d.not_before, min(now + quiet_s, d.first_seen + 8 * quiet_s))
 
 
 class Reconciler:
@@ -97,7 +74,7 @@ class Reconciler:
         self.view.damper = self._damper
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._session: LeaderSession | None = None
-        self._dirty: dict[str, _Dirty] = {}
+        self._dirty: dict[str, DirtyJob] = {}
         self._unplannable: dict[str, str] = {}
         self._rollouts = RolloutTracker()
         self._loaded_rev = 0
@@ -299,7 +276,7 @@ class Reconciler:
         operator = cause in OPERATOR_CAUSES
         d = self._dirty.get(job)
         if d is None:
-            d = self._dirty[job] = _Dirty(cause, at, revision, first_seen=now, urgent=not operator)
+            d = self._dirty[job] = DirtyJob(cause, at, revision, first_seen=now, urgent=not operator)
         else:
             d.revision = max(d.revision, revision)
             d.urgent = d.urgent or not operator
@@ -359,7 +336,7 @@ class Reconciler:
                 d.not_before = now + min(30.0, 0.5 * 2**d.attempts)
                 log.exception("reconcile failed job=%s attempt=%d", job, d.attempts)
 
-    def _reconcile_job(self, job: str, d: _Dirty) -> None:
+    def _reconcile_job(self, job: str, d: DirtyJob) -> None:
         if job not in self.view.snap.jobs:
             self._rollouts.forget(job)
             self._retire(job)
@@ -409,20 +386,14 @@ class Reconciler:
         self._note_pins(p, commit.generation)
 
     def _note_pins(self, p: Planned, generation: int) -> None:
-        """An event for every pin the new plan suspends or gives back (pin_suspended /
-        pin_resumed); the plan itself lists the suspended ones."""
-        for kind, pins in pin_changes(p).items():
-            if pins:
-                log.warning("operator pins changed job=%s generation=%d kind=%s pins=%s",
-                            p.job, generation, kind, [(x.replica, x.tp_degree) for x in pins])
-                what = "suspended" if kind == "pin_suspended" else "holds again, was suspended"
-                reasons = [f"replica {x.replica}: TP pin {x.tp_degree} {what}: {x.reason}" for x in pins]
-                event = types_pb2.Event(at=self._clock(), kind=kind, job=p.job,
-                                        generation=generation, cause=p.cause, reasons=reasons)
-                try:
-                    append_event(self._session, self.view, event)
-                except EtcdError as exc:  # the plan is committed; the event is informational
-                    log.warning("pin event not stored job=%s error=%s", p.job, exc)
+        """An event for every pin the new plan suspends or gives back; the plan itself
+        lists the suspended ones."""
+        for event in pin_events(p, generation, self._clock()):
+            log.warning("operator pins changed job=%s generation=%d kind=%s", p.job, generation, event.kind)
+            try:
+                append_event(self._session, self.view, event)
+            except EtcdError as exc:  # the plan is committed; the event is informational
+                log.warning("pin event not stored job=%s error=%s", p.job, exc)
 
     def _retire(self, job: str) -> None:
         """A deleted job: its plan and history leave etcd and the caps it set go back to
@@ -466,7 +437,7 @@ class Reconciler:
     def _flush_events(self) -> None:
         store_phases(self._session, self.view, self._unwritten)
 
-    def _record_unplannable(self, job: str, reason: str, d: _Dirty) -> None:
+    def _record_unplannable(self, job: str, reason: str, d: DirtyJob) -> None:
         if self._unplannable.get(job) == reason:
             return
         log.warning("job cannot be planned job=%s reason=%s", job, reason)
