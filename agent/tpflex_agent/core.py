@@ -25,6 +25,7 @@ class AgentCore:
         )
         self.power = PowerControl(backend, settings.node)
         self.grpc_health = None  # set by service.create_server
+        self.authority = None  # desired.PowerAuthority when etcd is configured
         self._started = False
 
     def start(self) -> AgentCore:

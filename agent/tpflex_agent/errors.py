@@ -41,6 +41,8 @@ class AgentErrorCode(StrEnum):
     STALE_GENERATION = "STALE_GENERATION"
     GENERATION_CONFLICT = "GENERATION_CONFLICT"
     NOT_SUPPORTED_BY_BACKEND = "NOT_SUPPORTED_BY_BACKEND"
+    NOT_DESIRED = "NOT_DESIRED"  # a pushed plan that is not etcd's desired state
+    DESIRED_UNKNOWN = "DESIRED_UNKNOWN"  # etcd unreachable: a push cannot be checked
 
 
 class AgentError(Exception):

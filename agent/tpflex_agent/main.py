@@ -27,7 +27,8 @@ configuration: --config FILE (TOML, see deploy/config/agent.toml) or $TPFLEX_AGE
 key can be overridden by TPFLEX_<SECTION>__<KEY> (e.g. TPFLEX_AGENT__RACK, TPFLEX_ETCD__ENDPOINTS);
 precedence: argument > environment > file > default. Unknown keys and bad values exit 2.
 TLS: [grpc] tls_cert_file/tls_key_file (+ client_ca_file: mTLS, refused clients are logged with
-their address; client_names: accepted certificate CNs), [metrics] tls_cert_file/tls_key_file
+their address; client_names: accepted certificate CNs); plaintext gRPC only with --insecure
+(grpc.insecure = true), logged loudly. [metrics] tls_cert_file/tls_key_file
 (HTTPS), [etcd] ca_file/cert_file/key_file and username/password_file. Secrets are read from
 files only; --print-config prints file paths, never their contents.
 """
@@ -47,6 +48,7 @@ _FLAGS = (
     ("--metrics-listen", "metrics", "listen", str, "/metrics HOST:PORT"),
     ("--health-debounce-s", "health", "debounce_s", float, "routine health writes at most this often"),
     ("--health-poll-s", "health", "poll_s", float, "GPU polling interval"),
+    ("--power-check-s", "power", "check_s", float, "re-read desired caps and check the devices"),
 )
 
 
@@ -57,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     for flag, section, key, typ, help_ in _FLAGS:
         p.add_argument(flag, dest=f"{section}.{key}", type=typ, help=help_)
     p.add_argument("--metrics-port", type=int, help="/metrics port on 0.0.0.0 (0: any free port)")
+    p.add_argument("--insecure", action="store_true", default=None,
+                   help="serve gRPC in plaintext (development only: anyone reaching the port may call it)")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
     return p
 
@@ -69,6 +73,8 @@ def _cli_layer(ns: dict) -> dict[str, dict]:
             layer.setdefault(section, {})[key] = value
     if ns.get("metrics_port") is not None and "listen" not in layer.get("metrics", {}):
         layer.setdefault("metrics", {})["listen"] = f"0.0.0.0:{ns['metrics_port']}"
+    if ns.get("insecure"):
+        layer.setdefault("grpc", {})["insecure"] = True
     return layer
 
 
@@ -110,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(settings, backend: GpuBackend) -> int:
     from .core import AgentCore
-    from .membership import DesiredPowerFollower, Membership
+    from .desired import PowerAuthority
+    from .membership import Membership
     from .metrics import start_metrics_server
     from .service import create_server, enter_shutdown
 
@@ -121,18 +128,19 @@ def _serve(settings, backend: GpuBackend) -> int:
         httpd, metrics_port = start_metrics_server(core, settings.metrics, registered)
     except (OSError, RuntimeError) as exc:
         return _fail(f"cannot bind: {exc}")
+    _warn_transport(settings, port)
     core.start()
     server.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    etcd = membership = follower = None
+    etcd = membership = authority = None
     if settings.etcd.endpoints:
         etcd = _etcd_client(settings)
         membership = Membership(etcd, core, agent_address=settings.grpc.advertised(port),
                                 metrics_address=settings.metrics.advertised(metrics_port),
                                 ttl_s=settings.etcd.lease_ttl_s, registered=registered).start()
-        follower = DesiredPowerFollower(etcd, core).start()
+        authority = core.authority = PowerAuthority(etcd, core, check_s=settings.power.check_s).start()
     else:
         log.warning("no etcd endpoints configured: running standalone node=%s", settings.node)
     print(f"tpflex-agent ready node={settings.node} backend={backend.kind} "
@@ -140,8 +148,8 @@ def _serve(settings, backend: GpuBackend) -> int:
     stop.wait()
     log.info("shutting down node=%s", settings.node)
     enter_shutdown(core)
-    if follower is not None:
-        follower.stop()
+    if authority is not None:
+        authority.stop()
     if membership is not None:
         membership.stop(revoke=True)
     server.stop(grace=2.0).wait()
@@ -151,6 +159,18 @@ def _serve(settings, backend: GpuBackend) -> int:
         etcd.close()
     log.info("stopped node=%s", settings.node)
     return 0
+
+
+def _warn_transport(settings, port: int) -> None:
+    g = settings.grpc
+    if g.insecure:
+        for _ in range(3):  # loud on purpose: it must not go unnoticed in a journal
+            log.warning("INSECURE: gRPC in plaintext on %s:%d (--insecure): anyone who reaches "
+                        "this port can call the agent; use TLS with client certificates (mTLS)",
+                        g.host, port)
+    elif not g.client_ca_file:
+        log.warning("gRPC TLS without client certificates on %s:%d: any client may call the agent; "
+                    "set grpc.client_ca_file for mTLS", g.host, port)
 
 
 def _etcd_client(settings):

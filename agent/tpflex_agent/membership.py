@@ -1,5 +1,5 @@
-"""Node membership in etcd: the lease-bound ``nodes/<node>`` registration, the
-``health/<node>`` record, and following the controller's ``power/<node>`` desired caps.
+"""Node membership in etcd: the lease-bound ``nodes/<node>`` registration and the
+``health/<node>`` record (the desired caps, ``power/<node>``, are ``desired.py``'s).
 
 The registration and the health record share one lease (TTL ``lease_ttl_s``, kept alive
 every TTL/3): when the agent dies both vanish after the TTL. After an etcd outage that
@@ -14,11 +14,9 @@ import time
 from collections.abc import Callable
 
 from tpflex_proto import codec, keys, types_pb2
-from tpflex_proto.etcd import Etcd, EtcdError, EtcdUnavailable, Op, WatchEvent
+from tpflex_proto.etcd import Etcd, EtcdError, EtcdUnavailable, Op
 
 from .core import AgentCore
-from .errors import AgentError, AgentErrorCode
-from .plan import CapRequest
 
 log = logging.getLogger(__name__)
 
@@ -137,73 +135,3 @@ class Membership:
             except EtcdError as exc:
                 log.warning("health write failed node=%s seq=%d critical=%s error=%s",
                             self.core.node, msg.seq, critical, exc)
-
-
-class DesiredPowerFollower:
-    """Applies ``power/<node>`` at start-up and whenever the controller changes it."""
-
-    def __init__(self, etcd: Etcd, core: AgentCore) -> None:
-        self.etcd, self.core = etcd, core
-        self.key = keys.power(core.node)
-        self._stop = threading.Event()
-        self._watch = None
-        self.ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="power-follower", daemon=True)
-
-    def start(self) -> DesiredPowerFollower:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        if self._watch is not None:
-            self._watch.cancel()
-
-    def _run(self) -> None:
-        backoff = 0.1
-        while not self._stop.is_set():
-            try:
-                rev = self._reread()
-                break
-            except EtcdError as exc:
-                log.info("desired caps not readable yet node=%s error=%s", self.core.node, exc)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
-        else:
-            return
-        self._watch = self.etcd.watch_prefix(
-            self.key, self._on_events, start_revision=rev + 1, on_resync=self._resync)
-        self.ready.set()
-
-    def _reread(self) -> int:
-        kvs, rev = self.etcd.get_prefix(self.key)
-        for kv in kvs:
-            if kv.key == self.key:
-                self._apply(kv.value, "startup")
-        return rev
-
-    def _resync(self) -> None:
-        try:
-            self._reread()
-        except EtcdError as exc:
-            log.warning("desired caps re-read failed node=%s error=%s", self.core.node, exc)
-
-    def _on_events(self, events: list[WatchEvent]) -> None:
-        for ev in events:
-            if ev.key == self.key and ev.kind == "put":
-                self._apply(ev.value, "watch")
-
-    def _apply(self, value: bytes, source: str) -> None:
-        try:
-            plan = codec.decode(types_pb2.NodePowerPlan, value, self.key)
-        except codec.MalformedValue as exc:
-            log.warning("skipping malformed desired caps key=%s error=%s", self.key, exc)
-            return
-        caps = [CapRequest(c.gpu.node, c.gpu.index, c.cap_w, c.locked_sm_clock_mhz) for c in plan.caps]
-        try:
-            self.core.power.apply(plan.generation, caps, source=f"etcd-{source}")
-        except AgentError as exc:
-            level = logging.DEBUG if exc.code == AgentErrorCode.STALE_GENERATION else logging.WARNING
-            log.log(level, "desired caps not applied node=%s generation=%d code=%s reason=%s",
-                    self.core.node, plan.generation, exc.code.value, exc.message)

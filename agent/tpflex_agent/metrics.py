@@ -90,9 +90,62 @@ class AgentCollector(Collector):
         gen = GaugeMetricFamily("tpflex_agent_power_plan_generation", "Generation of the last applied power plan.")
         gen.add_metric([], self.core.power.applied_generation)
         yield gen
+        yield from self._authority()
         reg = GaugeMetricFamily("tpflex_agent_registered", "1 while the node holds its etcd registration.")
         reg.add_metric([], 1 if self._registered is not None and self._registered.is_set() else 0)
         yield reg
+
+
+    def _authority(self) -> Iterator:
+        """Applied vs desired power: the desired state is etcd's power/<node> (standalone:
+        the last plan applied)."""
+        authority = self.core.authority
+        labels = ["node"]
+        node = [self.core.node]
+        diverged = GaugeMetricFamily(
+            "tpflex_agent_power_divergent_gpus",
+            "GPUs whose enforced power limit is away from the desired cap (more than 1 W)", labels=labels)
+        if authority is not None:
+            diverged.add_metric(node, len(authority.divergent_gpus()))
+        else:
+            diverged.add_metric(node, len(_standalone_divergent(self.core)))
+        yield diverged
+        regressions = CounterMetricFamily(
+            "tpflex_agent_power_generation_regressions",
+            "Desired power plans applied although older than the applied one (etcd went back)",
+            labels=labels)
+        regressions.add_metric(node, self.core.power.regressions)
+        yield regressions
+        if authority is None:
+            return
+        desired = authority.desired
+        gen = GaugeMetricFamily("tpflex_agent_desired_power_generation",
+                                "Generation of the desired power plan in etcd (0: none)", labels=labels)
+        if desired is not None:
+            gen.add_metric(node, desired.generation)
+        yield gen
+        refused = CounterMetricFamily("tpflex_agent_power_pushes_refused",
+                                      "Pushed power plans refused as not etcd's desired state", labels=labels)
+        refused.add_metric(node, authority.refused_pushes)
+        yield refused
+        fixed = CounterMetricFamily("tpflex_agent_power_corrections",
+                                    "Times power limits had left the desired caps and were re-applied",
+                                    labels=labels)
+        fixed.add_metric(node, authority.corrections)
+        yield fixed
+
+
+def _standalone_divergent(core: AgentCore) -> list[int]:
+    from .plan import divergent
+
+    targets = core.power.applied_targets()
+    limits = {}
+    for i in targets:
+        try:
+            limits[i] = core.backend.read(i).power_limit_w
+        except GpuError:
+            continue
+    return divergent(targets, limits)
 
 
 def start_metrics_server(core: AgentCore, section: MetricsSection, registered=None):

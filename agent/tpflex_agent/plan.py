@@ -38,6 +38,7 @@ class Resolution:
     generation: int
     targets: dict[int, ClockTarget]
     already_applied: bool
+    regression: bool = False  # desired state older than the applied one (etcd went back)
 
 
 def _invalid(msg: str) -> AgentError:
@@ -65,16 +66,37 @@ def _check_cap(cap: CapRequest, node: str, dev: DeviceInfo | None, indices: str)
 
 def resolve_plan(
     node: str, generation: int, caps: Sequence[CapRequest], devices: Sequence[DeviceInfo],
-    current: AppliedPlan | None,
+    current: AppliedPlan | None, *, authoritative: bool = False,
 ) -> Resolution:
-    """The per-GPU targets of a plan, or :class:`AgentError` if it must be refused."""
-    if generation < 1:
+    """The per-GPU targets of a plan, or :class:`AgentError` if it must be refused.
+
+    ``authoritative``: the plan is etcd's desired state, which wins over what was applied:
+    an older generation (etcd restored from a snapshot, or a forged newer one applied
+    before) is applied and flagged as a regression, and generation 0 means "no desired
+    caps": every GPU at its default."""
+    if generation < (0 if authoritative else 1):
         raise _invalid("generation must be >= 1")
-    if current is not None and generation < current.generation:
+    stale = current is not None and generation < current.generation
+    if stale and not authoritative:
         raise AgentError(
             AgentErrorCode.STALE_GENERATION,
             f"stale generation {generation}: generation {current.generation} is already applied",
         )
+    targets = plan_targets(node, caps, devices)
+    if current is not None and generation == current.generation:
+        if dict(current.targets) == targets:
+            return Resolution(generation, targets, already_applied=current.complete)
+        if not authoritative:
+            raise AgentError(
+                AgentErrorCode.GENERATION_CONFLICT,
+                f"generation {generation} was already applied with different caps",
+            )
+    return Resolution(generation, targets, already_applied=False, regression=stale)
+
+
+def plan_targets(node: str, caps: Sequence[CapRequest], devices: Sequence[DeviceInfo]) -> dict[int, ClockTarget]:
+    """Every GPU's target under ``caps`` (validated all-or-nothing; unlisted GPUs at their
+    default limit, clocks unlocked)."""
     by_index = {d.index: d for d in devices}
     indices = f"indices 0..{len(devices) - 1}" if devices else "no GPUs"
     seen: set[int] = set()
@@ -85,14 +107,12 @@ def resolve_plan(
         seen.add(cap.index)
     targets = {d.index: ClockTarget(d.default_limit_w, 0) for d in devices}
     targets.update({c.index: ClockTarget(float(c.cap_w), int(c.locked_sm_clock_mhz)) for c in caps})
-    if current is not None and generation == current.generation:
-        if dict(current.targets) != targets:
-            raise AgentError(
-                AgentErrorCode.GENERATION_CONFLICT,
-                f"generation {generation} was already applied with different caps",
-            )
-        return Resolution(generation, targets, already_applied=current.complete)
-    return Resolution(generation, targets, already_applied=False)
+    return targets
+
+
+def divergent(targets: Mapping[int, ClockTarget], limits: Mapping[int, float], tolerance_w: float = 1.0) -> list[int]:
+    """GPUs whose enforced limit is away from its target (NVML rounds to milliwatts)."""
+    return sorted(i for i, t in targets.items() if i in limits and abs(limits[i] - t.cap_w) > tolerance_w)
 
 
 def apply_order(targets: Mapping[int, ClockTarget], current_limits: Mapping[int, float]) -> list[int]:

@@ -45,6 +45,11 @@ class PowerControl:
         self._last_result: ApplyResult | None = None
         self._known: dict[int, ClockTarget] = {}  # what each GPU is known to be set to
         self._on_applied = on_applied
+        self.regressions = 0  # authoritative plans older than the applied one
+
+    @property
+    def devices(self):
+        return self._devices
 
     @property
     def applied_generation(self) -> int:
@@ -55,11 +60,22 @@ class PowerControl:
         with self._lock:
             return dict(self._known)
 
-    def apply(self, generation: int, caps: Sequence[CapRequest], *, source: str = "grpc") -> ApplyResult:
+    def apply(self, generation: int, caps: Sequence[CapRequest], *, source: str = "grpc",
+              authoritative: bool = False, force: bool = False) -> ApplyResult:
+        """Validate and apply a plan (see ``plan.resolve_plan``; ``authoritative``: etcd's
+        desired state, applied even when older than the applied one). ``force``: write
+        every GPU, even one believed at its target (its enforced limit was seen elsewhere)."""
         with self._lock:
-            res = resolve_plan(self.node, generation, caps, self._devices, self._applied)
-            if res.already_applied and self._last_result is not None:
+            res = resolve_plan(self.node, generation, caps, self._devices, self._applied,
+                               authoritative=authoritative)
+            if res.already_applied and self._last_result is not None and not force:
                 return ApplyResult(generation, ALREADY_APPLIED, self._last_result.gpus)
+            if res.regression:
+                self.regressions += 1
+                log.warning("desired power generation went back: applying it node=%s generation=%d "
+                            "applied_generation=%d", self.node, generation, self._applied.generation)
+            if force:
+                self._known.clear()
             limits = {i: t.cap_w for i, t in self._known.items()}
             statuses = tuple(self._apply_gpu(i, res.targets[i]) for i in apply_order(res.targets, limits))
             complete = all(s.ok for s in statuses)
@@ -73,6 +89,10 @@ class PowerControl:
         if self._on_applied:
             self._on_applied(result)
         return result
+
+    def applied_targets(self) -> dict[int, ClockTarget]:
+        with self._lock:
+            return dict(self._applied.targets) if self._applied else {}
 
     def _apply_gpu(self, index: int, target: ClockTarget) -> GpuApply:
         known = self._known.get(index)

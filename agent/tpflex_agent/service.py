@@ -28,6 +28,8 @@ _STATUS = {
     AgentErrorCode.STALE_GENERATION: grpc.StatusCode.FAILED_PRECONDITION,
     AgentErrorCode.GENERATION_CONFLICT: grpc.StatusCode.FAILED_PRECONDITION,
     AgentErrorCode.NOT_SUPPORTED_BY_BACKEND: grpc.StatusCode.PERMISSION_DENIED,
+    AgentErrorCode.NOT_DESIRED: grpc.StatusCode.FAILED_PRECONDITION,
+    AgentErrorCode.DESIRED_UNKNOWN: grpc.StatusCode.UNAVAILABLE,
 }
 _OUTCOME = {
     "APPLIED": agent_pb2.ApplyPowerPlanResponse.APPLIED,
@@ -59,16 +61,26 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
             gpus=self.core.devices(), health=self.core.monitor.snapshot(),
         )
 
+    def _apply(self, generation: int, caps: list[CapRequest], source: str):
+        """With etcd (an authority), only etcd's desired state is applied; standalone, the
+        plan generations order the pushes."""
+        if generation < 1:  # before anything else, with or without an authority
+            raise AgentError(AgentErrorCode.INVALID_ARGUMENT, "generation must be >= 1")
+        authority = self.core.authority
+        if authority is not None:
+            return authority.on_push(generation, caps)
+        return self.core.power.apply(generation, caps, source=source)
+
     def ApplyPowerPlan(self, request, context):
         caps = [CapRequest(c.gpu.node, c.gpu.index, c.cap_w, c.locked_sm_clock_mhz) for c in request.caps]
         try:
-            return _response(self.core.power.apply(request.generation, caps))
+            return _response(self._apply(request.generation, caps, "grpc"))
         except AgentError as exc:
             _abort(context, exc, "ApplyPowerPlan")
 
     def ResetToDefaults(self, request, context):
         try:
-            return _response(self.core.power.apply(request.generation, [], source="reset"))
+            return _response(self._apply(request.generation, [], "reset"))
         except AgentError as exc:
             _abort(context, exc, "ResetToDefaults")
 

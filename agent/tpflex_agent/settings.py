@@ -13,7 +13,7 @@ import socket
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from tpflex_proto import config
 
 CONFIG_ENV = "TPFLEX_AGENT_CONFIG"
@@ -56,6 +56,10 @@ class _Listener(config.Listener):
 
 class GrpcSection(config.ClientCaListener, _Listener):
     listen: str = "0.0.0.0:8472"
+    insecure: bool = Field(
+        False, description="serve gRPC in plaintext (no TLS): anyone who reaches the port may "
+        "call it; an explicit choice for development only (--insecure)",
+    )
 
 
 class MetricsSection(_Listener):
@@ -67,12 +71,34 @@ class HealthSection(config.Section):
     poll_s: float = Field(0.5, gt=0, le=60)
 
 
+class PowerSection(config.Section):
+    check_s: float = Field(
+        5.0, gt=0, le=600, description="re-read the desired caps in etcd and check the devices' "
+        "limits against them this often (a divergence is corrected)",
+    )
+
+
 class AgentSettings(config.Section):
     agent: AgentSection = Field(default_factory=AgentSection)
     etcd: EtcdSection = Field(default_factory=EtcdSection)
     grpc: GrpcSection = Field(default_factory=GrpcSection)
     metrics: MetricsSection = Field(default_factory=MetricsSection)
     health: HealthSection = Field(default_factory=HealthSection)
+    power: PowerSection = Field(default_factory=PowerSection)
+
+    @model_validator(mode="after")
+    def _plaintext_is_explicit(self) -> AgentSettings:
+        """Checked across the whole configuration (after every key's own check), so that
+        other mistakes are reported too."""
+        g = self.grpc
+        if not g.tls_cert_file and not g.insecure:
+            raise ValueError(
+                "gRPC without TLS needs an explicit --insecure (grpc.insecure = true); give "
+                "grpc.tls_cert_file and grpc.tls_key_file, and grpc.client_ca_file for mTLS "
+                "(docs/deploy.md)")
+        if g.tls_cert_file and g.insecure:
+            raise ValueError("grpc.insecure = true contradicts grpc.tls_cert_file: choose one")
+        return self
 
     @property
     def node(self) -> str:
@@ -97,5 +123,5 @@ def load_settings(
 
 __all__ = [
     "AgentSection", "AgentSettings", "ConfigError", "EtcdSection", "GrpcSection", "HealthSection",
-    "MetricsSection", "load_settings",
+    "MetricsSection", "PowerSection", "load_settings",
 ]

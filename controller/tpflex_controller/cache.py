@@ -133,15 +133,30 @@ class ClusterView:
     # ---- our own writes ----
 
     def record_commit(self, p, commit, power: dict[str, types_pb2.NodePowerPlan], rev: int) -> None:
-        """Fold a plan generation this process committed at etcd revision ``rev``."""
+        """Fold a plan generation this process committed at etcd revision ``rev``. The keys
+        it wrote are marked as folded at ``rev``, so that the watch's late delivery of an
+        earlier commit cannot move the view back (a stale plan revision would make the
+        next commit lose its compare-and-swap)."""
         self.plans[p.job] = PlanRecord(commit.generation, rev, None, commit.plan_bytes, p.result)
+        self._key_revs[keys.job_plan(p.job)] = rev
         self.snap.plans.pop(p.job, None)  # decoded lazily by readers that need the proto
         for node, np in power.items():
             self.power[node] = (np, rev)
+            self._key_revs[keys.power(node)] = rev
         if commit.trim_event_seq and self.event_seqs and self.event_seqs[0] == commit.trim_event_seq:
             self.event_seqs.popleft()
         if commit.event_seq:
             self.event_seqs.append(commit.event_seq)
+
+    def forget_plan(self, job: str, power: dict[str, types_pb2.NodePowerPlan], rev: int) -> None:
+        """Fold the removal of a deleted job's plan this process made at ``rev``."""
+        self.plans.pop(job, None)
+        self.snap.plans.pop(job, None)
+        self.acks.pop(job, None)
+        self._key_revs[keys.job_plan(job)] = rev
+        for node, np in power.items():
+            self.power[node] = (np, rev)
+            self._key_revs[keys.power(node)] = rev
 
     # ---- folding ----
 

@@ -121,10 +121,11 @@ def show_status(d: dict) -> str:
     ]
     rows = [
         [j["name"], j["generation"] if j["generation"] is not None else "-", j["policy"],
-         _ratio(j["expected_throughput_ratio"]), ",".join(map(str, j["replica_tp_degrees"])) or "-"]
+         _ratio(j["expected_throughput_ratio"]), ",".join(map(str, j["replica_tp_degrees"])) or "-",
+         j.get("suspended_pins", 0)]
         for j in d["jobs"]
     ]
-    return "\n".join(out) + table(["JOB", "GEN", "POLICY", "THROUGHPUT", "TP DEGREES"], rows)
+    return "\n".join(out) + table(["JOB", "GEN", "POLICY", "THROUGHPUT", "TP DEGREES", "SUSPENDED PINS"], rows)
 
 
 def show_racks(d: list) -> str:
@@ -150,8 +151,10 @@ def show_jobs(d: list) -> str:
             j["name"], j["base_tp"], j["replicas"], j["effective_policy"], p.get("generation", "-"),
             ",".join(map(str, p.get("replica_tp_degrees", []))) or "-",
             _ratio(p.get("expected_throughput_ratio")), j["acked_current"],
+            len(p.get("suspended_pins", [])),
         ])
-    return table(["JOB", "T", "REPLICAS", "POLICY", "GEN", "TP DEGREES", "THROUGHPUT", "ACKED"], rows)
+    return table(["JOB", "T", "REPLICAS", "POLICY", "GEN", "TP DEGREES", "THROUGHPUT", "ACKED",
+                  "SUSPENDED PINS"], rows)
 
 
 def _replicas(plan: dict) -> str:
@@ -168,6 +171,8 @@ def _replicas(plan: dict) -> str:
         shown = ", ".join(gpus[:4]) + (f", ... ({len(gpus)} GPUs)" if len(gpus) > 4 else "")
         out.append(f"power cap {cap:.0f} W: {shown}")
     out += [f"- {reason}" for reason in plan["reasons"]]
+    out += [f"SUSPENDED PIN: replica {p['replica']} -> TP {p['tp_degree']}: {p['reason']}"
+            for p in plan.get("suspended_pins", [])]
     return "\n".join(out)
 
 
@@ -263,6 +268,16 @@ def _run_dry_run(c: Client, a: argparse.Namespace):
     return c.call("POST", f"/v1/jobs/{_q(a.job)}/dry-run", body), show_dry_run
 
 
+def _run_set_spec(c: Client, a: argparse.Namespace):
+    try:
+        with open(a.file) as f:
+            body = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"cannot read the spec file {a.file}: {exc}", 2) from None
+    return c.call("PUT", f"/v1/jobs/{_q(a.job)}/spec", body), lambda d: (
+        f"job {d['job']}: spec {'changed' if d['changed'] else 'unchanged'}. {d['note']}")
+
+
 COMMANDS: dict[str, Command] = {
     "status": lambda c, a: (c.call("GET", "/v1/status"), show_status),
     "racks": lambda c, a: (c.call("GET", "/v1/racks"), show_racks),
@@ -275,6 +290,9 @@ COMMANDS: dict[str, Command] = {
     "undrain": lambda c, a: (c.call("POST", _gpu_path(a, "undrain")), show_drain),
     "reconfigure": _run_reconfigure,
     "dry-run": _run_dry_run,
+    "set-spec": _run_set_spec,
+    "delete-job": lambda c, a: (c.call("DELETE", f"/v1/jobs/{_q(a.job)}"),
+                                lambda d: f"job {d['job']} deleted. {d['note']}"),
 }
 
 _POLICIES = ["ntp-pw", "ntp", "dp-drop", "spare"]
@@ -321,6 +339,11 @@ def build_parser() -> argparse.ArgumentParser:
     dr.add_argument("--fail", type=_gpu, action="append", default=[], metavar="NODE:GPU")
     dr.add_argument("--policy", choices=_POLICIES)
     dr.add_argument("--ignore-overrides", action="store_true")
+    ss = sub.add_parser("set-spec", help="change a registered job's spec (admin)")
+    ss.add_argument("job")
+    ss.add_argument("--file", required=True, help="the spec as JSON (see docs/api.md)")
+    dj = sub.add_parser("delete-job", help="delete a job: spec, override, acks; its plan goes (admin)")
+    dj.add_argument("job")
     return p
 
 

@@ -19,6 +19,7 @@ from tpflex_controller.planner.model import (
     ReplicaState,
     StageAssignment,
     StageSpec,
+    SuspendedPin,
 )
 from tpflex_controller.store import Snapshot
 
@@ -151,6 +152,8 @@ def plan_to_proto(result: PlanResult, generation: int, *, cause: str = "", now: 
             )
     for gpu in sorted(result.power_caps):
         plan.power_caps.add(gpu=_gpu_ref(gpu), cap_w=result.power_caps[gpu])
+    for pin in result.suspended_pins:
+        plan.suspended_pins.add(replica=pin.replica, tp_degree=pin.tp_degree, reason=pin.reason)
     return plan
 
 
@@ -182,4 +185,7 @@ def plan_from_proto(plan: types_pb2.Plan) -> PlanResult:
         power_caps={(c.gpu.node, c.gpu.index): c.cap_w for c in plan.power_caps},
         expected_throughput_ratio=plan.expected_throughput_ratio,
         reasons=tuple(plan.reasons),
+        suspended_pins=tuple(
+            SuspendedPin(p.replica, p.tp_degree, p.reason) for p in plan.suspended_pins
+        ),
     )

@@ -130,6 +130,8 @@ def _start_rest(
     app = create_app(ApiDeps(
         store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry, steps=steps,
         state=cache, max_in_flight=r.max_in_flight, busy_wait_s=r.busy_wait_s,
+        max_body_bytes=r.max_body_bytes, max_bodies=r.max_concurrent_bodies,
+        body_timeout_s=r.body_timeout_s,
     ))
     family = socket.AF_INET6 if ":" in s.rest.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -162,7 +164,7 @@ class ControllerProcess:
         self.registry = CollectorRegistry()
         self.metrics = ControllerMetrics(self.registry)
         self.etcd = create_etcd(settings)
-        self.steps = StepStats()
+        self.steps = StepStats(stale_after_s=settings.trainer.step_report_stale_s)
         self.registry.register(GoodputCollector(self.steps))
         c = settings.controller
         self.reconciler = Reconciler(
@@ -174,6 +176,7 @@ class ControllerProcess:
             agent_credentials=_agent_credentials(settings),
             default_policy=c.default_policy,
             flap_hold_down_s=c.flap_hold_down_s,
+            override_coalesce_s=c.override_coalesce_s,
         )
         self.grpc_server = None
         self.rest: _Rest | None = None
@@ -187,6 +190,7 @@ class ControllerProcess:
             max_workers=s.trainer.max_workers,
             steps=self.steps,
             tls=_trainer_tls(s),
+            min_step_seconds=s.trainer.min_step_seconds,
         )
         self.rest = _start_rest(s, self.etcd, self.registry, self.steps)
         self.grpc_server.start()

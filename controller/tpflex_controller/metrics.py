@@ -85,6 +85,13 @@ class ControllerMetrics:
             "Failed attempts to send a power plan to an agent (retried with backoff)",
             registry=registry,
         )
+        self.suspended_pins = Gauge(
+            "tpflex_job_suspended_pins",
+            "Operator TP pins of the job that cannot hold now (a failed or drained GPU, a changed"
+            " spec): the current plan ignores them",
+            ["job"],
+            registry=registry,
+        )
         self.unplannable_jobs = Gauge(
             "tpflex_unplannable_jobs",
             "Jobs whose spec or overrides cannot be planned right now",
@@ -98,13 +105,14 @@ class ControllerMetrics:
         """Pre-create a job's bounded label sets at zero."""
         self.plan_generation.labels(job=job)
         self.expected_throughput_ratio.labels(job=job)
+        self.suspended_pins.labels(job=job)
         for cause in CAUSES:
             self.reconfigurations.labels(job=job, cause=cause)
         for r in range(replicas):
             self.replica_tp_degree.labels(job=job, replica=str(r))
 
     def job_gone(self, job: str, replicas: int) -> None:
-        for gauge in (self.plan_generation, self.expected_throughput_ratio):
+        for gauge in (self.plan_generation, self.expected_throughput_ratio, self.suspended_pins):
             _remove(gauge, job)
         for cause in CAUSES:
             _remove(self.reconfigurations, job, cause)
@@ -112,17 +120,20 @@ class ControllerMetrics:
             _remove(self.replica_tp_degree, job, str(r))
 
     def plan_observed(
-        self, job: str, generation: int, ratio: float, degrees: Iterable[tuple[int, int]]
+        self, job: str, generation: int, ratio: float, degrees: Iterable[tuple[int, int]],
+        suspended_pins: int = 0,
     ) -> None:
         self.plan_generation.labels(job=job).set(generation)
         self.expected_throughput_ratio.labels(job=job).set(ratio)
+        self.suspended_pins.labels(job=job).set(suspended_pins)
         for replica, degree in degrees:
             self.replica_tp_degree.labels(job=job, replica=str(replica)).set(degree)
 
     def plan_proto_observed(self, job: str, plan) -> None:
         """A stored ``types_pb2.Plan`` (any replica follows the plans in etcd)."""
         degrees = [(r.index, r.tp_degree) for r in plan.replicas]
-        self.plan_observed(job, plan.generation, plan.expected_throughput_ratio, degrees)
+        self.plan_observed(job, plan.generation, plan.expected_throughput_ratio, degrees,
+                           len(plan.suspended_pins))
 
     def node_power_observed(self, node: str, plan) -> None:
         """A stored ``types_pb2.NodePowerPlan``."""

@@ -3,7 +3,7 @@
 A plan of 1,024 replicas at TP 72 lists 73,728 GPUs; building that protobuf from scratch
 on every generation costs tens of milliseconds. Protobuf encodes a repeated message field
 as the concatenation of its elements, so the encoded ``Plan`` is
-``head(fields 1-3) + replica_1 + ... + replica_n + cap_1 + ... + cap_m + tail(fields 6-9)``:
+``head(fields 1-3) + replica_1 + ... + replica_n + cap_1 + ... + cap_m + tail(fields 6-10)``:
 each replica's bytes are cached by its (immutable, hashable) assignment and each power
 cap's by (GPU, watts), and the result is byte-for-byte the
 deterministic encoding of ``convert.plan_to_proto`` (tested).
@@ -34,6 +34,7 @@ class PlanEncoder:
             power_caps={},
             expected_throughput_ratio=result.expected_throughput_ratio,
             reasons=result.reasons,
+            suspended_pins=result.suspended_pins,
         )
         whole = convert.plan_to_proto(bare, generation, cause=cause, now=now)
         head = types_pb2.Plan(job=whole.job, generation=whole.generation, policy=whole.policy)

@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tpflex_proto import codec, types_pb2
+from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.etcd import Cmp, Op
 
 from tpflex_controller.cache import ClusterView, PlanRecord
 from tpflex_controller.election import PlanCommit
 from tpflex_controller.planbytes import PlanEncoder
-from tpflex_controller.planner.model import PlanResult
+from tpflex_controller.planner.model import PlanResult, SuspendedPin
 
 # plan(cluster, job, *, policy=None, power_model=None, overrides=None, now=0.0) -> PlanResult
 PlanFn = Callable[..., PlanResult]
@@ -122,3 +123,47 @@ def changed_degrees(p: Planned) -> list[tuple[int, int]]:
         for r, o in zip(new, old, strict=True)
         if r is not o and r.tp_degree != o.tp_degree
     ]
+
+
+def pin_events(p: Planned, generation: int, at: float) -> list[types_pb2.Event]:
+    """``pin_suspended`` / ``pin_resumed`` events for the pins whose state the new plan
+    changes (none when it changes none)."""
+    out = []
+    for kind, pins in pin_changes(p).items():
+        if pins:
+            what = "suspended" if kind == "pin_suspended" else "holds again, was suspended"
+            reasons = [f"replica {x.replica}: TP pin {x.tp_degree} {what}: {x.reason}" for x in pins]
+            out.append(types_pb2.Event(at=at, kind=kind, job=p.job, generation=generation,
+                                       cause=p.cause, reasons=reasons))
+    return out
+
+
+def pin_changes(p: Planned) -> dict[str, list[SuspendedPin]]:
+    """Pins the new plan suspends (``pin_suspended``) and the ones it no longer suspends
+    (``pin_resumed``), compared with the previous decision."""
+    old = p.prev.decision().suspended_pins if p.prev is not None else ()
+    new = p.result.suspended_pins
+    old_keys = {(x.replica, x.tp_degree) for x in old}
+    new_keys = {(x.replica, x.tp_degree) for x in new}
+    return {
+        "pin_suspended": [x for x in new if (x.replica, x.tp_degree) not in old_keys],
+        "pin_resumed": [x for x in old if (x.replica, x.tp_degree) not in new_keys],
+    }
+
+
+def build_retire(
+    view: ClusterView, job: str
+) -> tuple[list, list, dict[str, types_pb2.NodePowerPlan]] | None:
+    """What removing a deleted job's plan writes: the plan and its history go, and the
+    nodes whose caps the plan set go back to their TDP. (compare, ops, power) for one
+    fenced transaction; None when the job has no plan."""
+    rec = view.plans.get(job)
+    if rec is None:
+        return None
+    power = desired_power(view, rec.decision().power_caps, {})
+    compare = [Cmp.mod_revision(keys.job_plan(job), "==", rec.mod_revision)]
+    ops = [Op.delete(keys.job_plan(job)), Op.delete_prefix(keys.job_prefix(job) + "history/")]
+    for node, np in sorted(power.items()):
+        compare.append(Cmp.mod_revision(keys.power(node), "==", view.power.get(node, (None, 0))[1]))
+        ops.append(Op.put(keys.power(node), codec.encode(np)))
+    return compare, ops, power

@@ -16,7 +16,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import grpc
 from tpflex_proto import keys, types_pb2
@@ -26,25 +25,24 @@ from tpflex_controller import convert, planning
 from tpflex_controller.agent_client import AgentPusher, PushResult
 from tpflex_controller.cache import ClusterView, node_of_key
 from tpflex_controller.damping import FlapDamper
+from tpflex_controller.dirty import OPERATOR_CAUSES, DirtyJob, coalesce_until
 from tpflex_controller.election import Conflict, LeaderSession, NotLeader
 from tpflex_controller.events import append_event, store_phases
 from tpflex_controller.loader import load_view
 from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.planbytes import PlanEncoder
 from tpflex_controller.planner.model import PlanningError
-from tpflex_controller.planning import PlanFn, Planned, build_commit, changed_degrees
+from tpflex_controller.planning import (
+    PlanFn,
+    Planned,
+    build_commit,
+    build_retire,
+    changed_degrees,
+    pin_events,
+)
 from tpflex_controller.rollout import Phase, Rollout, RolloutTracker
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Dirty:
-    cause: str
-    detected_at: float  # wall clock when the change was seen
-    revision: int = 0  # etcd revision of the latest change that marked it
-    not_before: float = 0.0  # monotonic; retry backoff
-    attempts: int = 0
 
 
 class Reconciler:
@@ -61,6 +59,7 @@ class Reconciler:
         default_policy: str = "ntp-pw",
         clock: Callable[[], float] = time.time,
         flap_hold_down_s: float = 0.0,
+        override_coalesce_s: float = 0.0,
     ) -> None:
         self.etcd = etcd
         self.metrics = metrics
@@ -69,12 +68,13 @@ class Reconciler:
         self._history_size = history_size
         self._clock = clock
         self._default_policy = default_policy
+        self._coalesce_s = override_coalesce_s
         self.view = ClusterView(event_log_size, default_policy)
         self._damper = FlapDamper(flap_hold_down_s)
         self.view.damper = self._damper
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._session: LeaderSession | None = None
-        self._dirty: dict[str, _Dirty] = {}
+        self._dirty: dict[str, DirtyJob] = {}
         self._unplannable: dict[str, str] = {}
         self._rollouts = RolloutTracker()
         self._loaded_rev = 0
@@ -272,13 +272,19 @@ class Reconciler:
             self.metrics.job_seen(job, len(self.view.snap.jobs[job].replicas))
 
     def _mark(self, job: str, cause: str, at: float, revision: int = 0) -> None:
+        now = time.monotonic()
+        operator = cause in OPERATOR_CAUSES
         d = self._dirty.get(job)
         if d is None:
-            self._dirty[job] = _Dirty(cause, at, revision)
-            return
-        d.revision = max(d.revision, revision)
-        if d.cause == "resync" and cause != "resync":
-            d.cause = cause
+            d = self._dirty[job] = DirtyJob(cause, at, revision, first_seen=now, urgent=not operator)
+        else:
+            d.revision = max(d.revision, revision)
+            d.urgent = d.urgent or not operator
+            if d.cause == "resync" and cause != "resync":
+                d.cause = cause
+            if not operator and d.attempts == 0:
+                d.not_before = 0.0  # a failure is not held back by an operator burst
+        d.not_before = coalesce_until(d, now, self._coalesce_s)
 
     def _forget_handled(self, ev: WatchEvent) -> None:
         """A follower sees the leader commit a plan: the changes before it are handled
@@ -330,9 +336,10 @@ class Reconciler:
                 d.not_before = now + min(30.0, 0.5 * 2**d.attempts)
                 log.exception("reconcile failed job=%s attempt=%d", job, d.attempts)
 
-    def _reconcile_job(self, job: str, d: _Dirty) -> None:
+    def _reconcile_job(self, job: str, d: DirtyJob) -> None:
         if job not in self.view.snap.jobs:
             self._rollouts.forget(job)
+            self._retire(job)
             return
         now = self._clock()
         try:
@@ -364,7 +371,7 @@ class Reconciler:
         self.metrics.reconfigurations.labels(job=p.job, cause=p.cause).inc()
         degrees = changed_degrees(p)
         ratio = p.result.expected_throughput_ratio
-        self.metrics.plan_observed(p.job, commit.generation, ratio, degrees)
+        self.metrics.plan_observed(p.job, commit.generation, ratio, degrees, len(p.result.suspended_pins))
         log.info(
             "plan committed job=%s generation=%d cause=%s ratio=%.4f nodes=%d",
             p.job, commit.generation, p.cause, p.result.expected_throughput_ratio, len(power),
@@ -376,6 +383,43 @@ class Reconciler:
                 self._phase_reached(rollout, phase)
         for node, np in power.items():
             self._push(node, np)
+        self._note_pins(p, commit.generation)
+
+    def _note_pins(self, p: Planned, generation: int) -> None:
+        """An event for every pin the new plan suspends or gives back; the plan itself
+        lists the suspended ones."""
+        for event in pin_events(p, generation, self._clock()):
+            log.warning("operator pins changed job=%s generation=%d kind=%s", p.job, generation, event.kind)
+            try:
+                append_event(self._session, self.view, event)
+            except EtcdError as exc:  # the plan is committed; the event is informational
+                log.warning("pin event not stored job=%s error=%s", p.job, exc)
+
+    def _retire(self, job: str) -> None:
+        """A deleted job: its plan and history leave etcd and the caps it set go back to
+        TDP, in one fenced transaction."""
+        built = build_retire(self.view, job)
+        if built is None:
+            return
+        compare, ops, power = built
+        session = self._session
+        if session is None:
+            raise NotLeader("not leading")
+        replicas = len(self.view.plans[job].decision().replicas)
+        res = session.txn(compare, ops)
+        if not res.succeeded:
+            raise Conflict(f"plan of deleted job {job} or its power keys changed since read")
+        self.view.forget_plan(job, power, res.revision)
+        self._unplannable.pop(job, None)
+        self.metrics.unplannable_jobs.set(len(self._unplannable))
+        self.metrics.job_gone(job, replicas)
+        for node, np in power.items():
+            self.metrics.node_power_observed(node, np)
+            self._push(node, np)
+        log.info("deleted job retired job=%s nodes_reset=%d", job, len(power))
+        append_event(session, self.view, types_pb2.Event(
+            at=self._clock(), kind="job_deleted", job=job, cause="job_spec",
+            reasons=[f"job {job} deleted: plan removed, {len(power)} node(s) back to TDP"]))
 
     def _push(self, node: str, plan: types_pb2.NodePowerPlan) -> None:
         reg = self.view.snap.nodes.get(node)
@@ -393,7 +437,7 @@ class Reconciler:
     def _flush_events(self) -> None:
         store_phases(self._session, self.view, self._unwritten)
 
-    def _record_unplannable(self, job: str, reason: str, d: _Dirty) -> None:
+    def _record_unplannable(self, job: str, reason: str, d: DirtyJob) -> None:
         if self._unplannable.get(job) == reason:
             return
         log.warning("job cannot be planned job=%s reason=%s", job, reason)

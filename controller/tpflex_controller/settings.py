@@ -35,6 +35,12 @@ class ControllerSection(config.Section):
         " recent flap, up to 8x; 0 = off; see docs/reliability.md)",
     )
 
+    override_coalesce_s: float = Field(
+        0.25, ge=0, le=60,
+        description="operator overrides (drain, undrain, pins) of a job are planned once this"
+        " long after the last of a burst (at most 8x this after the first; 0 = at once)",
+    )
+
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
@@ -66,6 +72,15 @@ class RestSection(_Listener):
     busy_wait_s: float = Field(
         10.0, gt=0, description="longest wait for a REST slot before 503 busy (Retry-After)"
     )
+    max_body_bytes: int = Field(
+        1 << 20, ge=1024, le=1 << 30, description="longer request bodies are refused (413) unread"
+    )
+    max_concurrent_bodies: int = Field(
+        8, ge=1, le=4096, description="request bodies read at once; others wait (then 503 busy)"
+    )
+    body_timeout_s: float = Field(
+        10.0, gt=0, le=600, description="a request body must arrive within this (408 otherwise)"
+    )
 
     @model_validator(mode="after")
     def _tokens(self) -> RestSection:
@@ -77,6 +92,14 @@ class RestSection(_Listener):
 class TrainerSection(config.ClientCaListener, _Listener):
     listen: str = "127.0.0.1:8471"
     max_workers: int = Field(64, ge=4, le=4096, description="concurrent RPCs incl. plan streams")
+    min_step_seconds: float = Field(
+        1e-3, gt=0, le=3600,
+        description="shortest step a report may claim: with local_batch samples per replica"
+        " per step, the job's physical bound on samples/s",
+    )
+    step_report_stale_s: float = Field(
+        10.0, gt=0, le=3600, description="a replica whose reports stopped this long counts 0"
+    )
 
 
 class AgentsSection(config.Section):

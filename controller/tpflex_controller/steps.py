@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tpflex_proto import controller_pb2
@@ -21,11 +23,16 @@ class StepSample:
 class Goodput:
     """A job's achieved throughput against its failure-free expectation.
 
-    ``achieved`` is wall-clock samples/s over each replica's recent steps (a replica that
-    stopped reporting — dropped, or its rank dead — counts 0); ``failure_free`` is the
-    number of replicas that ever reported times the mean wall-clock rate a replica showed
-    while it ran at the base TP degree. Pauses (re-planning, resharding) lower
-    ``achieved`` because the rate is measured between report timestamps."""
+    ``achieved`` is samples/s over each replica's recent steps, summed over the replicas
+    still reporting: per replica, samples between the first and last report of its window
+    over the time between them (this controller's receive times, not the trainer's), and
+    never more than its samples over its reported step time (a replica cannot run faster
+    than its steps). A replica that stopped reporting for ``stale_after_s`` (dropped, its
+    rank dead) counts 0; a job whose reports all stopped achieves 0. ``failure_free`` is
+    the number of replicas that ever reported times the mean rate a replica showed while
+    it ran at the base TP degree. ``ratio`` = achieved / failure_free, clamped to [0, 1]
+    (a window can run faster than the mean by noise; the expectation is an upper bound).
+    Pauses (re-planning, resharding) lower ``achieved``."""
 
     achieved_samples_per_s: float
     failure_free_samples_per_s: float | None
@@ -35,20 +42,27 @@ class Goodput:
 
 
 def wallclock_rate(window) -> float:
-    """Samples per second between the first and the last report of ``window``."""
+    """Samples per second between the first and the last report of ``window``, at most
+    the samples over the reported step time."""
     if len(window) < 2:
         return 0.0
     ordered = sorted(window, key=lambda s: s.at)
     span = ordered[-1].at - ordered[0].at
-    return sum(s.samples for s in ordered[1:]) / span if span > 0 else 0.0
+    wall = sum(s.samples for s in ordered[1:]) / span if span > 0 else 0.0
+    busy = sum(s.seconds for s in ordered[1:])
+    return min(wall, sum(s.samples for s in ordered[1:]) / busy) if busy > 0 else 0.0
 
 
 class StepStats:
-    """Thread-safe. Reports of one (job, replica, step) from several ranks count once."""
+    """Thread-safe. Reports of one (job, replica, step) from several ranks count once.
+    ``clock``: the time a report is received and goodput is read at (wall clock)."""
 
-    def __init__(self, window: int = 64, max_jobs: int = 1024) -> None:
+    def __init__(self, window: int = 64, max_jobs: int = 1024, stale_after_s: float = 10.0,
+                 clock: Callable[[], float] = time.time) -> None:
         self._window = window
         self._max_jobs = max_jobs
+        self._stale_after_s = stale_after_s
+        self._clock = clock
         self._lock = threading.Lock()
         self._jobs: dict[str, dict[int, deque[StepSample]]] = {}
         # per job and replica: recent steps run at the base TP degree (failure-free rate)
@@ -58,8 +72,10 @@ class StepStats:
         with self._lock:
             return job in self._jobs
 
-    def record(self, r: controller_pb2.StepReport) -> bool:
-        """Add a report; False when its (replica, step) was already counted."""
+    def record(self, r: controller_pb2.StepReport, at: float | None = None) -> bool:
+        """Add a (checked) report received at ``at`` (default: the clock); False when its
+        (replica, step) was already counted."""
+        at = self._clock() if at is None else at
         with self._lock:
             replicas = self._jobs.get(r.job)
             if replicas is None:
@@ -71,45 +87,38 @@ class StepStats:
             window = replicas.setdefault(r.replica, deque(maxlen=self._window))
             if any(s.step == r.step for s in window):
                 return False
-            sample = StepSample(r.step, r.samples, r.step_seconds, r.at)
+            sample = StepSample(r.step, r.samples, r.step_seconds, at)
             window.append(sample)
             if r.base_tp and r.tp_degree == r.base_tp:
                 healthy = self._healthy.setdefault(r.job, {})
                 healthy.setdefault(r.replica, deque(maxlen=4 * self._window)).append(sample)
             return True
 
-    def goodput(self, job: str, stale_after_s: float = 10.0) -> Goodput | None:
+    def goodput(self, job: str) -> Goodput | None:
         """None when the job has no reports here (see Goodput for the definitions)."""
+        now = self._clock()
         with self._lock:
             replicas = self._jobs.get(job)
             if not replicas:
                 return None
-            newest = max(w[-1].at for w in replicas.values() if w)
-            live = [w for w in replicas.values() if w and w[-1].at >= newest - stale_after_s]
+            live = [w for w in replicas.values() if w and w[-1].at >= now - self._stale_after_s]
             achieved = sum(wallclock_rate(w) for w in live)
             healthy = [wallclock_rate(w) for w in self._healthy.get(job, {}).values() if len(w) > 1]
-        expected = len(replicas) * sum(healthy) / len(healthy) if healthy else None
+            seen = len(replicas)
+        healthy = [h for h in healthy if h > 0]
+        expected = seen * sum(healthy) / len(healthy) if healthy else None
         return Goodput(
             achieved_samples_per_s=achieved,
             failure_free_samples_per_s=expected,
-            ratio=achieved / expected if expected else None,
+            ratio=min(1.0, achieved / expected) if expected else None,
             replicas_reporting=len(live),
-            replicas_seen=len(replicas),
+            replicas_seen=seen,
         )
 
     def achieved_samples_per_second(self, job: str) -> float | None:
-        """Sum over replicas of (samples / seconds) over each replica's window; None when
-        the job has no reports."""
-        with self._lock:
-            replicas = self._jobs.get(job)
-            if not replicas:
-                return None
-            total = 0.0
-            for window in replicas.values():
-                seconds = sum(s.seconds for s in window)
-                if seconds > 0:
-                    total += sum(s.samples for s in window) / seconds
-            return total
+        """The achieved rate of :meth:`goodput` (what REST shows); None without reports."""
+        g = self.goodput(job)
+        return g.achieved_samples_per_s if g is not None else None
 
     def jobs(self) -> list[str]:
         with self._lock:
@@ -133,20 +142,20 @@ class GoodputCollector:
 
         family = GaugeMetricFamily(
             "tpflex_job_achieved_samples_per_second",
-            "Samples per second the job achieved over its recent step reports",
+            "Samples per second the job achieved over its recent step reports (0 once they stop)",
             labels=["job"],
         )
         ratio = GaugeMetricFamily(
             "tpflex_job_goodput_ratio",
-            "Achieved wall-clock samples/s over the failure-free expectation (see docs/metrics.md)",
+            "Achieved over failure-free samples/s, in [0, 1] (see docs/metrics.md)",
             labels=["job"],
         )
         for job in sorted(self.steps.jobs()):
-            rate = self.steps.achieved_samples_per_second(job)
-            if rate is not None:
-                family.add_metric([job], rate)
-            goodput = self.steps.goodput(job)
-            if goodput is not None and goodput.ratio is not None:
+            goodput = self.steps.goodput(job)  # one reading: the same figures as REST
+            if goodput is None:
+                continue
+            family.add_metric([job], goodput.achieved_samples_per_s)
+            if goodput.ratio is not None:
                 ratio.add_metric([job], goodput.ratio)
         yield family
         yield ratio

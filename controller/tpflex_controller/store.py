@@ -8,13 +8,13 @@ are *not* here: they go through the fenced transactions of ``election.LeaderSess
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from google.protobuf.message import Message
 from tpflex_proto import codec, keys, types_pb2
-from tpflex_proto.etcd import Etcd, KeyValue
+from tpflex_proto.etcd import Cmp, Etcd, KeyValue, Op
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,10 @@ def decode_or_skip(cls: type[M], kv: KeyValue) -> M | None:
     except codec.MalformedValue as exc:
         log.warning("skipping malformed etcd value key=%s error=%s", kv.key, exc)
         return None
+
+
+class UpdateConflict(Exception):
+    """A compare-and-swap kept losing to concurrent writers of the same key."""
 
 
 def _decode_all(cls: type[M], kvs: Iterable[KeyValue], prefix: str) -> dict[str, M]:
@@ -97,6 +101,37 @@ class Store:
             for k, v in _decode_all(types_pb2.JobSpec, (kv for kv in kvs if kv.key.endswith("/spec")), keys.JOBS).items()
         }
 
+    def job_specs(self) -> dict[str, types_pb2.JobSpec]:
+        """Every job spec, without reading plans or their history (a keys-only listing,
+        then the spec keys)."""
+        listed, _ = self.etcd.get_prefix(keys.JOBS, keys_only=True)
+        out: dict[str, types_pb2.JobSpec] = {}
+        for kv in listed:
+            split = keys.split_job_key(kv.key)
+            if split is not None and split[1] == "spec":
+                spec = self.job(split[0])
+                if spec is not None:
+                    out[split[0]] = spec
+        return out
+
+    def spec_guard_revision(self) -> int:
+        kv = self.etcd.get(keys.SPEC_GUARD)
+        return kv.mod_revision if kv is not None else 0
+
+    def write_spec(self, job: str, spec: types_pb2.JobSpec | None, *, spec_revision: int,
+                   guard_revision: int) -> bool:
+        """Store (or with None delete, with its override and acks) a job spec, only if
+        neither the spec key nor the spec guard moved since they were read at the given
+        mod revisions (0 = absent). False when one did (nothing written)."""
+        key = keys.job_spec(job)
+        compare = [_unchanged(key, spec_revision), _unchanged(keys.SPEC_GUARD, guard_revision)]
+        if spec is not None:
+            ops = [Op.put(key, codec.encode(spec))]
+        else:
+            ops = [Op.delete(key), Op.delete_prefix(keys.job_acks(job)), Op.delete(keys.job_override(job))]
+        ops.append(Op.put(keys.SPEC_GUARD, job.encode()))
+        return self.etcd.txn(compare, ops).succeeded
+
     def plan(self, job: str) -> types_pb2.Plan | None:
         return self._get(types_pb2.Plan, keys.job_plan(job))
 
@@ -129,6 +164,26 @@ class Store:
 
     # ---- operator / registration writes (any controller replica) ----
 
+    def update(
+        self, key: str, cls: type[M], change: Callable[[M | None], M | None], attempts: int = 8
+    ) -> tuple[M | None, M | None]:
+        """Read-modify-write of one key, atomic: ``change`` gets the stored value (None
+        when absent or unreadable) and returns the one to store (None = delete; the very
+        object it was given = leave the key as it is). The write compares the key's mod
+        revision with the one read, and is retried on a lost race. Returns (old, new) of
+        the write that won; :class:`UpdateConflict` after ``attempts`` lost races."""
+        for _ in range(attempts):
+            kv = self.etcd.get(key)
+            old = decode_or_skip(cls, kv) if kv is not None else None
+            new = change(old)
+            if new is old:
+                return old, old
+            guard = _unchanged(key, kv.mod_revision if kv is not None else 0)
+            op = Op.put(key, codec.encode(new)) if new is not None else Op.delete(key)
+            if self.etcd.txn([guard], [op]).succeeded:
+                return old, new
+        raise UpdateConflict(f"{key} was changed concurrently {attempts} times in a row; retry")
+
     def put_rack(self, rack: types_pb2.Rack) -> int:
         return self.etcd.put(keys.rack(rack.name), codec.encode(rack))
 
@@ -147,6 +202,12 @@ class Store:
 
     def delete_job_override(self, job: str) -> bool:
         return self.etcd.delete(keys.job_override(job))
+
+
+def _unchanged(key: str, mod_revision: int):
+    if mod_revision:
+        return Cmp.mod_revision(key, "==", mod_revision)
+    return Cmp.create_revision(key, "==", 0)
 
 
 def apply_kv(snap: Snapshot, kv: KeyValue, deleted: bool = False) -> bool:

@@ -1,14 +1,17 @@
 """The controller's trainer-facing gRPC service (``Trainer`` of controller.proto).
 
 Every controller replica serves it, reading and writing etcd directly (no leader needed):
-``RegisterJob`` validates and stores a job spec, ``WatchPlan`` streams a job's plan
-generations (one shared etcd watch per job, fanned out to the streams), ``AckPlan``
-records a rank's ack, ``ReportStep`` feeds the in-memory step window (goodput).
+``RegisterJob`` validates and stores a new job spec (or accepts the same one again),
+``WatchPlan`` streams a job's plan generations (one shared etcd watch per job, fanned out
+to the streams), ``AckPlan`` records a rank's ack (never over a newer one),
+``ReportStep`` feeds the in-memory step window (goodput). What each accepts is checked
+against its meaning in ``spec_checks``.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -18,13 +21,23 @@ from tpflex_proto import codec, controller_pb2, controller_pb2_grpc, keys, types
 from tpflex_proto.etcd import Cmp, Etcd, EtcdError, EtcdUnavailable, Op
 from tpflex_proto.tls import ServerTls, bind_grpc
 
-from tpflex_controller import convert
 from tpflex_controller.cache import decode_plan
 from tpflex_controller.planfeed import PlanFeed
-from tpflex_controller.planner.model import ClusterState, PlanningError
-from tpflex_controller.planner.planner import validate
+from tpflex_controller.planner.model import PlanningError
+from tpflex_controller.spec_checks import (
+    DEFAULT_MIN_STEP_SECONDS,
+    InputError,
+    JobFacts,
+    check_ack,
+    check_job_name,
+    check_report,
+    check_spec,
+    job_facts,
+    job_name_ok,
+    spec_difference,
+)
 from tpflex_controller.steps import StepStats
-from tpflex_controller.store import Store
+from tpflex_controller.store import Store, decode_or_skip
 
 log = logging.getLogger(__name__)
 
@@ -36,38 +49,26 @@ class _Abort(Exception):
         self.message = message
 
 
-def _job_name_ok(name: str) -> bool:
-    return bool(name) and "/" not in name and name.isprintable() and len(name) <= 128
+_STATUS = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "conflict": grpc.StatusCode.ALREADY_EXISTS,
+    "stale": grpc.StatusCode.FAILED_PRECONDITION,
+    "future": grpc.StatusCode.FAILED_PRECONDITION,
+    "unknown": grpc.StatusCode.NOT_FOUND,
+}
 
 
-def validate_job(spec: types_pb2.JobSpec, racks: dict[str, types_pb2.Rack]) -> None:
-    """Raise PlanningError (message says why) for a spec the planner cannot plan."""
-    if not _job_name_ok(spec.name):
-        raise PlanningError("job name must be 1-128 printable characters without '/'")
-    infos = {name: convert.rack_info(r) for name, r in racks.items()}
+def _abort_for(exc: InputError) -> _Abort:
+    return _Abort(_STATUS[exc.kind], exc.message)
+
+
+def validate_job(spec: types_pb2.JobSpec, racks: dict[str, types_pb2.Rack],
+                 others: dict[str, types_pb2.JobSpec] | None = None) -> None:
+    """Raise PlanningError (message says why) for a spec that cannot be registered."""
     try:
-        job = convert.job_spec(spec, infos)
-    except ValueError as exc:  # PlanningError or an unknown policy
-        raise PlanningError(str(exc)) from None
-    validate(ClusterState(racks=infos), job, convert.job_overrides(None))
-    for r_idx, rep in enumerate(job.replicas):
-        for s_idx, st in enumerate(rep.stages):
-            known = set(infos[st.rack].gpus)
-            missing = [g for g in st.gpus if g not in known]
-            if missing:
-                raise PlanningError(
-                    f"job {spec.name}: replica {r_idx} stage {s_idx} names GPU "
-                    f"{missing[0][0]}:{missing[0][1]}, which is not in rack {st.rack}"
-                )
-
-
-def _same_spec(a: types_pb2.JobSpec, b: types_pb2.JobSpec) -> bool:
-    x, y = types_pb2.JobSpec(), types_pb2.JobSpec()
-    x.CopyFrom(a)
-    y.CopyFrom(b)
-    x.ClearField("created_at")
-    y.ClearField("created_at")
-    return codec.encode(x) == codec.encode(y)
+        check_spec(spec, racks, others or {})
+    except InputError as exc:
+        raise PlanningError(exc.message) from None
 
 
 def replay_plans(
@@ -94,12 +95,44 @@ def replay_plans(
     return [*missed, current]
 
 
+class JobFactsCache:
+    """What reports and acks are checked against, per job, re-read from etcd when older
+    than ``ttl_s`` or when a report names a newer generation than the cached plan's."""
+
+    def __init__(self, store: Store, ttl_s: float = 1.0) -> None:
+        self.store, self.ttl_s = store, ttl_s
+        self._lock = threading.Lock()
+        self._facts: dict[str, tuple[JobFacts, float]] = {}
+
+    def get(self, job: str, generation: int = 0) -> JobFacts | None:
+        now = time.monotonic()
+        with self._lock:
+            hit = self._facts.get(job)
+        if hit is not None and now - hit[1] < self.ttl_s and hit[0].generation >= generation:
+            return hit[0]
+        spec = self.store.job(job)
+        if spec is None:
+            with self._lock:
+                self._facts.pop(job, None)
+            return None
+        plan = self.store.plan(job)
+        facts = job_facts(spec, plan.generation if plan is not None else 0)
+        with self._lock:
+            if len(self._facts) > 4096:
+                self._facts.clear()
+            self._facts[job] = (facts, now)
+        return facts
+
+
 class TrainerServicer(controller_pb2_grpc.TrainerServicer):
-    def __init__(self, etcd: Etcd, *, steps: StepStats, clock: Callable[[], float] = time.time):
+    def __init__(self, etcd: Etcd, *, steps: StepStats, clock: Callable[[], float] = time.time,
+                 min_step_seconds: float = DEFAULT_MIN_STEP_SECONDS):
         self.etcd = etcd
         self.store = Store(etcd)
         self.steps = steps
         self.clock = clock
+        self.min_step_seconds = min_step_seconds
+        self.facts = JobFactsCache(self.store)
         self.feed = PlanFeed(etcd)
 
     # ---- helpers ----
@@ -124,13 +157,15 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
             log.warning("skipping malformed etcd value key=%s error=%s", kv.key, exc)
             return None
 
-    def _require_job(self, job: str) -> types_pb2.JobSpec:
-        if not _job_name_ok(job):
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "job must be a job name (1-128 characters, no '/')")
-        spec = self.store.job(job)
-        if spec is None:
+    def _require_facts(self, job: str, generation: int = 0) -> JobFacts:
+        try:
+            check_job_name(job)
+        except InputError as exc:
+            raise _abort_for(exc) from None
+        facts = self.facts.get(job, generation)
+        if facts is None:
             raise _Abort(grpc.StatusCode.NOT_FOUND, f"unknown job {job!r}")
-        return spec
+        return facts
 
     # ---- RPCs ----
 
@@ -138,29 +173,41 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
         return self._run(context, self._register, request.spec)
 
     def _register(self, spec: types_pb2.JobSpec) -> controller_pb2.RegisterJobResponse:
-        try:
-            validate_job(spec, self.store.racks())
-        except PlanningError as exc:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
-        key = keys.job_spec(spec.name)
-        current = self.etcd.get(key)
-        if current is not None:
-            existing = self.store.job(spec.name)
-            if existing is not None and _same_spec(existing, spec):
+        """Create a job, or accept an identical spec again (ranks register concurrently). A
+        changed spec of a registered job is refused: changing a live job is an admin's
+        explicit operation (REST PUT /v1/jobs/{job}/spec), not a side effect of a trainer
+        starting."""
+        for _ in range(5):
+            guard = self.store.spec_guard_revision()
+            existing = self.store.job(spec.name) if job_name_ok(spec.name) else None
+            if existing is not None:
+                diff = spec_difference(existing, spec)
+                if diff:
+                    raise _Abort(grpc.StatusCode.ALREADY_EXISTS,
+                                 f"job {spec.name} is registered with a different spec (differs in "
+                                 f"{', '.join(diff)}); change it with PUT /v1/jobs/{spec.name}/spec "
+                                 f"(admin) or delete it with DELETE /v1/jobs/{spec.name}")
                 return controller_pb2.RegisterJobResponse(plan=self._plan(spec.name))
-        stored = types_pb2.JobSpec()
-        stored.CopyFrom(spec)
-        stored.created_at = spec.created_at or self.clock()
-        rev = current.mod_revision if current is not None else 0
-        res = self.etcd.txn([Cmp.mod_revision(key, "==", rev)], [Op.put(key, codec.encode(stored))])
-        if not res.succeeded:
-            raise _Abort(grpc.StatusCode.ABORTED, f"job {spec.name} was re-registered concurrently; retry")
-        log.info("job registered job=%s replicas=%d base_tp=%d", spec.name, len(spec.replicas), spec.base_tp)
-        return controller_pb2.RegisterJobResponse(plan=self._plan(spec.name))
+            try:
+                check_spec(spec, self.store.racks(), self.store.job_specs())
+            except InputError as exc:
+                raise _abort_for(exc) from None
+            stored = types_pb2.JobSpec()
+            stored.CopyFrom(spec)
+            stored.created_at = spec.created_at or self.clock()
+            if self.store.write_spec(spec.name, stored, spec_revision=0, guard_revision=guard):
+                log.info("job registered job=%s replicas=%d base_tp=%d", spec.name,
+                         len(spec.replicas), spec.base_tp)
+                return controller_pb2.RegisterJobResponse(plan=self._plan(spec.name))
+        raise _Abort(grpc.StatusCode.ABORTED, f"job specs kept changing while job {spec.name} was "
+                     "checked; retry")
 
     def WatchPlan(self, request, context):
         try:
-            self._require_job(request.job)
+            facts = self._require_facts(request.job)
+            if request.rank >= facts.ranks:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"rank {request.rank} is not in job {request.job} ({facts.ranks} ranks)")
         except _Abort as exc:
             context.abort(exc.code, exc.message)
         except EtcdError as exc:
@@ -203,35 +250,34 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
         return self._run(context, self._ack, request)
 
     def _ack(self, ack: types_pb2.Ack) -> controller_pb2.AckResponse:
-        if ack.generation < 1:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "generation must be >= 1")
-        spec = self._require_job(ack.job)
-        ranks = sum(len(st.ranks) or spec.base_tp for rep in spec.replicas for st in rep.stages)
-        if ack.rank >= ranks:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"rank {ack.rank} is not in job {ack.job} ({ranks} ranks)")
-        plan = self._plan(ack.job)
-        current = plan.generation if plan is not None else 0
-        if ack.generation > current:
-            raise _Abort(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"generation {ack.generation} is newer than job {ack.job}'s current plan ({current})",
-            )
-        stored = types_pb2.Ack()
-        stored.CopyFrom(ack)
-        stored.acked_at = ack.acked_at or self.clock()
-        self.etcd.put(keys.job_ack(ack.job, ack.rank), codec.encode(stored))
-        return controller_pb2.AckResponse()
+        facts = self._require_facts(ack.job, ack.generation)
+        key = keys.job_ack(ack.job, ack.rank) if ack.rank < facts.ranks else ""
+        for _ in range(8):
+            kv = self.etcd.get(key) if key else None
+            stored = decode_or_skip(types_pb2.Ack, kv) if kv is not None else None
+            try:
+                check_ack(ack, facts, stored.generation if stored is not None else 0)
+            except InputError as exc:
+                raise _abort_for(exc) from None
+            if stored is not None and stored.generation == ack.generation:
+                return controller_pb2.AckResponse()  # already recorded
+            record = types_pb2.Ack(job=ack.job, rank=ack.rank, generation=ack.generation,
+                                   acked_at=self.clock(), reshard_seconds=ack.reshard_seconds)
+            guard = (Cmp.mod_revision(key, "==", kv.mod_revision) if kv is not None
+                     else Cmp.create_revision(key, "==", 0))
+            if self.etcd.txn([guard], [Op.put(key, codec.encode(record))]).succeeded:
+                return controller_pb2.AckResponse()
+        raise _Abort(grpc.StatusCode.ABORTED, f"ack of rank {ack.rank} raced with others; retry")
 
     def ReportStep(self, request, context):
         return self._run(context, self._report, request)
 
     def _report(self, r: controller_pb2.StepReport) -> controller_pb2.StepReportResponse:
-        if not _job_name_ok(r.job):
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "job must be a job name (1-128 characters, no '/')")
-        if not r.step_seconds > 0:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "step_seconds must be > 0")
-        if not self.steps.known(r.job):
-            self._require_job(r.job)
+        facts = self._require_facts(r.job, r.generation)
+        try:
+            check_report(r, facts, self.min_step_seconds)
+        except InputError as exc:
+            raise _abort_for(exc) from None
         self.steps.record(r)
         return controller_pb2.StepReportResponse()
 
@@ -244,6 +290,7 @@ def create_grpc_server(
     steps: StepStats | None = None,
     clock: Callable[[], float] = time.time,
     tls: ServerTls | None = None,
+    min_step_seconds: float = DEFAULT_MIN_STEP_SECONDS,
 ) -> tuple[grpc.Server, int]:
     """A started-not-yet ``grpc.Server`` serving ``Trainer``, bound to ``bind``; returns it
     and the bound port (``bind`` may use port 0). Call ``server.start()``. ``tls``: none =
@@ -252,7 +299,8 @@ def create_grpc_server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="trainer-rpc"),
         options=[("grpc.max_send_message_length", 64 << 20)],
     )
-    servicer = TrainerServicer(etcd, steps=steps or StepStats(), clock=clock)
+    servicer = TrainerServicer(etcd, steps=steps or StepStats(), clock=clock,
+                               min_step_seconds=min_step_seconds)
     controller_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
     try:
         server, port = bind_grpc(server, bind, tls, service="trainer")

@@ -14,6 +14,10 @@ JOB_OVERRIDES = OVERRIDES + "jobs/"
 POWER = PREFIX + "power/"
 LEADER = PREFIX + "leader"
 EVENTS = PREFIX + "events/"
+# rewritten with every job spec write (register, change, delete): a spec write compares its
+# mod revision with the one read before the other jobs' specs, so that two jobs cannot
+# claim the same GPUs at once
+SPEC_GUARD = PREFIX + "spec-guard"
 STEPS = PREFIX + "steps/"
 
 

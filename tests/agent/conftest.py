@@ -16,7 +16,7 @@ from tpflex_proto import agent_pb2_grpc
 def sim_settings(node: str = "n1", gpus: int = 4, **sections) -> AgentSettings:
     base = {
         "agent": {"node": node, "rack": "r1", "backend": "sim", "sim_gpus": gpus},
-        "grpc": {"listen": "127.0.0.1:0"},
+        "grpc": {"listen": "127.0.0.1:0", "insecure": True},
         "metrics": {"listen": "127.0.0.1:0"},
         "health": {"debounce_s": 0.2, "poll_s": 0.1},
     }

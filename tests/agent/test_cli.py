@@ -22,15 +22,30 @@ def clean_env(monkeypatch):
 def test_precedence_argument_over_environment_over_file_over_default(tmp_path):
     cfg = tmp_path / "agent.toml"
     cfg.write_text('[agent]\nrack = "from-file"\nnode = "n-file"\n[etcd]\nlease_ttl_s = 7\n')
-    env = {"TPFLEX_AGENT__RACK": "from-env", "TPFLEX_ETCD__ENDPOINTS": "127.0.0.1:1,127.0.0.1:2"}
-    s = load_settings({"agent": {"rack": "from-arg"}}, env, str(cfg))
+    env = {"TPFLEX_AGENT__RACK": "from-env", "TPFLEX_ETCD__ENDPOINTS": "127.0.0.1:1,127.0.0.1:2",
+           "TPFLEX_GRPC__INSECURE": "true"}
+    plain = {"grpc": {"insecure": True}}  # plaintext gRPC is an explicit choice
+    s = load_settings({"agent": {"rack": "from-arg"}, **plain}, env, str(cfg))
     assert (s.rack, s.node, s.etcd.lease_ttl_s) == ("from-arg", "n-file", 7)
     assert s.etcd.endpoints == ["127.0.0.1:1", "127.0.0.1:2"]
     assert load_settings({}, env, str(cfg)).rack == "from-env"
-    assert load_settings({}, {}, str(cfg)).rack == "from-file"
-    assert load_settings({}, {}).rack == "rack0" and load_settings({}, {}).health.debounce_s == 1.0
-    as_json = load_settings({}, {"TPFLEX_ETCD__ENDPOINTS": '["https://10.0.0.1:2379", "10.0.0.2:2379"]'})
+    assert load_settings(plain, {}, str(cfg)).rack == "from-file"
+    assert load_settings(plain, {}).rack == "rack0" and load_settings(plain, {}).health.debounce_s == 1.0
+    as_json = load_settings(plain, {"TPFLEX_ETCD__ENDPOINTS": '["https://10.0.0.1:2379", "10.0.0.2:2379"]'})
     assert as_json.etcd.endpoints == ["10.0.0.1:2379", "10.0.0.2:2379"]
+
+
+def test_plaintext_grpc_needs_an_explicit_insecure(capsys, tmp_path):
+    with pytest.raises(ConfigError, match="needs an explicit --insecure"):
+        load_settings({}, {})
+    assert main(["--backend", "sim", "--print-config"]) == 2
+    assert "gRPC without TLS needs an explicit --insecure" in capsys.readouterr().err
+    assert main(["--backend", "sim", "--insecure", "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["grpc"]["insecure"] is True
+    cert = tmp_path / "c.pem"
+    cert.write_text("x")
+    with pytest.raises(ConfigError, match="contradicts"):
+        load_settings({"grpc": {"insecure": True, "tls_cert_file": str(cert), "tls_key_file": str(cert)}}, {})
 
 
 def test_the_deploy_example_has_only_known_keys():
@@ -57,7 +72,7 @@ def test_bad_configuration_exits_2_with_a_message(tmp_path, monkeypatch, capsys,
         cfg = tmp_path / "agent.toml"
         cfg.write_text(file_text)
         argv = [*argv, "--config", str(cfg)]
-    assert main(["--backend", "sim", *argv]) == 2
+    assert main(["--backend", "sim", "--insecure", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tpflex-agent: error: ") and words in err and "Traceback" not in err
 
@@ -72,12 +87,12 @@ def test_unknown_flag_and_bad_backend_exit_2(capsys):
 
 
 def test_missing_nvidia_driver_is_a_clear_error(capsys):
-    assert main(["--backend", "nvml", "--listen", "127.0.0.1:0", "--metrics-port", "0"]) == 2
+    assert main(["--backend", "nvml", "--insecure", "--listen", "127.0.0.1:0", "--metrics-port", "0"]) == 2
     err = capsys.readouterr().err
     assert "no NVIDIA driver found; use --backend sim" in err and "Traceback" not in err
 
 
 def test_print_config(capsys):
-    assert main(["--backend", "sim", "--rack", "r9", "--metrics-port", "0", "--print-config"]) == 0
+    assert main(["--backend", "sim", "--insecure", "--rack", "r9", "--metrics-port", "0", "--print-config"]) == 0
     cfg = json.loads(capsys.readouterr().out)
     assert cfg["agent"]["rack"] == "r9" and cfg["metrics"]["listen"] == "0.0.0.0:0"

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import threading
 
+import grpc
 import pytest
-from tpflex_agent.membership import DesiredPowerFollower, Membership
-from tpflex_proto import codec, keys, types_pb2
+from tpflex_agent.desired import PowerAuthority
+from tpflex_agent.membership import Membership
+from tpflex_proto import agent_pb2, codec, keys, types_pb2
 from tpflex_proto.etcd import Etcd
 
 from tests.agent.conftest import sim_settings, start_agent, stop_agent
@@ -94,26 +96,42 @@ def test_reregisters_with_a_new_lease_after_an_etcd_outage(agent, etcd_server):
         client.close()
 
 
-def test_desired_caps_applied_at_start_and_followed(agent, etcd):
+def test_desired_caps_applied_at_start_followed_and_authoritative(agent, etcd):
     def put_plan(gen: int, caps: dict[int, float]) -> None:
         p = types_pb2.NodePowerPlan(node="m1", generation=gen)
         for i, w in caps.items():
             p.caps.add(gpu=types_pb2.GpuRef(node="m1", index=i), cap_w=w)
         etcd.put(keys.power("m1"), codec.encode(p))
 
+    def limits() -> list[float]:
+        return [agent.backend.read(i).power_limit_w for i in range(4)]
+
     put_plan(4, {1: 850.0})
-    f = DesiredPowerFollower(etcd, agent.core).start()
+    f = PowerAuthority(etcd, agent.core, check_s=0.2).start()
+    agent.core.authority = f
     try:
         assert f.ready.wait(5)
-        assert agent.core.power.applied_generation == 4
-        assert agent.backend.read(1).power_limit_w == 850.0
+        assert agent.core.power.applied_generation == 4 and limits()[1] == 850.0
         put_plan(5, {2: 880.0})
         wait_until(lambda: agent.core.power.applied_generation == 5, 5, "generation 5 applied")
-        assert [agent.backend.read(i).power_limit_w for i in range(4)] == [700.0, 700.0, 880.0, 700.0]
-        etcd.put(keys.power("m1"), b"\xff\x00garbage")  # skipped with a log line
-        put_plan(3, {0: 300.0})  # stale: ignored
-        put_plan(6, {0: 650.0})
-        wait_until(lambda: agent.core.power.applied_generation == 6, 5, "generation 6 applied")
-        assert agent.backend.read(0).power_limit_w == 650.0
+        assert limits() == [700.0, 700.0, 880.0, 700.0]
+        etcd.put(keys.power("m1"), b"\xff\x00garbage")  # skipped with a log line: 5 stays
+        put_plan(3, {0: 300.0})  # older (etcd restored from a snapshot): etcd decides
+        wait_until(lambda: limits() == [300.0, 700.0, 700.0, 700.0], 5, "generation 3 applied")
+        assert agent.core.power.regressions >= 1
+        # a push is applied only when it is etcd's desired state
+        ok = agent_pb2.ApplyPowerPlanRequest(generation=3)
+        ok.caps.add(gpu=types_pb2.GpuRef(node="m1", index=0), cap_w=300.0)
+        assert agent.stub.ApplyPowerPlan(ok, timeout=5).outcome in (
+            agent_pb2.ApplyPowerPlanResponse.ALREADY_APPLIED, agent_pb2.ApplyPowerPlanResponse.APPLIED)
+        forged = agent_pb2.ApplyPowerPlanRequest(generation=2**64 - 1)
+        forged.caps.add(gpu=types_pb2.GpuRef(node="m1", index=1), cap_w=900.0)
+        with pytest.raises(grpc.RpcError) as err:
+            agent.stub.ApplyPowerPlan(forged, timeout=5)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert limits() == [300.0, 700.0, 700.0, 700.0] and f.refused_pushes == 1
+        etcd.delete(keys.power("m1"))  # no desired caps: every GPU at its default
+        wait_until(lambda: limits() == [700.0] * 4, 5, "defaults")
     finally:
         f.stop()
+        agent.core.authority = None

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 def agent_args(node: str, etcd_server, *extra: str) -> list[str]:
     return ["--node", node, "--rack", "r1", "--etcd", ",".join(etcd_server.endpoints),
-            "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0",
+            "--listen", "127.0.0.1:0", "--insecure", "--metrics-listen", "127.0.0.1:0",
             "--health-poll-s", "0.1", *extra]
 
 
@@ -86,12 +86,15 @@ def test_nvml_agent_process_on_the_fake_library(etcd_server, etcd, tmp_path):
         bad = agent_pb2.ApplyPowerPlanRequest(generation=1)
         bad.caps.add(gpu=types_pb2.GpuRef(index=0), cap_w=800.0)
         bad.caps.add(gpu=types_pb2.GpuRef(index=1), cap_w=950.0)
+        sets = lambda: log.read_text().count("set_power_limit") if log.exists() else 0  # noqa: E731
+        before = sets()
         with pytest.raises(grpc.RpcError) as err:
             stub.ApplyPowerPlan(bad, timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert not log.exists() or "set_power_limit" not in log.read_text()  # no device touched
+        assert sets() == before  # no device touched
 
         fake.set(1, deny_set=1)
+        put_plan(etcd, "g1", 2, {0: 800.0, 1: 820.0})  # the controller's desired caps, then its push
         req = agent_pb2.ApplyPowerPlanRequest(generation=2)
         req.caps.add(gpu=types_pb2.GpuRef(index=0), cap_w=800.0)
         req.caps.add(gpu=types_pb2.GpuRef(index=1), cap_w=820.0)

@@ -23,7 +23,7 @@ TDP, MAX = 700.0, 910.0
 def _start_agent(node: str, rack: str, port: int):
     settings = AgentSettings(
         agent=AgentSection(node=node, rack=rack, backend="sim", sim_gpus=2),
-        grpc=GrpcSection(listen=f"127.0.0.1:{port}"),
+        grpc=GrpcSection(listen=f"127.0.0.1:{port}", insecure=True),
     )
     backend = SimulatedBackend(2, spec=SimGpuSpec(tdp_w=TDP), node=node)
     server, bound = create_server(settings, backend)

@@ -172,9 +172,14 @@ def test_dry_run_policy_and_overrides(api):
     assert [r["tp_degree"] for r in pinned["replicas"]] == [5, 8]
     free = api.http.post(DRY, json={"ignore_overrides": True}).json()["plan"]
     assert [r["tp_degree"] for r in free["replicas"]] == [8, 8]
-    # the pin cannot hold if rack-a loses four GPUs: the planner's reason comes back as 422
+    # the pin cannot hold if rack-a loses four GPUs: it is suspended (with the planner's
+    # reason) and the failed GPUs leave the plan all the same
     fail4 = [{"node": "rack-a-n0", "index": i} for i in range(4)]
-    assert "usable GPUs" in _error(api.http.post(DRY, json={"fail": fail4}), 422)
+    out = api.http.post(DRY, json={"fail": fail4}).json()["plan"]
+    assert [(p["replica"], p["tp_degree"]) for p in out["suspended_pins"]] == [(0, 5)]
+    assert "usable GPUs" in out["suspended_pins"][0]["reason"]
+    used = {(g["node"], g["index"]) for r in out["replicas"] for st in r["stages"] for g in st["gpus"]}
+    assert not used & {("rack-a-n0", i) for i in range(4)} and out["replicas"][0]["tp_degree"] == 4
 
 
 def test_dry_run_bad_requests(api):

@@ -1,25 +1,45 @@
-"""Goodput accounting: achieved wall-clock throughput vs the failure-free expectation."""
+"""Goodput accounting: achieved wall-clock throughput vs the failure-free expectation
+(pure: a synthetic clock stands for the receive times)."""
 
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry
 from tpflex_controller.api import views
-from tpflex_controller.steps import StepStats
+from tpflex_controller.steps import GoodputCollector, StepStats
 from tpflex_proto import controller_pb2, types_pb2
 
 
-def report(replica: int, step: int, at: float, samples: int = 4, tp: int = 4, base: int = 4):
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def report(replica: int, step: int, samples: int = 4, tp: int = 4, base: int = 4, seconds: float = 0.05):
     return controller_pb2.StepReport(
         job="j", rank=replica * base, replica=replica, step=step, samples=samples,
-        step_seconds=0.05, at=at, tp_degree=tp, base_tp=base,
+        step_seconds=seconds, tp_degree=tp, base_tp=base,
     )
 
 
+def stats(**kw) -> tuple[StepStats, Clock]:
+    clock = Clock()
+    return StepStats(clock=clock, **kw), clock
+
+
+def feed(steps: StepStats, clock: Clock, replica: int, step: int, at: float, **kw) -> None:
+    clock.now = at
+    steps.record(report(replica, step, **kw))
+
+
 def test_healthy_job_runs_at_its_failure_free_rate():
-    steps = StepStats()
+    steps, clock = stats()
     for i in range(11):
         for r in (0, 1):
-            steps.record(report(r, i, at=i * 0.1))
+            feed(steps, clock, r, i, at=i * 0.1)
     g = steps.goodput("j")
     assert g.achieved_samples_per_s == pytest.approx(2 * 40 / 1.0)
     assert g.failure_free_samples_per_s == pytest.approx(80.0)
@@ -28,44 +48,70 @@ def test_healthy_job_runs_at_its_failure_free_rate():
 
 
 def test_degraded_replica_with_smaller_batch_lowers_the_ratio():
-    steps = StepStats(window=8)
+    steps, clock = stats(window=8)
     for i in range(11):  # healthy phase: both replicas 4 samples / 0.1 s
         for r in (0, 1):
-            steps.record(report(r, i, at=i * 0.1))
+            feed(steps, clock, r, i, at=i * 0.1)
     for i in range(11, 30):  # replica 1 at TP 3 with 3 samples per step
-        steps.record(report(0, i, at=i * 0.1))
-        steps.record(report(1, i, at=i * 0.1, samples=3, tp=3))
+        feed(steps, clock, 0, i, at=i * 0.1)
+        feed(steps, clock, 1, i, at=i * 0.1, samples=3, tp=3)
     g = steps.goodput("j")
     assert g.failure_free_samples_per_s == pytest.approx(80.0)  # only TP-4 steps count
     assert g.achieved_samples_per_s == pytest.approx(40.0 + 30.0)
     assert g.ratio == pytest.approx(70 / 80)
 
 
-def test_a_replica_that_stopped_reporting_counts_zero():
-    steps = StepStats()
+def test_a_replica_that_stopped_reporting_counts_zero_and_a_silent_job_zero():
+    steps, clock = stats(stale_after_s=10.0)
     for i in range(11):
-        steps.record(report(0, i, at=i * 0.1))
-        steps.record(report(1, i, at=i * 0.1))
+        feed(steps, clock, 0, i, at=i * 0.1)
+        feed(steps, clock, 1, i, at=i * 0.1)
     for i in range(11, 300):  # replica 1 dropped: no more reports
-        steps.record(report(0, i, at=i * 0.1))
-    g = steps.goodput("j", stale_after_s=10.0)
+        feed(steps, clock, 0, i, at=i * 0.1)
+    g = steps.goodput("j")
     assert g.replicas_reporting == 1 and g.replicas_seen == 2
     assert g.ratio == pytest.approx(0.5)
+    clock.now += 10.5  # every report stopped: the throughput expires
+    g = steps.goodput("j")
+    assert g.achieved_samples_per_s == 0.0 and g.replicas_reporting == 0 and g.ratio == 0.0
 
 
 def test_no_reports_no_goodput_and_no_healthy_steps_no_ratio():
-    steps = StepStats()
+    steps, clock = stats()
     assert steps.goodput("j") is None
     for i in range(5):
-        steps.record(report(0, i, at=i * 0.1, tp=3))
+        feed(steps, clock, 0, i, at=i * 0.1, tp=3)
     g = steps.goodput("j")
     assert g.achieved_samples_per_s > 0 and g.failure_free_samples_per_s is None and g.ratio is None
 
 
+def test_a_replica_cannot_run_faster_than_its_steps_and_the_ratio_stays_within_1():
+    steps, clock = stats()
+    for i in range(11):  # failure-free: 4 samples every 0.1 s
+        feed(steps, clock, 0, i, at=i * 0.1)
+    for i in range(11, 75):  # a burst of reports 1 ms apart, each claiming a 50 ms step
+        feed(steps, clock, 0, i, at=1.0 + (i - 10) * 0.001)
+    g = steps.goodput("j")
+    assert g.achieved_samples_per_s <= 4 / 0.05 + 1e-9  # the compute bound of its steps
+    assert 0.0 <= g.ratio <= 1.0
+
+
+def test_rest_and_the_metric_give_the_same_achieved_rate():
+    steps, clock = stats()
+    for i in range(20):
+        feed(steps, clock, 0, i, at=i * 0.3, seconds=0.1)  # wall 0.3 s, compute 0.1 s per step
+    registry = CollectorRegistry()
+    registry.register(GoodputCollector(steps))
+    metric = registry.get_sample_value("tpflex_job_achieved_samples_per_second", {"job": "j"})
+    rest = views.job_view(types_pb2.JobSpec(name="j", base_tp=4), None, None, {}, steps.goodput("j"))
+    assert metric == pytest.approx(rest.goodput.achieved_samples_per_s) == pytest.approx(4 / 0.3)
+    assert registry.get_sample_value("tpflex_job_goodput_ratio", {"job": "j"}) == pytest.approx(1.0)
+
+
 def test_job_view_carries_goodput():
-    steps = StepStats()
+    steps, clock = stats()
     for i in range(3):
-        steps.record(report(0, i, at=i * 0.5))
+        feed(steps, clock, 0, i, at=i * 0.5)
     spec = types_pb2.JobSpec(name="j", base_tp=4)
     view = views.job_view(spec, None, None, {}, steps.goodput("j"))
     assert view.goodput.achieved_samples_per_s == pytest.approx(8.0)

@@ -188,21 +188,53 @@ def test_tp_pin_caps_every_stage_and_is_boosted():
 
 @pytest.mark.parametrize(
     ("pin", "words"),
-    [(0, ">= 1"), (5, "above the base TP"), (1, "below min_tp"), (3, "only 2 usable"), (4, "no units")],
+    [(0, ">= 1"), (5, "above the base TP"), (1, "below min_tp"), (3, "rack r0 has 2"), (4, "no units")],
 )
-def test_impossible_pins_raise_with_a_message(pin, words):
+def test_pins_that_cannot_hold_are_suspended_with_a_reason(pin, words):
+    """A pin never makes the job unplannable: the replica is planned as if unpinned."""
     racks = make_racks(2)
     job = make_job(racks, 4, min_tp=2, units={"heads": 64} if pin != 4 else {"heads": 3})
     lost = failed(*racks["r0"].gpus[:2]) if pin == 3 else {}
-    with pytest.raises(PlanningError, match=words):
-        plan(state(racks, gpu_status=lost), job, overrides=JobOverrides(pins={0: pin}))
+    cluster = state(racks, gpu_status=lost)
+    result = plan(cluster, job, overrides=JobOverrides(pins={0: pin}))
+    assert [(p.replica, p.tp_degree) for p in result.suspended_pins] == [(0, pin)]
+    assert words in result.suspended_pins[0].reason
+    assert any("pin suspended" in r and words in r for r in result.reasons)
+    unpinned = plan(cluster, job)
+    assert result.replicas == unpinned.replicas and result.power_caps == unpinned.power_caps
+    assert not any(g in lost for rep in result.replicas for st in rep.stages for g in st.gpus)
 
 
-def test_pin_of_unknown_replica_and_bad_spec_raise():
+def test_a_pin_that_holds_is_not_suspended_and_a_failure_suspends_it():
     racks = make_racks(2)
     job = make_job(racks, 4)
-    with pytest.raises(PlanningError, match="no such replica"):
-        plan(state(racks), job, overrides=JobOverrides(pins={7: 2}))
+    pinned = plan(state(racks), job, overrides=JobOverrides(pins={1: 4}))
+    assert pinned.suspended_pins == () and pinned.replicas[1].tp_degree == 4
+    gone = racks["r1"].gpus[2]
+    for status in (GpuStatus.FAILED, GpuStatus.DRAINED):
+        result = plan(state(racks, gpu_status=failed(gone, status=status)), job,
+                      overrides=JobOverrides(pins={1: 4}))
+        assert [p.tp_degree for p in result.suspended_pins] == [4]
+        assert result.replicas[1].tp_degree == 3 and gone not in result.replicas[1].stages[0].gpus
+        assert not result.same_decision(pinned)
+
+
+def test_a_suspended_pin_releases_every_stage_not_only_the_short_one():
+    """ntp-pw: stage 0 lost 3 GPUs (pin 6 cannot hold), stage 1 is whole; unpinned, stage 1
+    runs at 8, not at the pin."""
+    racks = make_racks(2, size=8)
+    job = make_job(racks, 8, stages=2)
+    cluster = state(racks, gpu_status=failed(*racks["r0"].gpus[:3]))
+    result = plan(cluster, job, overrides=JobOverrides(pins={0: 6}))
+    assert [s.tp_degree for s in result.replicas[0].stages] == [5, 8]
+    assert result.replicas == plan(cluster, job).replicas
+
+
+def test_unknown_rack_in_the_spec_raises():
+    racks = make_racks(2)
+    job = make_job(racks, 4)
+    suspended = plan(state(racks), job, overrides=JobOverrides(pins={7: 2})).suspended_pins
+    assert suspended[0].replica == 7 and "no such replica" in suspended[0].reason
     with pytest.raises(PlanningError, match="unknown rack"):
         plan(state({"r0": racks["r0"]}), job)
 

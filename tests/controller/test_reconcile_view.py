@@ -72,3 +72,31 @@ def test_plan_encoder_is_byte_identical_to_the_reference_encoding():
         for gen in (1, 7):
             want = codec.encode(convert.plan_to_proto(result, gen, cause="gpu_failed", now=12.5))
             assert enc.encode(result, gen, cause="gpu_failed", now=12.5) == want
+
+
+def test_operator_bursts_are_coalesced_and_failures_are_not():
+    from tpflex_controller.dirty import DirtyJob, coalesce_until
+
+    d = DirtyJob("drain", 0.0, first_seen=100.0, urgent=False)
+    assert coalesce_until(d, 100.0, 0.25) == 100.25  # quiet period after the latest
+    d.not_before = 100.25
+    assert coalesce_until(d, 100.5, 0.25) == 100.75  # extended by the next one
+    assert coalesce_until(d, 101.9, 0.25) == 102.0  # but at most 8 x quiet after the first
+    assert coalesce_until(d, 100.5, 0.0) == 100.25  # coalescing off: as it was
+    d.urgent, d.not_before = True, 0.0
+    assert coalesce_until(d, 100.5, 0.25) == 0.0  # a failure is planned at once
+
+
+def test_own_commit_marks_its_keys_so_a_late_watch_event_cannot_move_the_view_back():
+    from types import SimpleNamespace
+
+    from tpflex_controller.cache import ClusterView
+    from tpflex_proto import codec, keys, types_pb2
+
+    view = ClusterView()
+    older = types_pb2.Plan(job="j", generation=5)
+    newer = types_pb2.Plan(job="j", generation=6)
+    commit = SimpleNamespace(generation=6, plan_bytes=codec.encode(newer), trim_event_seq=0, event_seq=0)
+    view.record_commit(SimpleNamespace(job="j", result=None), commit, {}, rev=102)
+    view.fold("put", keys.job_plan("j"), codec.encode(older), 100)  # the watch, late
+    assert view.plans["j"].generation == 6 and view.plans["j"].mod_revision == 102

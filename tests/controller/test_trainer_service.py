@@ -127,14 +127,16 @@ def test_report_step_feeds_the_goodput_window(etcd, trainer):
     stub, steps = trainer
     racks = small_cluster(etcd)
     stub.RegisterJob(controller_pb2.RegisterJobRequest(spec=synthetic.job("j", [r.name for r in racks], 4)), timeout=5)
+    _plan(etcd, "j", 1)
     for step in range(4):
         for replica in (0, 1):
             for rank in range(2):  # two ranks of a replica report the same step: counted once
                 stub.ReportStep(
-                    controller_pb2.StepReport(job="j", rank=rank, replica=replica, step=step,
+                    controller_pb2.StepReport(job="j", rank=rank, replica=replica, step=step, generation=1,
                                               step_seconds=0.5 if replica == 0 else 1.0, samples=8),
                     timeout=5,
                 )
+    # received within milliseconds: each replica's rate is bounded by its reported step time
     assert steps.achieved_samples_per_second("j") == pytest.approx(8 / 0.5 + 8 / 1.0)
     registry = CollectorRegistry()
     registry.register(GoodputCollector(steps))

@@ -30,6 +30,8 @@ from tests.controller.controller_harness import ControllerProc
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES_DIR = ROOT / "build" / "reliability"
 SIM_TDP_W = 700.0
+ADMIN_TOKEN = "fleet-admin-token"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 def record(scenario: str, injected: str, checked: str, figures: dict) -> None:
@@ -89,7 +91,8 @@ class Fleet:
         return AgentProcess([
             "--node", node, "--rack", rack, "--backend", "sim", "--sim-gpus", str(self.gpus),
             "--etcd", ",".join(self.endpoints), "--lease-ttl-s", str(self.agent_ttl),
-            "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", "--health-poll-s", "0.1",
+            "--listen", "127.0.0.1:0", "--insecure", "--metrics-listen", "127.0.0.1:0",
+            "--health-poll-s", "0.1", "--power-check-s", "0.5",
         ])
 
     def put_job(self) -> types_pb2.JobSpec:
@@ -97,13 +100,18 @@ class Fleet:
         self.etcd.put(keys.job_spec(self.job), codec.encode(spec))
         return spec
 
-    def start_controller(self, name: str, ttl: int = 2, ports: tuple[int, int] | None = None) -> ControllerProc:
-        env = {"TPFLEX_CONTROLLER__FLAP_HOLD_DOWN_S": str(self.hold_down_s)}
+    def start_controller(self, name: str, ttl: int = 2, ports: tuple[int, int] | None = None,
+                         env: dict[str, str] | None = None) -> ControllerProc:
+        """A controller process; it takes ``ADMIN_TOKEN`` as its admin REST token."""
+        env = {"TPFLEX_CONTROLLER__FLAP_HOLD_DOWN_S": str(self.hold_down_s), **(env or {})}
+        tokens = self.tmp / "admin.tokens"
+        tokens.write_text(ADMIN_TOKEN + "\n")
         saved = harness.free_ports
         if ports is not None:  # a restart on the same REST and trainer ports
             harness.free_ports = lambda n: list(ports)
         try:
-            proc = ControllerProc(self.endpoints, name, self.tmp, ttl=ttl, env=env)
+            proc = ControllerProc(self.endpoints, name, self.tmp, ttl=ttl, env=env,
+                                  extra=["--admin-tokens-file", str(tokens)])
         finally:
             harness.free_ports = saved
         self.controllers[name] = proc
@@ -124,6 +132,17 @@ class Fleet:
         with grpc.insecure_channel(self.agents[node].grpc_address) as ch:
             agent_pb2_grpc.AgentStub(ch).InjectFault(
                 agent_pb2.InjectFaultRequest(index=index, kind=kind), timeout=5)
+
+    def push(self, node: str, generation: int, caps: dict[int, float]) -> None:
+        """An ApplyPowerPlan straight to a node's agent (what anyone reaching its port can do)."""
+        req = agent_pb2.ApplyPowerPlanRequest(generation=generation)
+        for i, w in caps.items():
+            req.caps.add(gpu=types_pb2.GpuRef(node=node, index=i), cap_w=w)
+        with grpc.insecure_channel(self.agents[node].grpc_address) as ch:
+            agent_pb2_grpc.AgentStub(ch).ApplyPowerPlan(req, timeout=5)
+
+    def agent_metric(self, node: str, name: str) -> float | None:
+        return agent_metric(self.agents[node], name)
 
     def pause(self, node: str) -> None:
         os.kill(self.agents[node].proc.pid, signal.SIGSTOP)
@@ -202,6 +221,17 @@ class Fleet:
         for c in self.controllers.values():
             c.kill()
         self.etcd.close()
+
+
+def agent_metric(agent: AgentProcess, name: str) -> float | None:
+    """One sample of an agent's /metrics (``name`` with its labels, as exposed)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+    return None
 
 
 def contiguous(generations: list[int]) -> bool:

@@ -4,6 +4,7 @@ scenario table of docs/reliability.md, between its BEGIN/END markers.
 
     .venv/bin/pytest -c tests/pytest.ini tests/reliability -q
     PYTHONPATH=. .venv/bin/python bench/load.py > build/reliability/load.jsonl
+    PYTHONPATH=. .venv/bin/python bench/abuse.py > build/reliability/abuse.jsonl
     PYTHONPATH=. .venv/bin/python tests/reliability/render.py [--write docs/reliability.md]
 """
 
@@ -20,7 +21,9 @@ BEGIN, END = "<!-- BEGIN measured table -->", "<!-- END measured table -->"
 ORDER = [
     "etcd_member_loss", "leader_killed_before_push", "etcd_down_10s", "agent_frozen",
     "controller_restart", "gpu_flapping", "gpu_flapping_no_hold_down", "etcd_compaction_resync", "etcd_malformed_values",
-    "rest_schemathesis", "rest_auth", "grpc_agent_fuzz", "grpc_trainer_fuzz", "load",
+    "rest_schemathesis", "rest_auth", "grpc_agent_fuzz", "grpc_trainer_fuzz",
+    "pin_suspended", "agent_power_authority", "rest_bodies", "trainer_specs", "trainer_reports",
+    "override_storm", "grpc_fuzz_invariants", "load", "abuse",
 ]
 
 
@@ -49,11 +52,28 @@ def _load_row(path: Path) -> dict | None:
     }
 
 
+def _abuse_row(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    figs = json.loads(path.read_text().strip().splitlines()[-1])
+    return {
+        "scenario": "abuse", "measured_at": "",
+        "injected": f"{figs['requests']} hostile requests (REST, Trainer gRPC, agent gRPC; 8 clients) "
+                    "while a synthetic 8-rank job runs and a GPU is failed and repaired over and over",
+        "checked": "no 5xx / INTERNAL / UNKNOWN, no dead process; the invariant oracle every 2 s "
+                   "and at the end (bench/abuse.py)",
+        "figures": figs,
+    }
+
+
 def table() -> str:
     rows = {p.stem: json.loads(p.read_text()) for p in sorted(FIGURES.glob("*.json"))}
     load = _load_row(FIGURES / "load.jsonl")
     if load is not None:
         rows["load"] = load
+    abuse = _abuse_row(FIGURES / "abuse.jsonl")
+    if abuse is not None:
+        rows["abuse"] = abuse
     out = ["| scenario | injected | checked | measured |", "|---|---|---|---|"]
     for name in ORDER + sorted(set(rows) - set(ORDER)):
         row = rows.get(name)

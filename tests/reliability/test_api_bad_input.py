@@ -81,15 +81,26 @@ def test_schemathesis_every_operation_no_5xx_and_4xx_with_a_message(served, sche
 
 
 def test_every_mutating_operation_refuses_missing_wrong_and_read_only_tokens(served, schema):
-    ops = _mutating(schema)
+    ops = sorted(_mutating(schema), key=lambda op: op.method.upper() == "DELETE")  # deletion last
     labels = sorted(op.label for op in ops)
-    assert len(ops) >= 3, labels  # drain, undrain, reconfigure
+    assert len(ops) >= 5, labels  # drain, undrain, reconfigure, spec change, job deletion
     params = {"node": h.node_name(h.RACKS[0], 0), "index": 0, "job": h.JOB}
-    bodies = {"reconfigure": {"pins": [{"replica": 1, "tp_degree": 4}]}}
+    spec = h.job_spec()
+    bodies = {
+        "reconfigure": {"pins": [{"replica": 1, "tp_degree": 4}]},
+        "spec": {"base_tp": spec.base_tp, "min_tp": spec.min_tp, "policy": spec.policy,
+                 "global_batch": spec.global_batch, "local_batch": spec.local_batch,
+                 "replicas": [{"stages": [{"rack": r}]} for r in h.RACKS],
+                 "units": [{"name": u.name, "count": u.count, "bytes_per_unit": u.bytes_per_unit}
+                           for u in spec.units]},
+        h.JOB: None,  # DELETE /v1/jobs/{job}: no body
+    }
     results = {}
     for op in ops:
         url = op.path.format(**params)
         body = next((b for k, b in bodies.items() if url.endswith(k)), {"reason": "auth test"})
+        if op.method.upper() == "DELETE":
+            body = None
         before = served.etcd.get_prefix("/tpflex/v1/")[1]
         got = []
         for headers in ({}, {"Authorization": "Bearer wrong-token"}, h.reader(),

@@ -55,7 +55,7 @@ def agent(tmp_path_factory):
 
     cluster = EtcdCluster(1, tmp_path_factory.mktemp("rel-grpc") / "etcd").start()
     proc = AgentProcess(["--node", NODE, "--rack", "r1", "--backend", "sim", "--sim-gpus", "4",
-                         "--etcd", ",".join(cluster.endpoints), "--listen", "127.0.0.1:0",
+                         "--etcd", ",".join(cluster.endpoints), "--listen", "127.0.0.1:0", "--insecure",
                          "--metrics-listen", "127.0.0.1:0", "--health-poll-s", "0.1"])
     channel = grpc.insecure_channel(proc.grpc_address)
     try:

@@ -94,7 +94,7 @@ readonly_tokens_file = "{s['reader']}"
     for secret in ("admin-token-AAAA", "reader-token-BBBB", "etcd-password-CCCC", private_key):
         assert secret not in result.stdout
     agent = tmp_path / "agent.toml"
-    agent.write_text(f'[etcd]\nusername = "a"\npassword_file = "{s["password"]}"\n')
+    agent.write_text(f'[etcd]\nusername = "a"\npassword_file = "{s["password"]}"\n[grpc]\ninsecure = true\n')
     result = _run("agent", "--config", str(agent), "--print-config")
     assert result.returncode == 0, result.stderr
     assert "etcd-password-CCCC" not in result.stdout and str(s["password"]) in result.stdout

@@ -8,13 +8,14 @@ from tpflex_controller import __version__
 from tpflex_controller.api import schemas as s
 from tpflex_controller.api.deps import ApiDeps, require_reader
 from tpflex_controller.api.errors import install_error_handlers
-from tpflex_controller.api.limits import InFlightLimit
+from tpflex_controller.api.limits import BodyGuard, InFlightLimit
 from tpflex_controller.api.routes import events, jobs, nodes, racks, system
 
 _ERRORS = {
     401: {"model": s.ErrorBody, "description": "no or unknown bearer token"},
     403: {"model": s.ErrorBody, "description": "read-only token on a mutating call"},
     404: {"model": s.ErrorBody, "description": "unknown rack, node, GPU or job"},
+    413: {"model": s.ErrorBody, "description": "request body above rest.max_body_bytes"},
     422: {"model": s.ErrorBody, "description": "impossible or malformed request"},
     503: {"model": s.ErrorBody, "description": "etcd unreachable, state not loaded, or busy"},
 }
@@ -25,7 +26,9 @@ drain/undrain GPUs, force a job's reconfiguration, dry-run a plan. Mutating call
 
 
 def create_app(deps: ApiDeps) -> FastAPI:
-    app = FastAPI(title="tpflex controller", version=__version__, description=DESCRIPTION)
+    # no redirects: /v1/nodes/%2f is a 404 with a typed error, not a 307 to another path
+    app = FastAPI(title="tpflex controller", version=__version__, description=DESCRIPTION,
+                  redirect_slashes=False)
     app.state.deps = deps
     install_error_handlers(app)
     app.include_router(system.probes)
@@ -35,4 +38,8 @@ def create_app(deps: ApiDeps) -> FastAPI:
     app.include_router(v1)
     if deps.max_in_flight > 0:
         app.add_middleware(InFlightLimit, limit=deps.max_in_flight, wait_s=deps.busy_wait_s)
+    # outermost: a body is read only after its token was checked, and within the bounds
+    app.add_middleware(BodyGuard, tokens=deps.tokens, max_bytes=deps.max_body_bytes,
+                       max_bodies=deps.max_bodies, wait_s=deps.busy_wait_s,
+                       body_timeout_s=deps.body_timeout_s)
     return app

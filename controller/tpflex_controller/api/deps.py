@@ -100,6 +100,9 @@ class ApiDeps:
     state: ApiState | None = None  # reads; None = etcd on every request (EtcdState)
     max_in_flight: int = 0  # requests served at once (0 = unbounded); others wait
     busy_wait_s: float = 10.0  # longest wait for a slot before 503 "busy, retry"
+    max_body_bytes: int = 1 << 20  # a longer request body is refused (413) unread
+    max_bodies: int = 8  # request bodies read at once (memory bound: max_bodies x max_body_bytes)
+    body_timeout_s: float = 10.0  # a body must arrive within this (408 otherwise)
     memo: RenderMemo = field(default_factory=RenderMemo)  # rendered plans, per job
 
     @property

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tpflex_proto.etcd import EtcdError, EtcdUnavailable
 
 from tpflex_controller.planner.model import PlanningError
+from tpflex_controller.store import UpdateConflict
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,9 @@ class ErrorCode(enum.StrEnum):
     FORBIDDEN = "forbidden"
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
+    REQUEST_TIMEOUT = "request_timeout"
+    CONFLICT = "conflict"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
     INVALID_REQUEST = "invalid_request"
     ETCD_UNAVAILABLE = "etcd_unavailable"
     NOT_READY = "not_ready"
@@ -38,6 +42,9 @@ HTTP_STATUS: dict[ErrorCode, int] = {
     ErrorCode.FORBIDDEN: 403,
     ErrorCode.NOT_FOUND: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
+    ErrorCode.REQUEST_TIMEOUT: 408,
+    ErrorCode.CONFLICT: 409,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.INVALID_REQUEST: 422,
     ErrorCode.BUSY: 503,  # before the others: a bare 503 maps to the last one listed
     ErrorCode.ETCD_UNAVAILABLE: 503,
@@ -91,6 +98,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(ErrorCode.INVALID_REQUEST, _format_validation(exc))
 
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400:  # a body FastAPI could not parse (too deeply nested, ...)
+            return error_response(ErrorCode.INVALID_REQUEST, f"invalid request: {exc.detail}")
         code = _BY_STATUS.get(exc.status_code)
         if code is None:
             code = ErrorCode.INVALID_REQUEST if exc.status_code < 500 else ErrorCode.INTERNAL
@@ -103,6 +112,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     async def on_planning(_: Request, exc: PlanningError) -> JSONResponse:
         return error_response(ErrorCode.INVALID_REQUEST, str(exc))
+
+    async def on_conflict(_: Request, exc: UpdateConflict) -> JSONResponse:
+        return error_response(ErrorCode.CONFLICT, str(exc))
 
     async def on_etcd(request: Request, exc: EtcdError) -> JSONResponse:
         log.warning("etcd request failed path=%s error=%s", request.url.path, exc)
@@ -117,5 +129,6 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(PlanningError, on_planning)
+    app.add_exception_handler(UpdateConflict, on_conflict)
     app.add_exception_handler(EtcdError, on_etcd)
     app.add_exception_handler(Exception, on_unexpected)

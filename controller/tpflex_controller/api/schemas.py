@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
+from tpflex_controller.api.params import NAME_PATTERN, TEXT_PATTERN
 from tpflex_controller.planner.model import Policy
 
 # ---- errors ----
@@ -26,7 +29,8 @@ class _Request(BaseModel):
 
 
 class DrainRequest(_Request):
-    reason: str = Field(min_length=1, max_length=500, examples=["flaky NVLink, RMA ticket 123"])
+    reason: str = Field(min_length=1, max_length=500, pattern=TEXT_PATTERN,
+                        examples=["flaky NVLink, RMA ticket 123"])
 
 
 class ReplicaPinRequest(_Request):
@@ -37,13 +41,42 @@ class ReplicaPinRequest(_Request):
 class ReconfigureRequest(_Request):
     pins: list[ReplicaPinRequest] = Field(default_factory=list, max_length=4096)
     policy: Policy | None = Field(default=None, description="switch the job's policy")
-    reason: str = Field(default="", max_length=500)
+    reason: str = Field(default="", max_length=500, pattern=TEXT_PATTERN)
     clear: StrictBool = Field(default=False, description="drop existing pins and policy override first")
 
 
 class GpuRefModel(_Request):
-    node: str = Field(min_length=1, max_length=253)
+    node: str = Field(pattern=NAME_PATTERN)
     index: StrictInt = Field(ge=0, le=1_000_000)
+
+
+class StageSpecRequest(_Request):
+    rack: str = Field(pattern=NAME_PATTERN)
+    ranks: list[GpuRefModel] = Field(default_factory=list, max_length=4096,
+                                     description="TP ranks in order; empty = the rack's first base_tp GPUs")
+
+
+class ReplicaSpecRequest(_Request):
+    stages: list[StageSpecRequest] = Field(min_length=1, max_length=256)
+
+
+class UnitFamilyRequest(_Request):
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", examples=["heads"])
+    count: StrictInt = Field(ge=1, le=1 << 24)
+    bytes_per_unit: StrictInt = Field(default=0, ge=0, le=1 << 50)
+
+
+class JobSpecRequest(_Request):
+    """A job's spec as the Trainer service's RegisterJob takes it (the name is the path's)."""
+
+    base_tp: StrictInt = Field(ge=1, le=4096)
+    replicas: list[ReplicaSpecRequest] = Field(min_length=1, max_length=65536)
+    units: list[UnitFamilyRequest] = Field(min_length=1, max_length=64)
+    min_tp: StrictInt = Field(default=1, ge=1, le=4096)
+    policy: Policy | None = None
+    spare_racks: list[Annotated[str, Field(pattern=NAME_PATTERN)]] = Field(default_factory=list, max_length=4096)
+    global_batch: StrictInt = Field(ge=1, le=1 << 40, description="local_batch x replicas")
+    local_batch: StrictInt = Field(ge=1, le=1 << 20)
 
 
 class DryRunRequest(_Request):
@@ -137,6 +170,12 @@ class ReplicaPlanView(BaseModel):
     stages: list[StagePlanView]
 
 
+class SuspendedPinView(BaseModel):
+    replica: int
+    tp_degree: int
+    reason: str = Field(description="why the pin cannot hold now; the plan ignores it until it can")
+
+
 class PowerCapView(BaseModel):
     node: str
     index: int
@@ -149,6 +188,8 @@ class PlanDecision(BaseModel):
     reasons: list[str]
     replicas: list[ReplicaPlanView]
     power_caps: list[PowerCapView]
+    suspended_pins: list[SuspendedPinView] = Field(
+        default_factory=list, description="operator TP pins this plan could not honour")
 
 
 class PlanView(PlanDecision):
@@ -167,6 +208,7 @@ class PlanSummary(BaseModel):
     replica_tp_degrees: list[int]
     degraded_replicas: int
     dropped_replicas: int
+    suspended_pins: list[SuspendedPinView] = Field(default_factory=list)
 
 
 class AckView(BaseModel):
@@ -247,6 +289,18 @@ class DrainResult(BaseModel):
     reason: str = ""
 
 
+class SpecChangeResult(BaseModel):
+    job: str
+    changed: bool = Field(description="false when the stored spec was already this one")
+    note: str = "the controller leader re-plans the job asynchronously"
+
+
+class JobDeleted(BaseModel):
+    job: str
+    deleted: bool = True
+    note: str = "the controller leader removes the plan and restores the caps it set"
+
+
 class ReconfigureResult(BaseModel):
     override: JobOverrideView | None
     note: str = "the controller leader re-plans the job asynchronously"
@@ -287,6 +341,7 @@ class JobStatus(BaseModel):
     policy: str
     expected_throughput_ratio: float | None
     replica_tp_degrees: list[int]
+    suspended_pins: int = Field(0, description="operator TP pins the current plan ignores")
 
 
 class StatusView(BaseModel):

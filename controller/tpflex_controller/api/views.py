@@ -149,7 +149,13 @@ def _decision_fields(plan: types_pb2.Plan) -> dict:
     return dict(
         policy=plan.policy, expected_throughput_ratio=plan.expected_throughput_ratio,
         reasons=list(plan.reasons), replicas=replicas, power_caps=caps,
+        suspended_pins=suspended_pins(plan),
     )
+
+
+def suspended_pins(plan: types_pb2.Plan) -> list[s.SuspendedPinView]:
+    return [s.SuspendedPinView(replica=p.replica, tp_degree=p.tp_degree, reason=p.reason)
+            for p in plan.suspended_pins]
 
 
 def plan_summary(plan: types_pb2.Plan) -> s.PlanSummary:
@@ -159,6 +165,7 @@ def plan_summary(plan: types_pb2.Plan) -> s.PlanSummary:
         cause=plan.cause, replica_tp_degrees=[r.tp_degree for r in plan.replicas],
         degraded_replicas=sum(r.state == types_pb2.REPLICA_DEGRADED for r in plan.replicas),
         dropped_replicas=sum(r.state == types_pb2.REPLICA_DROPPED for r in plan.replicas),
+        suspended_pins=suspended_pins(plan),
     )
 
 

@@ -127,6 +127,16 @@ class ReplicaAssignment:
     reason: str
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class SuspendedPin:
+    """An operator's TP pin the planner could not honour now (the replica is planned as if
+    unpinned); it applies again as soon as it can hold."""
+
+    replica: int
+    tp_degree: int
+    reason: str
+
+
 @dataclass(frozen=True)
 class PlanResult:
     job: str
@@ -138,6 +148,8 @@ class PlanResult:
     expected_throughput_ratio: float
     # human-readable reasons, one per change from the failure-free identity plan
     reasons: tuple[str, ...]
+    # operator pins that cannot hold now (a failed or drained GPU, a changed spec)
+    suspended_pins: tuple[SuspendedPin, ...] = ()
 
     def same_decision(self, other: PlanResult | None) -> bool:
         """Whether two results decide the same thing (reasons and wording aside)."""
@@ -146,7 +158,12 @@ class PlanResult:
             and self.policy == other.policy
             and self.replicas == other.replicas
             and dict(self.power_caps) == dict(other.power_caps)
+            and _pin_keys(self.suspended_pins) == _pin_keys(other.suspended_pins)
         )
+
+
+def _pin_keys(pins: tuple[SuspendedPin, ...]) -> tuple[tuple[int, int], ...]:
+    return tuple(sorted((p.replica, p.tp_degree) for p in pins))
 
 
 class PlanningError(ValueError):

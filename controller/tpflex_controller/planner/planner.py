@@ -30,6 +30,7 @@ Semantics (DESIGN.md "NTP math"):
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from tpflex_proto.powermodel import DEFAULT_POWER_MODEL, PowerModel
 
@@ -47,6 +48,7 @@ from tpflex_controller.planner.model import (
     ReplicaSpec,
     ReplicaState,
     StageAssignment,
+    SuspendedPin,
 )
 from tpflex_controller.planner.reasons import replica_reasons
 from tpflex_controller.planner.stages import (
@@ -77,15 +79,24 @@ def plan(
 ) -> PlanResult:
     """Plan ``job`` on ``cluster``. The effective policy is ``policy``, else the
     overrides' policy, else the job's. ``now`` is accepted for a uniform signature; the
-    decision does not depend on time. Raises ``PlanningError`` for a bad spec or pin."""
+    decision does not depend on time. Raises ``PlanningError`` for a bad spec. An operator
+    pin that cannot hold (invalid for the spec, or above the usable GPUs of a stage of its
+    replica) never blocks the plan: it is suspended (``PlanResult.suspended_pins``, with a
+    reason) and its replica planned as if unpinned, so a failed or drained GPU always
+    leaves the plan."""
     overrides = overrides or _NO_OVERRIDES
     eff = Policy(policy or overrides.policy or job.policy)
     model = power_model or DEFAULT_POWER_MODEL
-    full_degree = validate(cluster, job, overrides)
-    drafts = _drafts(cluster, job, overrides, full_degree)
+    full_degree = validate(cluster, job)
+    pins, suspended = _valid_pins(job, overrides.pins, full_degree)
+    drafts = _decided_drafts(eff, cluster, job, pins, full_degree)
+    unheld = _unheld_pins(drafts, pins)
+    if unheld:  # plan those replicas again as if unpinned (pins never change spare moves)
+        gone = {p.replica for p in unheld}
+        pins = {r: t for r, t in pins.items() if r not in gone}
+        drafts = _decided_drafts(eff, cluster, job, pins, full_degree)
+        suspended += unheld
     changed = [d for d in drafts if d is not None]
-    _decide(eff, changed, cluster, job)
-    _check_pins(drafts, overrides)
     if eff is Policy.NTP_PW:
         power.plan_boosts(
             (s for d in changed if d.state is not ReplicaState.DROPPED for s in d.stages),
@@ -95,24 +106,32 @@ def plan(
         )
     replicas, caps, reasons = _assemble(drafts, cluster, job, eff, model)
     ratio = sum(r.relative_throughput for r in replicas) / len(replicas)
-    return PlanResult(job.name, eff, replicas, caps, ratio, reasons)
+    reasons += tuple(f"replica {p.replica}: operator pin suspended: {p.reason}" for p in suspended)
+    return PlanResult(job.name, eff, replicas, caps, ratio, reasons, tuple(sorted(suspended)))
 
 
 def _drafts(
-    cluster: ClusterState, job: JobSpec, overrides: JobOverrides, full_degree: int
+    cluster: ClusterState, job: JobSpec, pins: Mapping[int, int], full_degree: int
 ) -> list[ReplicaDraft | None]:
     """A draft per replica that may differ from the identity plan; None for the others."""
     touched = touched_gpus(cluster)
     unusable = unusable_gpus(cluster)
     live = cluster.live_nodes
     can_be_identity = full_degree == job.base_tp
-    pins = overrides.pins
     return [
         None
         if can_be_identity and i not in pins and replica_clean(rep, touched, live)
         else replica_draft(cluster, job, i, rep, touched, unusable, pins.get(i), full_degree)
         for i, rep in enumerate(job.replicas)
     ]
+
+
+def _decided_drafts(
+    eff: Policy, cluster: ClusterState, job: JobSpec, pins: Mapping[int, int], full: int
+) -> list[ReplicaDraft | None]:
+    drafts = _drafts(cluster, job, pins, full)
+    _decide(eff, [d for d in drafts if d is not None], cluster, job)
+    return drafts
 
 
 def _decide(eff: Policy, drafts: list[ReplicaDraft], cluster: ClusterState, job: JobSpec) -> None:
@@ -126,9 +145,10 @@ def _decide(eff: Policy, drafts: list[ReplicaDraft], cluster: ClusterState, job:
         decide(d, job)
 
 
-def validate(cluster: ClusterState, job: JobSpec, overrides: JobOverrides) -> int:
-    """Check the spec and pins that do not depend on health; returns the full degree
-    (base TP capped by the smallest unit count)."""
+def validate(cluster: ClusterState, job: JobSpec, overrides: JobOverrides | None = None) -> int:
+    """Check the spec (not its pins, which ``plan`` suspends when they cannot hold); returns
+    the full degree (base TP capped by the smallest unit count). ``overrides`` is ignored
+    (kept for callers of the old signature)."""
     if job.base_tp < 1:
         raise PlanningError(f"job {job.name}: base TP degree must be >= 1, got {job.base_tp}")
     if not 1 <= job.min_tp <= job.base_tp:
@@ -154,40 +174,51 @@ def validate(cluster: ClusterState, job: JobSpec, overrides: JobOverrides) -> in
                     f"job {job.name}: replica {i} stage {s_idx} has {len(st.gpus)} ranks, "
                     f"base TP degree is {job.base_tp}"
                 )
-    full = min(job.base_tp, *job.units.values()) if job.units else job.base_tp
-    _check_pin_values(job, overrides, full)
-    return full
+    return min(job.base_tp, *job.units.values()) if job.units else job.base_tp
 
 
-def _check_pin_values(job: JobSpec, overrides: JobOverrides, full: int) -> None:
-    for r, t in overrides.pins.items():
-        where = f"job {job.name}: pin of replica {r} to TP {t}"
-        if not 0 <= r < len(job.replicas):
-            raise PlanningError(f"{where}: no such replica (job has {len(job.replicas)})")
-        if t < 1:
-            raise PlanningError(f"{where}: a TP degree must be >= 1")
-        if t > job.base_tp:
-            raise PlanningError(f"{where}: above the base TP degree {job.base_tp}")
-        if t < job.min_tp:
-            raise PlanningError(f"{where}: below min_tp {job.min_tp}")
-        if t > full:
-            smallest = min(job.units, key=job.units.__getitem__)
-            raise PlanningError(
-                f"{where}: leaves a rank with no units ({smallest} has {job.units[smallest]})"
-            )
+def pin_problem(job: JobSpec, replica: int, degree: int, full: int) -> str | None:
+    """Why a TP pin is invalid for the spec (None when it is valid)."""
+    if not 0 <= replica < len(job.replicas):
+        return f"no such replica (job has {len(job.replicas)})"
+    if degree < 1:
+        return "a TP degree must be >= 1"
+    if degree > job.base_tp:
+        return f"TP {degree} is above the base TP degree {job.base_tp}"
+    if degree < job.min_tp:
+        return f"TP {degree} is below min_tp {job.min_tp}"
+    if degree > full:
+        smallest = min(job.units, key=job.units.__getitem__)
+        return f"TP {degree} leaves a rank with no units ({smallest} has {job.units[smallest]})"
+    return None
 
 
-def _check_pins(drafts: list[ReplicaDraft | None], overrides: JobOverrides) -> None:
-    """A pin above the usable GPUs of a stage of its replica is impossible now."""
-    for r, t in overrides.pins.items():
+def _valid_pins(
+    job: JobSpec, pins: Mapping[int, int], full: int
+) -> tuple[dict[int, int], list[SuspendedPin]]:
+    valid: dict[int, int] = {}
+    suspended: list[SuspendedPin] = []
+    for r, t in pins.items():
+        why = pin_problem(job, r, t, full)
+        if why is None:
+            valid[r] = t
+        else:
+            suspended.append(SuspendedPin(r, t, why))
+    return valid, suspended
+
+
+def _unheld_pins(drafts: list[ReplicaDraft | None], pins: Mapping[int, int]) -> list[SuspendedPin]:
+    """Pins above the usable GPUs of a stage of their replica cannot hold now: the replica
+    runs at what it has (the same degrees as unpinned), and the pin is reported."""
+    out: list[SuspendedPin] = []
+    for r, t in pins.items():
         d = drafts[r]
         assert d is not None  # pinned replicas always get a draft
-        for s in d.stages:
-            if s.spare_for is None and len(s.usable) < t:
-                raise PlanningError(
-                    f"pin of replica {r} to TP {t}: rack {s.rack.name} has only "
-                    f"{len(s.usable)} usable GPUs"
-                )
+        short = [s for s in d.stages if s.spare_for is None and len(s.usable) < t]
+        if short:
+            s = short[0]
+            out.append(SuspendedPin(r, t, f"TP {t} needs {t} usable GPUs, rack {s.rack.name} has {len(s.usable)}"))
+    return out
 
 
 def _assemble(

@@ -159,6 +159,7 @@ class DemoCluster:
                 "--listen", f"127.0.0.1:{self.ports.agent_grpc(i)}",
                 "--metrics-listen", f"127.0.0.1:{self.ports.agent_metrics(i)}",
                 "--health-debounce-s", "0.2", "--log-level", "WARNING",
+                *([] if self.tls else ["--insecure"]),  # plaintext only as an explicit choice
             ], env=self._agent_tls_env())
             self.agent_addresses[rack.node] = f"127.0.0.1:{self.ports.agent_grpc(i)}"
         self._wait_ready(timeout=60)
@@ -280,6 +281,19 @@ class DemoCluster:
                     pass
             time.sleep(0.05)
         raise TimeoutError(f"demo cluster not ready within {timeout:.0f}s; logs in {self.workdir}")
+
+    def dead_services(self) -> list[tuple[str, int]]:
+        """(name, exit code) of every service process that has exited (reaped here, so no
+        zombie stays behind), etcd included."""
+        dead = [(name, proc.returncode) for name, proc in self.procs.items() if proc.poll() is not None]
+        if self.etcd_server is not None:
+            for m in self.etcd_server.members:
+                if m.proc is not None and m.proc.poll() is not None:
+                    dead.append((f"etcd-{m.name}", m.proc.returncode))
+        return dead
+
+    def log_of(self, name: str) -> Path:
+        return self.workdir / ("etcd" if name.startswith("etcd-") else f"{name}.log")
 
     def check_alive(self) -> None:
         for name, proc in self.procs.items():

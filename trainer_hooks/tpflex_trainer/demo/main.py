@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if story.launcher is not None:
             story.launcher.stop()
-        if a.keep_running:
-            _keep_running(story)
+        if a.keep_running and not _keep_running(story):
+            ok = False  # a service died while the demo was kept running
         story.stop()
         if ok and a.workdir is None and not a.keep_running:
             shutil.rmtree(workdir, ignore_errors=True)
@@ -85,13 +85,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def _keep_running(story: Story) -> None:
+def _keep_running(story: Story, interval_s: float = 1.0) -> bool:
+    """Leave the services up until Ctrl-C / SIGTERM (True), or until one of them exits:
+    then say which, with its exit code and log, and return False (the caller stops the
+    others; the dead one is reaped, not left a zombie)."""
     c = story.cluster
     print(_explore_tls(story) if c.tls else _explore(story), flush=True)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(interval_s):
+        dead = c.dead_services()
+        if dead:
+            for name, code in dead:
+                print(f"tpflex-demo: {name} exited with code {code} (log: {c.log_of(name)})",
+                      file=sys.stderr, flush=True)
+            print("tpflex-demo: a service is gone; stopping the others", file=sys.stderr, flush=True)
+            return False
+    return True
 
 
 def _explore_tls(story: Story) -> str:

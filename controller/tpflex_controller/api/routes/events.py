@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query
 from tpflex_controller.api import schemas as s
 from tpflex_controller.api import views
 from tpflex_controller.api.deps import Deps
+from tpflex_controller.api.params import JOB_PATTERN, Limit
 
 router = APIRouter(tags=["events"])
 
@@ -16,8 +17,8 @@ router = APIRouter(tags=["events"])
 @router.get("/events", response_model=s.EventList, summary="Latest events, oldest first")
 async def list_events(
     deps: Deps,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    job: Annotated[str | None, Query(max_length=253)] = None,
+    limit: Limit = 100,
+    job: Annotated[str | None, Query(pattern=JOB_PATTERN)] = None,
 ) -> s.EventList:
     events = deps.reads.events(limit if job is None else 1000)
     if job is not None:

@@ -1,27 +1,29 @@
-"""Jobs: spec + current plan + acks, plan history, forced reconfiguration, dry-run."""
+"""Jobs: spec + current plan + acks, plan history, spec change and deletion (admin),
+forced reconfiguration, dry-run."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Path, Query
+from fastapi import APIRouter, Body
 from fastapi.responses import Response
-from tpflex_proto import types_pb2
+from tpflex_proto import keys, types_pb2
 
 from tpflex_controller import convert
 from tpflex_controller.api import schemas as s
 from tpflex_controller.api import views
 from tpflex_controller.api.checks import check_gpus_exist, check_pins
 from tpflex_controller.api.deps import Admin, ApiDeps, Deps
-from tpflex_controller.api.errors import invalid, not_found
+from tpflex_controller.api.errors import ApiError, ErrorCode, invalid, not_found
+from tpflex_controller.api.params import JobName, Limit
 from tpflex_controller.api.state import job_spec, planner_job
 from tpflex_controller.planner import plan
 from tpflex_controller.planner.model import GpuStatus, JobOverrides
+from tpflex_controller.spec_checks import InputError, check_spec, spec_difference
+from tpflex_controller.store import decode_or_skip
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
-
-JobName = Annotated[str, Path(min_length=1, max_length=253)]
 
 
 @router.get("", response_model=list[s.JobView], summary="List jobs with their current plan")
@@ -57,11 +59,71 @@ async def get_plan(job: JobName, deps: Deps) -> Response:
 
 @router.get("/{job}/plans", response_model=s.PlanHistory, summary="Plan history, oldest first")
 def plan_history(
-    job: JobName, deps: Deps, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+    job: JobName, deps: Deps, limit: Limit = 100
 ) -> s.PlanHistory:
     job_spec(deps.reads, job)
     plans = deps.reads.plan_history(job, limit)
     return s.PlanHistory(job=job, plans=[views.plan_view(p) for p in plans])
+
+
+@router.put(
+    "/{job}/spec", response_model=s.SpecChangeResult, status_code=202,
+    summary="Change a registered job's spec (admin); checked as RegisterJob checks a new one",
+)
+def change_spec(job: JobName, body: s.JobSpecRequest, deps: Deps, _: Admin) -> s.SpecChangeResult:
+    for _attempt in range(5):
+        guard = deps.store.spec_guard_revision()
+        kv = deps.etcd.get(keys.job_spec(job))
+        old = decode_or_skip(types_pb2.JobSpec, kv) if kv is not None else None
+        if old is None:
+            raise not_found(f"job {job!r} not found (a new job is registered by its trainers)")
+        spec = spec_from_request(job, body, old.created_at)
+        if not spec_difference(old, spec):
+            return s.SpecChangeResult(job=job, changed=False)
+        _checked(spec, deps)
+        if deps.store.write_spec(job, spec, spec_revision=kv.mod_revision, guard_revision=guard):
+            return s.SpecChangeResult(job=job, changed=True)
+    raise ApiError(ErrorCode.CONFLICT, f"job specs kept changing while job {job!r} was checked; retry")
+
+
+@router.delete(
+    "/{job}", response_model=s.JobDeleted, status_code=202,
+    summary="Delete a job (admin): its spec, override and acks; the leader removes its plan",
+)
+def delete_job(job: JobName, deps: Deps, _: Admin) -> s.JobDeleted:
+    for _attempt in range(5):
+        guard = deps.store.spec_guard_revision()
+        kv = deps.etcd.get(keys.job_spec(job))
+        if kv is None:
+            raise not_found(f"job {job!r} not found")
+        if deps.store.write_spec(job, None, spec_revision=kv.mod_revision, guard_revision=guard):
+            return s.JobDeleted(job=job)
+    raise ApiError(ErrorCode.CONFLICT, f"job specs kept changing while job {job!r} was deleted; retry")
+
+
+def spec_from_request(job: str, body: s.JobSpecRequest, created_at: float) -> types_pb2.JobSpec:
+    spec = types_pb2.JobSpec(
+        name=job, base_tp=body.base_tp, min_tp=body.min_tp, spare_racks=body.spare_racks,
+        policy=body.policy.value if body.policy is not None else "", global_batch=body.global_batch,
+        local_batch=body.local_batch, created_at=created_at,
+        units=[types_pb2.UnitFamily(name=u.name, count=u.count, bytes_per_unit=u.bytes_per_unit)
+               for u in body.units],
+    )
+    for rep in body.replicas:
+        spec.replicas.add(stages=[
+            types_pb2.StageSpec(rack=st.rack, ranks=[types_pb2.GpuRef(node=g.node, index=g.index)
+                                                     for g in st.ranks])
+            for st in rep.stages
+        ])
+    return spec
+
+
+def _checked(spec: types_pb2.JobSpec, deps: ApiDeps) -> None:
+    try:
+        check_spec(spec, deps.store.racks(), deps.store.job_specs())
+    except InputError as exc:
+        raise ApiError(ErrorCode.CONFLICT if exc.kind == "conflict" else ErrorCode.INVALID_REQUEST,
+                       exc.message) from None
 
 
 @router.post(
@@ -75,19 +137,28 @@ def reconfigure(job: JobName, body: s.ReconfigureRequest, deps: Deps, _: Admin) 
     snap = deps.reads.cluster()
     model = planner_job(spec, snap)
     pins = check_pins(model, ((p.replica, p.tp_degree) for p in body.pins), convert.cluster_state(snap))
-    old = None if body.clear else deps.store.job_override(job)  # etcd now, not the view
+    _, new = deps.store.update(
+        keys.job_override(job), types_pb2.JobOverride,
+        lambda old: merged_override(job, None if body.clear else old, pins, body, deps.clock()),
+    )
+    return s.ReconfigureResult(override=views.override_view(new))
+
+
+def merged_override(
+    job: str, old: types_pb2.JobOverride | None, pins: dict[int, int], body: s.ReconfigureRequest,
+    at: float,
+) -> types_pb2.JobOverride | None:
+    """The job override after a reconfigure: the stored pins with the new ones on top, the
+    new policy or the stored one; None (no override) when nothing is left."""
     merged = {p.replica: p.tp_degree for p in old.pins} if old else {}
     merged.update(pins)
     policy = body.policy.value if body.policy is not None else (old.policy if old else "")
     if not merged and not policy:
-        deps.store.delete_job_override(job)
-        return s.ReconfigureResult(override=None)
-    override = types_pb2.JobOverride(
-        job=job, policy=policy, reason=body.reason or (old.reason if old else ""), at=deps.clock(),
+        return None
+    return types_pb2.JobOverride(
+        job=job, policy=policy, reason=body.reason or (old.reason if old else ""), at=at,
         pins=[types_pb2.ReplicaPin(replica=r, tp_degree=t) for r, t in sorted(merged.items())],
     )
-    deps.store.put_job_override(override)
-    return s.ReconfigureResult(override=views.override_view(override))
 
 
 @router.post(

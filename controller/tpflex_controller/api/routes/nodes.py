@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Query
 from tpflex_proto import keys, types_pb2
 
 from tpflex_controller.api import schemas as s
@@ -12,12 +12,10 @@ from tpflex_controller.api import views
 from tpflex_controller.api.checks import unknown_gpu
 from tpflex_controller.api.deps import Admin, Deps
 from tpflex_controller.api.errors import not_found
-from tpflex_controller.store import Snapshot, decode_or_skip
+from tpflex_controller.api.params import NAME_PATTERN, GpuIndex, NodeName
+from tpflex_controller.store import Snapshot
 
 router = APIRouter(tags=["nodes"])
-
-NodeName = Annotated[str, Path(min_length=1, max_length=253)]
-GpuIndex = Annotated[int, Path(ge=0, le=1_000_000, description="NVML index on the node")]
 
 
 @router.get("/nodes", response_model=list[s.NodeView], summary="List nodes")
@@ -46,7 +44,7 @@ async def get_node(node: NodeName, deps: Deps) -> s.NodeDetail:
 def list_gpus(
     deps: Deps,
     state: Annotated[str | None, Query(pattern="^(healthy|degraded|failed|drained)$")] = None,
-    rack: Annotated[str | None, Query(max_length=253)] = None,
+    rack: Annotated[str | None, Query(pattern=NAME_PATTERN)] = None,
 ) -> list[s.GpuView]:
     gpus = views.gpu_views(deps.reads.cluster())
     return [g for g in gpus if (state is None or g.state == state) and (rack is None or g.rack == rack)]
@@ -67,13 +65,18 @@ async def get_gpu(node: NodeName, index: GpuIndex, deps: Deps) -> s.GpuView:
 )
 def drain_gpu(node: NodeName, index: GpuIndex, body: s.DrainRequest, deps: Deps, _: Admin) -> s.DrainResult:
     _existing_gpu(deps, node, index)
-    old = _stored_override(deps, node, index)
-    override = types_pb2.GpuOverride(
-        gpu=types_pb2.GpuRef(node=node, index=index), drained=True, reason=body.reason,
-        power_cap_w=old.power_cap_w if old else 0.0, at=deps.clock(),
-    )
-    deps.store.put_gpu_override(override)
-    changed = not (old and old.drained)
+    at = deps.clock()
+
+    def drained(old: types_pb2.GpuOverride | None) -> types_pb2.GpuOverride:
+        if old is not None and old.drained and old.reason == body.reason:
+            return old  # already so: no write
+        return types_pb2.GpuOverride(
+            gpu=types_pb2.GpuRef(node=node, index=index), drained=True, reason=body.reason,
+            power_cap_w=old.power_cap_w if old else 0.0, at=at,
+        )
+
+    old, _ = deps.store.update(keys.gpu_override(node, index), types_pb2.GpuOverride, drained)
+    changed = not (old and old.drained)  # only the request that moved the GPU says so
     return s.DrainResult(node=node, index=index, drained=True, changed=changed, reason=body.reason)
 
 
@@ -83,12 +86,16 @@ def drain_gpu(node: NodeName, index: GpuIndex, body: s.DrainRequest, deps: Deps,
 )
 def undrain_gpu(node: NodeName, index: GpuIndex, deps: Deps, _: Admin) -> s.DrainResult:
     _existing_gpu(deps, node, index)
-    old = _stored_override(deps, node, index)
-    if old is not None and old.power_cap_w > 0:  # keep an operator power pin
-        kept = types_pb2.GpuOverride(gpu=old.gpu, power_cap_w=old.power_cap_w, at=deps.clock())
-        deps.store.put_gpu_override(kept)
-    elif old is not None:
-        deps.store.delete_gpu_override(node, index)
+    at = deps.clock()
+
+    def undrained(old: types_pb2.GpuOverride | None) -> types_pb2.GpuOverride | None:
+        if old is None or not old.drained:
+            return old  # nothing to undo: no write
+        if old.power_cap_w > 0:  # keep an operator power pin
+            return types_pb2.GpuOverride(gpu=old.gpu, power_cap_w=old.power_cap_w, at=at)
+        return None
+
+    old, _ = deps.store.update(keys.gpu_override(node, index), types_pb2.GpuOverride, undrained)
     changed = bool(old and old.drained)
     return s.DrainResult(node=node, index=index, drained=False, changed=changed)
 
@@ -99,9 +106,3 @@ def _existing_gpu(deps, node: str, index: int):
     known = {g: r for g, r in views.gpu_locations(snap).items() if g[0] == node}
     if (node, index) not in known:
         raise unknown_gpu((node, index), known)
-
-
-def _stored_override(deps, node: str, index: int) -> types_pb2.GpuOverride | None:
-    """The GPU's override as etcd has it now (a mutation must not act on a lagging view)."""
-    kv = deps.etcd.get(keys.gpu_override(node, index))
-    return decode_or_skip(types_pb2.GpuOverride, kv) if kv is not None else None

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Path
+from fastapi import APIRouter
 
 from tpflex_controller.api import schemas as s
 from tpflex_controller.api import views
 from tpflex_controller.api.deps import Deps
 from tpflex_controller.api.errors import not_found
+from tpflex_controller.api.params import RackName
 
 router = APIRouter(prefix="/racks", tags=["racks"])
 
@@ -24,7 +23,7 @@ def list_racks(deps: Deps) -> list[s.RackView]:
 
 
 @router.get("/{rack}", response_model=s.RackDetail, summary="One rack with its GPUs")
-async def get_rack(rack: Annotated[str, Path(min_length=1, max_length=253)], deps: Deps) -> s.RackDetail:
+async def get_rack(rack: RackName, deps: Deps) -> s.RackDetail:
     snap = deps.reads.rack_cluster(rack)
     if snap is None:
         raise not_found(f"rack {rack!r} not found")

@@ -57,6 +57,7 @@ def status(deps: Deps) -> s.StatusView:
             policy=plan.policy if plan else (spec.policy or "ntp-pw"),
             expected_throughput_ratio=plan.expected_throughput_ratio if plan else None,
             replica_tp_degrees=[r.tp_degree for r in plan.replicas] if plan else [],
+            suspended_pins=len(plan.suspended_pins) if plan else 0,
         ))
     return s.StatusView(
         leader=s.LeaderView(id=record.id, address=record.address, since=record.since) if record else None,
