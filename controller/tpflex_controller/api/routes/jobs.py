@@ -9,7 +9,7 @@ from fastapi import APIRouter, Body, Path, Query
 from fastapi.responses import Response
 from tpflex_proto import types_pb2
 
-from tpflex_controller import convert
+from tpflex_controller import convert, plandiff
 from tpflex_controller.api import schemas as s
 from tpflex_controller.api import views
 from tpflex_controller.api.checks import check_gpus_exist, check_pins
@@ -107,17 +107,22 @@ def dry_run(
     status.update({g: GpuStatus.FAILED for g in failed})
     state = dataclasses.replace(state, gpu_status=status)
     overrides = JobOverrides() if body.ignore_overrides else _job_overrides(deps, job)
+    if body.pins:
+        pins = check_pins(model, ((p.replica, p.tp_degree) for p in body.pins), state)
+        overrides = dataclasses.replace(overrides, pins={**overrides.pins, **pins})
     result = _planner(deps)(
         state, model, policy=body.policy, power_model=deps.power_model, overrides=overrides,
         now=deps.clock(),
     )
     current = deps.reads.plan(job)
+    proposed = convert.plan_to_proto(result, 0, cause="dry-run")
     return s.DryRunResult(
         job=job,
         failed_gpus=[s.GpuRefView(node=n, index=i) for n, i in failed],
         current_generation=current.generation if current else None,
         current_expected_throughput_ratio=current.expected_throughput_ratio if current else None,
-        plan=views.plan_decision(convert.plan_to_proto(result, 0, cause="dry-run")),
+        plan=views.plan_decision(proposed),
+        changes=[views.change_view(c) for c in plandiff.diff(current, proposed)],
     )
 
 
