@@ -6,10 +6,10 @@ from fastapi import APIRouter, Depends, FastAPI
 
 from tpflex_controller import __version__
 from tpflex_controller.api import schemas as s
+from tpflex_controller.api.console import routes as console
 from tpflex_controller.api.deps import ApiDeps, require_reader
 from tpflex_controller.api.errors import install_error_handlers
 from tpflex_controller.api.limits import InFlightLimit
-from tpflex_controller.api.console import routes as console
 from tpflex_controller.api.routes import events, jobs, nodes, racks, system
 
 _ERRORS = {

@@ -379,9 +379,13 @@ function renderGpuPanel(fresh) {
   $("gpu-title").textContent = `GPU ${g.node}:${g.index}`;
   const facts = [["rack", g.r.name], ["state", g.state], ["power cap", watts(g.cap)], ["rack TDP", watts(g.r.tdp)]];
   $("gpu-facts").replaceChildren(...facts.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: v, "data-fact": k })]));
+  const actionsKey = `${g.node}:${g.index}:${g.state}`;
+  if (fresh || ui.actionsKey !== actionsKey) {  // drained <-> not drained: other actions
+    ui.actionsKey = actionsKey;
+    $("gpu-actions").replaceChildren(...gpuActions(g));
+  }
   if (fresh) {
     $("gpu-preview").replaceChildren();
-    $("gpu-actions").replaceChildren(...gpuActions(g));
     api("GET", `/v1/nodes/${encodeURIComponent(g.node)}/gpus/${g.index}`).then((d) => {
       if (d.reason) $("gpu-facts").append(el("dt", { text: "reason" }), el("dd", { text: d.reason }));
     }).catch(() => {});
@@ -419,21 +423,25 @@ async function previewDrain(g, reasonInput) {
 async function commitDrain(g, reason) {
   const out = $("gpu-preview");
   try {
+    const before = generations();
     await api("POST", `/v1/nodes/${encodeURIComponent(g.node)}/gpus/${g.index}/drain`, { reason });
-    awaitPlan(out, `Drain of ${g.node}:${g.index} stored`);
+    awaitPlan(out, `Drain of ${g.node}:${g.index} stored`, before);
   } catch (err) { out.replaceChildren(el("p", { class: "error", role: "alert", text: err.message })); }
 }
 
 async function commitUndrain(g) {
   const out = $("gpu-preview");
   try {
+    const before = generations();
     await api("POST", `/v1/nodes/${encodeURIComponent(g.node)}/gpus/${g.index}/undrain`);
-    awaitPlan(out, `Undrain of ${g.node}:${g.index} stored`);
+    awaitPlan(out, `Undrain of ${g.node}:${g.index} stored`, before);
   } catch (err) { out.replaceChildren(el("p", { class: "error", role: "alert", text: err.message })); }
 }
 
-function awaitPlan(out, what) {
-  const before = new Map(ui.jobs.map((j) => [j.name, j.generation]));
+const generations = () => new Map(ui.jobs.map((j) => [j.name, j.generation]));
+
+function awaitPlan(out, what, before) {
+  // ``before``: the generations seen before the request (the plan may arrive before its answer)
   out.replaceChildren(el("p", { "data-status": "pending", text: `${what}; waiting for the leader to commit a plan…` }));
   ui.onJobs = () => {
     const moved = ui.jobs.filter((j) => j.generation !== before.get(j.name));
@@ -442,6 +450,7 @@ function awaitPlan(out, what) {
       text: `${what}; committed: ${moved.map((j) => `${j.name} generation ${j.generation}`).join(", ")}` }));
     ui.onJobs = null;
   };
+  ui.onJobs();
 }
 
 // ---------- plan diffs ----------
@@ -515,15 +524,20 @@ function pinForm(j) {
       const res = await api("POST", `/v1/jobs/${encodeURIComponent(j.name)}/dry-run`, { pins: [pin()] });
       const commit = el("button", { type: "button", class: "danger", "data-action": "commit-pin", onclick: async () => {
         try {
+          const before = generations();
           await api("POST", `/v1/jobs/${encodeURIComponent(j.name)}/reconfigure`, { pins: [pin()], reason: "pinned from the console" });
-          awaitPlan(out, `Pin of ${j.name} replica ${pin().replica} to TP ${pin().tp_degree} stored`);
+          awaitPlan(out, `Pin of ${j.name} replica ${pin().replica} to TP ${pin().tp_degree} stored`, before);
         } catch (err) { out.replaceChildren(el("p", { class: "error", role: "alert", text: err.message })); }
       } }, "Commit pin");
       out.replaceChildren(diffView(res), el("div", { class: "row" }, commit, el("button", { type: "button", onclick: () => out.replaceChildren() }, "Cancel")));
     } catch (err) { out.replaceChildren(el("p", { class: "error", role: "alert", text: err.message })); }
   };
   const clear = Object.keys(j.pins).length ? el("button", { type: "button", "data-action": "clear-pins", onclick: async () => {
-    try { await api("POST", `/v1/jobs/${encodeURIComponent(j.name)}/reconfigure`, { clear: true }); awaitPlan(out, "Pins cleared"); }
+    try {
+      const before = generations();
+      await api("POST", `/v1/jobs/${encodeURIComponent(j.name)}/reconfigure`, { clear: true });
+      awaitPlan(out, "Pins cleared", before);
+    }
     catch (err) { out.replaceChildren(el("p", { class: "error", role: "alert", text: err.message })); }
   } }, "Clear pins") : null;
   return el("div", {}, el("div", { class: "row" },
