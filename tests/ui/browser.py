@@ -19,14 +19,16 @@ FLAGS = [
 
 
 @contextmanager
-def chromium(viewport: dict | None = None) -> Iterator[BrowserContext]:
-    """A headless chromium with a fresh user-data-dir, removed on exit."""
+def chromium(viewport: dict | None = None, **options) -> Iterator[BrowserContext]:
+    """A headless chromium with a fresh user-data-dir, removed on exit; ``options`` go to
+    Playwright's ``launch_persistent_context`` (e.g. ``bypass_csp=True`` for a measurement
+    that evaluates script in the page, which the console's CSP forbids)."""
     profile = tempfile.mkdtemp(prefix="tpflex-chromium-")
     try:
         with sync_playwright() as pw:
             context = pw.chromium.launch_persistent_context(
                 profile, executable_path=CHROMIUM, headless=True, args=FLAGS,
-                viewport=viewport or {"width": 1400, "height": 900},
+                viewport=viewport or {"width": 1400, "height": 900}, **options,
             )
             try:
                 yield context
