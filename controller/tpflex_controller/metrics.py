@@ -38,7 +38,7 @@ class ControllerMetrics:
         self.replica_tp_degree = Gauge(
             "tpflex_replica_tp_degree",
             "Planned TP degree of a job's replica (0 = dropped)",
-            ["job", "replica"],
+            ["training_job", "replica"],
             registry=registry,
         )
         self.rack_healthy_gpus = Gauge(
@@ -54,12 +54,12 @@ class ControllerMetrics:
             registry=registry,
         )
         self.plan_generation = Gauge(
-            "tpflex_plan_generation", "Current plan generation of a job", ["job"], registry=registry
+            "tpflex_plan_generation", "Current plan generation of a job", ["training_job"], registry=registry
         )
         self.reconfigurations = Counter(
             "tpflex_reconfigurations_total",
             "Plan generations committed by this controller, by cause",
-            ["job", "cause"],
+            ["training_job", "cause"],
             registry=registry,
         )
         self.reconfiguration_seconds = Histogram(
@@ -72,7 +72,7 @@ class ControllerMetrics:
         self.expected_throughput_ratio = Gauge(
             "tpflex_job_expected_throughput_ratio",
             "Planned job throughput vs the failure-free job",
-            ["job"],
+            ["training_job"],
             registry=registry,
         )
         self.is_leader = Gauge(
@@ -96,12 +96,12 @@ class ControllerMetrics:
 
     def job_seen(self, job: str, replicas: int) -> None:
         """Pre-create a job's bounded label sets at zero."""
-        self.plan_generation.labels(job=job)
-        self.expected_throughput_ratio.labels(job=job)
+        self.plan_generation.labels(training_job=job)
+        self.expected_throughput_ratio.labels(training_job=job)
         for cause in CAUSES:
-            self.reconfigurations.labels(job=job, cause=cause)
+            self.reconfigurations.labels(training_job=job, cause=cause)
         for r in range(replicas):
-            self.replica_tp_degree.labels(job=job, replica=str(r))
+            self.replica_tp_degree.labels(training_job=job, replica=str(r))
 
     def job_gone(self, job: str, replicas: int) -> None:
         for gauge in (self.plan_generation, self.expected_throughput_ratio):
@@ -114,10 +114,10 @@ class ControllerMetrics:
     def plan_observed(
         self, job: str, generation: int, ratio: float, degrees: Iterable[tuple[int, int]]
     ) -> None:
-        self.plan_generation.labels(job=job).set(generation)
-        self.expected_throughput_ratio.labels(job=job).set(ratio)
+        self.plan_generation.labels(training_job=job).set(generation)
+        self.expected_throughput_ratio.labels(training_job=job).set(ratio)
         for replica, degree in degrees:
-            self.replica_tp_degree.labels(job=job, replica=str(replica)).set(degree)
+            self.replica_tp_degree.labels(training_job=job, replica=str(replica)).set(degree)
 
     def plan_proto_observed(self, job: str, plan) -> None:
         """A stored ``types_pb2.Plan`` (any replica follows the plans in etcd)."""

@@ -123,7 +123,7 @@ class StepStats:
 
 class GoodputCollector:
     """Prometheus collector reading the step window at scrape time:
-    ``tpflex_job_achieved_samples_per_second{job}``."""
+    ``tpflex_job_achieved_samples_per_second{training_job}``."""
 
     def __init__(self, steps: StepStats) -> None:
         self.steps = steps
@@ -134,12 +134,12 @@ class GoodputCollector:
         family = GaugeMetricFamily(
             "tpflex_job_achieved_samples_per_second",
             "Samples per second the job achieved over its recent step reports",
-            labels=["job"],
+            labels=["training_job"],
         )
         ratio = GaugeMetricFamily(
             "tpflex_job_goodput_ratio",
             "Achieved wall-clock samples/s over the failure-free expectation (see docs/metrics.md)",
-            labels=["job"],
+            labels=["training_job"],
         )
         for job in sorted(self.steps.jobs()):
             rate = self.steps.achieved_samples_per_second(job)
