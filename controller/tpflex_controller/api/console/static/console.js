@@ -245,7 +245,8 @@ function cellLabel(r, i) {
 
 function cellClass(r, i) {
   const cap = r.caps[i];
-  return `cell s-${r.s[i]}${cap !== undefined && cap > r.tdp && r.s[i] !== "f" && r.s[i] !== "d" ? " boost" : ""}`;
+  // boosted colours a healthy GPU; a degraded one stays amber (its label says boosted)
+  return `cell s-${r.s[i]}${cap !== undefined && cap > r.tdp && r.s[i] === "h" ? " boost" : ""}`;
 }
 
 function rackCard(r) {
@@ -306,7 +307,7 @@ function noteChange(gpu, state, at) {
 
 function markSelected(card) {
   for (const c of card.querySelectorAll(".cell.sel")) c.classList.remove("sel");
-  if (!ui.selected) return;
+  if (!ui.selected || card.dataset.rack !== ui.selected.rack) return;
   const cell = card.querySelector(`.cell[data-i="${ui.selected.i}"]`);
   if (cell) cell.classList.add("sel");
 }
