@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated
 
-from fastapi import APIRouter, Body, Path, Query
+from fastapi import APIRouter, Body, Path, Query, Request
 from fastapi.responses import Response
 from tpflex_proto import types_pb2
 
@@ -15,6 +15,7 @@ from tpflex_controller.api import views
 from tpflex_controller.api.checks import check_gpus_exist, check_pins
 from tpflex_controller.api.deps import Admin, ApiDeps, Deps
 from tpflex_controller.api.errors import invalid, not_found
+from tpflex_controller.api.paging import After, Limit, page
 from tpflex_controller.api.state import job_spec, planner_job
 from tpflex_controller.planner import plan
 from tpflex_controller.planner.model import GpuStatus, JobOverrides
@@ -24,13 +25,15 @@ router = APIRouter(prefix="/jobs", tags=["jobs"])
 JobName = Annotated[str, Path(min_length=1, max_length=253)]
 
 
-@router.get("", response_model=list[s.JobView], summary="List jobs with their current plan")
-async def list_jobs(deps: Deps) -> list[s.JobView]:
+@router.get("", response_model=list[s.JobView], summary="List jobs with their current plan (paginated)")
+async def list_jobs(deps: Deps, request: Request, response: Response, limit: Limit = None,
+                    after: After = None) -> list[s.JobView]:
     reads = deps.reads
+    jobs = reads.jobs()
     return [
-        views.job_view(spec, reads.plan(name), reads.job_override(name), reads.acks(name),
+        views.job_view(jobs[name], reads.plan(name), reads.job_override(name), reads.acks(name),
                        _goodput(deps, name))
-        for name, spec in sorted(reads.jobs().items())
+        for name in page(sorted(jobs), str, limit, after, request, response)
     ]
 
 
