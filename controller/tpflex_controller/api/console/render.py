@@ -53,16 +53,6 @@ def render_rack(rack: types_pb2.Rack, state: ClusterState, caps: Mapping[GpuKey,
     }
 
 
-def caps_by_rack(caps: Mapping[GpuKey, float], node_rack: Mapping[str, str]) -> dict[str, dict]:
-    """``caps`` grouped by the rack of each GPU's node (GPUs of unknown nodes left out)."""
-    out: dict[str, dict] = {}
-    for gpu, cap in caps.items():
-        rack = node_rack.get(gpu[0])
-        if rack is not None:
-            out.setdefault(rack, {})[gpu] = cap
-    return out
-
-
 def render_job(
     spec: types_pb2.JobSpec,
     plan: types_pb2.Plan | None,
