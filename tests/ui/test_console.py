@@ -120,3 +120,25 @@ def test_admin_drains_a_gpu_from_the_page_and_the_committed_plan_shows_it(stack,
     # undrain from the page: the GPU comes back
     page.click('[data-action="undrain"]')
     expect(cell(page, node, 1)).to_have_attribute("data-state", "healthy", timeout=15000)
+
+
+def test_admin_pins_a_degree_after_previewing_its_diff(stack, tabs):
+    page = signed_in(stack, tabs, stack.admin_token)
+    job = page.locator(f'[data-job="{JOB}"]')
+    expect(replica(page, 1)).to_have_attribute("data-tp", "4", timeout=15000)
+    generation = stack.plan()["generation"]
+    job.locator("input").nth(0).fill("1")
+    job.locator("input").nth(1).fill("2")
+    job.locator('[data-action="preview-pin"]').click()
+    expect(job.locator(".diff")).to_contain_text("replica 1: tp degree 4 → 2")
+    assert stack.plan()["generation"] == generation  # a preview commits nothing
+    job.locator('[data-action="commit-pin"]').click()
+    expect(replica(page, 1)).to_have_attribute("data-tp", "2", timeout=15000)
+    assert stack.wait_generation(generation + 1)["replicas"][1]["tp_degree"] == 2
+    expect(job).to_contain_text("replica 1 → TP 2")
+    job.locator('[data-action="clear-pins"]').click()
+    expect(replica(page, 1)).to_have_attribute("data-tp", "4", timeout=15000)
+    # an impossible pin is refused with the API's reason, nothing committed
+    job.locator("input").nth(1).fill("9")
+    job.locator('[data-action="preview-pin"]').click()
+    expect(job.locator("[role=alert]")).to_contain_text("above the job's base TP degree 4")

@@ -69,7 +69,7 @@ function signOut(message) {
   if (ui.abort) ui.abort.abort();
   ui.token = null; ui.scope = null;
   sessionStorage.removeItem(TOKEN_KEY);
-  ui.racks = []; ui.byName.clear(); ui.jobs = []; ui.events = [];
+  ui.racks = []; ui.byName.clear(); ui.jobs = []; ui.events = []; pinForms.clear(); jobCards.clear();
   $("map-inner").replaceChildren(); ui.rendered.clear();
   $("job-list").replaceChildren(); $("event-list").replaceChildren(); $("counts").replaceChildren();
   $("gpu-panel").hidden = true;
@@ -481,12 +481,33 @@ function diffView(result) {
 
 // ---------- jobs ----------
 
+// Job cards are kept per job and updated in place (jobs are re-sent on every plan and ack):
+// focus, what an admin typed, a preview and a pending commit stay put.
+const jobCards = new Map();
+
 function renderJobs() {
-  $("job-list").replaceChildren(...ui.jobs.map(jobCard));
+  const list = $("job-list");
+  const names = new Set(ui.jobs.map((j) => j.name));
+  for (const [name, card] of jobCards) if (!names.has(name)) { card.root.remove(); jobCards.delete(name); }
+  ui.jobs.forEach((j, i) => {
+    let card = jobCards.get(j.name);
+    if (!card) { card = jobCard(j); jobCards.set(j.name, card); }
+    updateJobCard(card, j);
+    if (list.children[i] !== card.root) list.insertBefore(card.root, list.children[i] || null);
+  });
   if (ui.onJobs) ui.onJobs();
 }
 
 function jobCard(j) {
+  const facts = el("dl", { class: "facts" });
+  const replicas = el("div");
+  const root = el("article", { class: "job", "aria-labelledby": `job-${j.name}`, "data-job": j.name },
+    el("h3", { id: `job-${j.name}`, text: `${j.name} (TP ${j.base_tp})` }), facts, replicas);
+  if (isAdmin()) root.append(pinFormFor(j));
+  return { root, facts, replicas };
+}
+
+function updateJobCard(card, j) {
   const gp = j.goodput;
   const facts = [["generation", j.generation ?? "not planned"], ["policy", j.policy],
     ["expected throughput", fmt(j.ratio)],
@@ -494,12 +515,9 @@ function jobCard(j) {
     ["acked", `${j.acked_current} ranks`], ["cause", j.cause || "-"]];
   const pins = Object.entries(j.pins).map(([r, t]) => `replica ${r} → TP ${t}`).join(", ");
   if (pins) facts.push(["pinned", pins]);
-  const card = el("article", { class: "job", "aria-labelledby": `job-${j.name}`, "data-job": j.name },
-    el("h3", { id: `job-${j.name}`, text: `${j.name} (TP ${j.base_tp})` }),
-    el("dl", { class: "facts" }, ...facts.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: String(v) })])),
-    replicaList(j));
-  if (isAdmin()) card.append(pinForm(j));
-  return card;
+  card.facts.replaceChildren(...facts.flatMap(([k, v]) => [el("dt", { text: k }), el("dd", { text: String(v) })]));
+  card.replicas.replaceChildren(replicaList(j));
+  if (isAdmin()) pinFormFor(j);
 }
 
 function replicaList(j) {
@@ -513,37 +531,57 @@ function replicaList(j) {
   return list;
 }
 
-function pinForm(j) {
-  const rid = `pin-r-${j.name}`, tid = `pin-t-${j.name}`;
-  const replica = el("input", { id: rid, type: "number", min: "0", max: String(j.replicas.length - 1), value: "0" });
-  const degree = el("input", { id: tid, type: "number", min: "1", max: String(j.base_tp), value: String(j.base_tp) });
+// One pin form per job, kept across re-renders (jobs are re-sent on every plan and ack):
+// what an admin typed, a preview and a pending commit stay put.
+const pinForms = new Map();
+
+function pinFormFor(j) {
+  let f = pinForms.get(j.name);
+  if (!f) { f = pinForm(j.name); pinForms.set(j.name, f); }
+  f.replica.max = String(Math.max(0, j.replicas.length - 1));
+  f.degree.max = String(j.base_tp);
+  f.clear.hidden = Object.keys(j.pins).length === 0;
+  return f.node;
+}
+
+function pinForm(name) {
+  const rid = `pin-r-${name}`, tid = `pin-t-${name}`;
+  const job = () => ui.jobs.find((x) => x.name === name);
+  const replica = el("input", { id: rid, type: "number", min: "0", value: "0" });
+  const degree = el("input", { id: tid, type: "number", min: "1", value: String(job().base_tp) });
   const out = el("div", { "aria-live": "polite" });
+  const path = `/v1/jobs/${encodeURIComponent(name)}`;
   const pin = () => ({ replica: Number(replica.value), tp_degree: Number(degree.value) });
-  const preview = async () => {
-    out.replaceChildren(el("p", { text: "Planning (dry run)…" }));
-    try {
-      const res = await api("POST", `/v1/jobs/${encodeURIComponent(j.name)}/dry-run`, { pins: [pin()] });
-      const commit = el("button", { type: "button", class: "danger", "data-action": "commit-pin", onclick: async () => {
-        try {
-          const before = generations();
-          await api("POST", `/v1/jobs/${encodeURIComponent(j.name)}/reconfigure`, { pins: [pin()], reason: "pinned from the console" });
-          awaitPlan(out, `Pin of ${j.name} replica ${pin().replica} to TP ${pin().tp_degree} stored`, before);
-        } catch (err) { out.replaceChildren(el("p", { class: "error", role: "alert", text: err.message })); }
-      } }, "Commit pin");
-      out.replaceChildren(diffView(res), el("div", { class: "row" }, commit, el("button", { type: "button", onclick: () => out.replaceChildren() }, "Cancel")));
-    } catch (err) { out.replaceChildren(el("p", { class: "error", role: "alert", text: err.message })); }
-  };
-  const clear = Object.keys(j.pins).length ? el("button", { type: "button", "data-action": "clear-pins", onclick: async () => {
+  const fail = (err) => out.replaceChildren(el("p", { class: "error", role: "alert", text: err.message }));
+  const commit = async (p) => {
     try {
       const before = generations();
-      await api("POST", `/v1/jobs/${encodeURIComponent(j.name)}/reconfigure`, { clear: true });
+      await api("POST", `${path}/reconfigure`, { pins: [p], reason: "pinned from the console" });
+      awaitPlan(out, `Pin of ${name} replica ${p.replica} to TP ${p.tp_degree} stored`, before);
+    } catch (err) { fail(err); }
+  };
+  const preview = async () => {
+    const p = pin();
+    out.replaceChildren(el("p", { text: "Planning (dry run)…" }));
+    try {
+      const res = await api("POST", `${path}/dry-run`, { pins: [p] });
+      const go = el("button", { type: "button", class: "danger", "data-action": "commit-pin", onclick: () => commit(p) }, "Commit pin");
+      out.replaceChildren(diffView(res), el("div", { class: "row" }, go,
+        el("button", { type: "button", onclick: () => out.replaceChildren() }, "Cancel")));
+      go.focus();
+    } catch (err) { fail(err); }
+  };
+  const clear = el("button", { type: "button", "data-action": "clear-pins", onclick: async () => {
+    try {
+      const before = generations();
+      await api("POST", `${path}/reconfigure`, { clear: true });
       awaitPlan(out, "Pins cleared", before);
-    }
-    catch (err) { out.replaceChildren(el("p", { class: "error", role: "alert", text: err.message })); }
-  } }, "Clear pins") : null;
-  return el("div", {}, el("div", { class: "row" },
+    } catch (err) { fail(err); }
+  } }, "Clear pins");
+  const node = el("div", {}, el("div", { class: "row" },
     el("label", { for: rid, text: "Pin replica" }), replica, el("label", { for: tid, text: "to TP" }), degree,
     el("button", { type: "button", "data-action": "preview-pin", onclick: preview }, "Preview"), clear), out);
+  return { node, replica, degree, clear };
 }
 
 // ---------- events ----------
