@@ -151,3 +151,24 @@ def test_dry_run_previews_pins_with_a_plan_diff_and_writes_nothing(api):
     assert bad.status_code == 422 and "base TP degree 8" in bad.json()["error"]["message"]
     same = api.http.post(f"/v1/jobs/{h.JOB}/dry-run", json={})
     assert same.json()["changes"] == []  # the current state plans the current plan
+
+
+def test_console_view_follows_racks_that_appear_change_and_go(api, console):
+    _, cache = console
+    view = live.ConsoleView(cache, None, "read-only")
+    view.snapshot()
+    rack = types_pb2.Rack(name="rack-c", domain_size=4, gpu_tdp_w=1000.0, nodes=["rack-c-n0"], gpus_per_node=4)
+    rev = api.store.put_rack(rack)
+    assert cache.wait_revision(rev, 10)
+    out = dict(view.apply([Change(Kind.RACK, "rack-c", rev)]))
+    assert [r["name"] for r in out["racks"]["racks"]] == ["rack-c"] and out["racks"]["removed"] == []
+    assert out["racks"]["racks"][0]["s"] == "ffff"  # listed, never registered: failed
+    h.register(api.store, "rack-c", "rack-c-n0")  # its node's registration now moves its GPUs
+    rev = api.etcd.status().header.revision
+    assert cache.wait_revision(rev, 10)
+    out = dict(view.apply([Change(Kind.NODE, "rack-c-n0", rev)]))
+    assert out["racks"]["racks"][0]["s"] == "hhhh"
+    rev = api.etcd.delete(keys.rack("rack-c")) and api.etcd.status().header.revision
+    assert cache.wait_revision(rev, 10)
+    out = dict(view.apply([Change(Kind.RACK, "rack-c", rev, deleted=True)]))
+    assert out["racks"] == {"racks": [], "removed": ["rack-c"]}

@@ -83,22 +83,26 @@ class ConsoleView:
     def _racks_touched(self, changes: list[Change]) -> tuple[set[str], set[str]]:
         racks: set[str] = set()
         removed: set[str] = set()
+        rack_keys = {c.name for c in changes if c.kind is Kind.RACK}
+        for name in rack_keys:  # membership first: a node's rack may have just changed
+            if not self._reindex(name):
+                removed.add(name)
         for c in changes:
-            if c.kind is Kind.RACK:
-                (removed if c.deleted else racks).add(c.name)
+            if c.kind is Kind.RACK and c.name not in removed:
+                racks.add(c.name)
             elif c.kind in _NODE_KINDS and c.name in self.node_rack:
                 racks.add(self.node_rack[c.name])
-        for name in racks | removed:
-            self._reindex(name)
         racks -= removed
         return racks, removed
 
-    def _reindex(self, rack: str) -> None:
+    def _reindex(self, rack: str) -> bool:
+        """Re-read which nodes ``rack`` has; False when the rack no longer exists."""
         for node in [n for n, r in self.node_rack.items() if r == rack]:
             del self.node_rack[node]
         snap = self.reads.rack_cluster(rack)
         if snap is not None:
             self.node_rack.update({n: rack for n in snap.racks[rack].nodes})
+        return snap is not None
 
     def _caps_changed(self) -> set[str]:
         new = self._plan_caps()
