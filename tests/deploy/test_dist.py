@@ -78,4 +78,4 @@ def test_wheels_declare_ranges_a_license_and_a_version_from_git(tmp_path):
     assert "torch==2.13.0" in constraints
     with zipfile.ZipFile(next(out.glob("tpflex_controller-*.whl"))) as z:  # the console ships
         static = {n.rsplit("/", 1)[1] for n in z.namelist() if "/api/console/static/" in n}
-    assert static == {"index.html", "console.js", "console.css"}
+    assert static == {"index.html", "console.js", "console-map.js", "console-actions.js", "console.css"}

@@ -33,7 +33,10 @@ api = APIRouter(prefix="/console", tags=["console"])
 
 HEARTBEAT_S = 5.0  # a comment (or changed goodput) at least this often keeps proxies open
 MAX_STREAMS = 64  # console streams served at once per API process
-_ASSETS = {"console.js": "text/javascript", "console.css": "text/css"}
+_ASSETS = {
+    "console.js": "text/javascript", "console-map.js": "text/javascript",
+    "console-actions.js": "text/javascript", "console.css": "text/css",
+}
 _HEADERS = {
     "Cache-Control": "no-store",
     "X-Content-Type-Options": "nosniff",
