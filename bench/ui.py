@@ -10,7 +10,8 @@ racks are degraded and boosted. Prints one JSON line:
   page signs in with a token already in its session storage, reads the stream's snapshot,
   draws), median of ``LOADS`` fresh tabs (``first_paint_max_ms`` the slowest);
 - ``dom_nodes``: elements in the document after that first paint (the map is virtualised);
-- ``snapshot_bytes``: size of the stream's first message;
+- ``snapshot_bytes``, ``snapshot_ms``: size of the stream's first message, and the time
+  from a client's request to its last byte (the server's share of the first paint);
 - ``failure_to_pixel_p50_ms`` / ``_max_ms``: a GPU failure written to etcd by the agent
   (arrival of its ``health/<node>`` put at an independent etcd watcher) -> the frame after
   the browser re-coloured that GPU's cell, over ``FAILURES`` injected failures;
@@ -184,7 +185,7 @@ def main() -> int:
             "--readonly-tokens-file", str(workdir / "readonly.tokens"), "--log-level", "WARNING"])
         procs.append(ctl.proc)
         wait_ready(ctl, etcd, node)
-        snapshot_bytes = _snapshot_bytes(ctl.rest_url)
+        snapshot_bytes, snapshot_ms = _snapshot_bytes(ctl.rest_url)
         arrivals = HealthArrivals(etcd, node)
         channel = grpc.insecure_channel(agent_address)
         with chromium({"width": 1600, "height": 1000}, bypass_csp=True) as context:
@@ -206,7 +207,7 @@ def main() -> int:
     print(json.dumps({
         "racks": RACKS, "gpus": RACKS * TP,
         "first_paint_ms": round(statistics.median(paints), 1), "first_paint_max_ms": round(max(paints), 1),
-        "dom_nodes": dom, "snapshot_bytes": snapshot_bytes,
+        "dom_nodes": dom, "snapshot_bytes": snapshot_bytes, "snapshot_ms": round(snapshot_ms, 1),
         "failure_to_pixel_p50_ms": round(pixel_p50, 1), "failure_to_pixel_max_ms": round(max(to_pixel), 1),
         "agent_inject_to_etcd_p50_ms": round(etcd_p50, 1),
         "pixel_vs_agent_ratio": round(pixel_p50 / etcd_p50, 2) if etcd_p50 > 0 else None,
@@ -215,15 +216,17 @@ def main() -> int:
     return 0
 
 
-def _snapshot_bytes(url: str) -> int:
-    """The stream's first message (the snapshot), read as a client would."""
+def _snapshot_bytes(url: str) -> tuple[int, float]:
+    """The stream's first message (the snapshot), read as a client would: its size and
+    the milliseconds from the request to its last byte."""
+    start = time.perf_counter()
     with httpx.stream("GET", url + "/v1/console/stream", headers={"Authorization": f"Bearer {TOKEN}"},
                       timeout=30) as r:
         buf = b""
         for chunk in r.iter_bytes():
             buf += chunk
             if b"\n\n" in buf:
-                return len(buf.split(b"\n\n", 1)[0])
+                return len(buf.split(b"\n\n", 1)[0]), (time.perf_counter() - start) * 1000
     raise RuntimeError("the stream ended before its snapshot")
 
 

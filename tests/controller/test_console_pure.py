@@ -130,3 +130,25 @@ def test_rack_codes_follow_the_planners_gpu_states_and_caps_skip_tdp():
     assert out["nodes"] == ["r-n00", "r-n01"] and out["gpn"] == 2 and out["tdp"] == 700.0
     snap.health["r-n00"].gpus[1].state = types_pb2.GPU_DEGRADED
     assert render.render_rack(rack, convert.cluster_state(snap), {})["s"] == "dgff"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_rack_codes_equal_the_planners_status_of_every_gpu(data):
+    """The per-node fast path gives what ClusterState.status says for each GPU."""
+    nodes, gpn = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 4))
+    rack = synthetic.rack("r", nodes_per_rack=nodes, gpus_per_node=gpn)
+    live = data.draw(st.sets(st.sampled_from(list(rack.nodes))))
+    snap = Snapshot(racks={"r": rack}, nodes={n: synthetic.node(n, "r", gpn) for n in live})
+    for n in rack.nodes:
+        states = data.draw(st.lists(st.sampled_from([types_pb2.GPU_HEALTHY, types_pb2.GPU_DEGRADED,
+                                                     types_pb2.GPU_FAILED]), min_size=gpn, max_size=gpn))
+        if data.draw(st.booleans()):
+            snap.health[n] = types_pb2.NodeHealth(node=n, gpus=[types_pb2.GpuHealth(index=i, state=s)
+                                                                for i, s in enumerate(states)])
+        for i in data.draw(st.sets(st.integers(0, gpn - 1))):
+            snap.gpu_overrides[(n, i)] = types_pb2.GpuOverride(gpu=types_pb2.GpuRef(node=n, index=i), drained=True)
+    state = convert.cluster_state(snap, racks={})
+    expected = "".join(render.STATE_CODE[state.status(g)] for g in render.rack_gpus(rack))
+    assert render.rack_codes(rack, state, render.unhealthy_by_node(state)) == expected
+    assert render.render_rack(rack, state, {})["s"] == expected

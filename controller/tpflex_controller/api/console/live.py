@@ -34,8 +34,10 @@ class ConsoleView:
         snap = self.reads.cluster()
         self.node_rack = {n: r.name for r in snap.racks.values() for n in r.nodes}
         self.caps = self._plan_caps()
-        state = convert.cluster_state(snap)
-        racks = [render.render_rack(snap.racks[name], state, self.caps) for name in sorted(snap.racks)]
+        state = convert.cluster_state(snap, racks={})  # GPU states only: no rack infos needed
+        unhealthy = render.unhealthy_by_node(state)
+        racks = [render.render_rack(snap.racks[name], state, self.caps, unhealthy)
+                 for name in sorted(snap.racks)]
         events = self.reads.events(EVENTS_SHOWN)
         self.last_event = events[-1].seq if events else 0
         self.jobs_sent = self._jobs()
@@ -115,7 +117,7 @@ class ConsoleView:
         for name in sorted(names):
             snap = self.reads.rack_cluster(name)
             if snap is not None:
-                state = convert.cluster_state(snap)
+                state = convert.cluster_state(snap, racks={})
                 out.append(render.render_rack(snap.racks[name], state, self.caps))
         return out
 
