@@ -7,12 +7,13 @@ PIP := $(BIN)/pip
 STAMP := $(VENV)/.tpflex-installed
 PROTO_SRC := $(wildcard proto/tpflex_proto/*.proto)
 PROTO_OUT := proto/tpflex_proto/types_pb2.py
-PYPROJECTS := proto/pyproject.toml controller/pyproject.toml agent/pyproject.toml trainer_hooks/pyproject.toml tests/requirements.txt
+PYPROJECTS := proto/pyproject.toml controller/pyproject.toml agent/pyproject.toml trainer_hooks/pyproject.toml tests/requirements.txt constraints.txt
+CHROMIUM := /usr/bin/chromium
 FAKE_NVML := agent/fake_nvml/build/libnvidia-ml.so.1
 PYTEST_ARGS ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install proto test demo bench lint fake-nvml clean
+.PHONY: help install proto test demo bench lint fake-nvml clean screenshot
 
 DIST ?= dist
 COMPONENTS := proto controller agent trainer_hooks
@@ -20,18 +21,18 @@ COMPONENTS := proto controller agent trainer_hooks
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-install: $(STAMP) $(PROTO_OUT) ## install etcd-server (apt), the venv and every component (idempotent)
+install: $(STAMP) $(PROTO_OUT) ## install etcd-server, prometheus, chromium (apt), the venv and every component (idempotent)
 
 $(STAMP): $(PYPROJECTS)
-	@{ command -v etcd && command -v promtool; } >/dev/null || { \
-	  echo "installing Debian's etcd-server and prometheus (promtool)"; \
+	@{ command -v etcd && command -v promtool && test -x $(CHROMIUM); } >/dev/null || { \
+	  echo "installing Debian's etcd-server, prometheus (promtool) and chromium (tests/ui)"; \
 	  SUDO=$$( [ $$(id -u) -eq 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
-	    etcd-server prometheus >/dev/null; }
+	    etcd-server prometheus chromium >/dev/null; }
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -r tests/requirements.txt \
+	$(PIP) install -q -c constraints.txt torch
+	$(PIP) install -q -c constraints.txt -r tests/requirements.txt \
 	  -e 'proto[etcd,dev]' -e 'controller[sim]' -e agent -e 'trainer_hooks[demo]'
 	@touch $@
 
@@ -68,7 +69,10 @@ demo: install ## run the end-to-end demo: fail a GPU, re-plan, reshard, repair
 bench: install fake-nvml ## run every benchmark in bench/ (one JSON line each)
 	@for b in bench/*.py; do echo "# $$b" >&2; PYTHONPATH=. $(BIN)/python $$b || exit 1; done
 
-lint: install ## ruff
+screenshot: install ## the console screenshot of the README and docs/console.md (docs/img/console.png)
+	PYTHONPATH=. $(BIN)/python -m tests.ui.screenshot docs/img/console.png
+
+lint: install ## ruff (pinned in tests/requirements.txt); .ci/run runs it before the tests
 	$(BIN)/ruff check --line-length 100 --target-version py311 \
 	  --select E,F,W,I,B,UP --ignore E501,B008 --exclude '*_pb2*.py' \
 	  proto controller agent trainer_hooks tests bench

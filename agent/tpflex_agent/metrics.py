@@ -5,6 +5,7 @@ Names and their dcgm-exporter equivalents are listed in docs/agent.md.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -17,6 +18,10 @@ from .core import AgentCore
 from .errors import GpuError
 from .settings import MetricsSection
 
+# GPU series carry dcgm-exporter's own label names, so that they join with DCGM_FI_* series
+# on ``UUID`` (or ``Hostname`` + ``gpu``) without label_replace (docs/metrics.md)
+GPU_LABELS = ("node", "gpu", "UUID", "Hostname")
+
 HEALTH_STATES = {types_pb2.GPU_HEALTHY: "healthy", types_pb2.GPU_DEGRADED: "degraded",
                  types_pb2.GPU_FAILED: "failed"}
 
@@ -25,8 +30,9 @@ class AgentCollector(Collector):
     def __init__(self, core: AgentCore, registered=None) -> None:
         self.core = core
         self._registered = registered  # a threading.Event, or None when standalone
+        self.hostname = socket.gethostname()  # what dcgm-exporter on this host reports
 
-    def _gauge(self, name: str, doc: str, labels=("node", "gpu", "uuid")) -> GaugeMetricFamily:
+    def _gauge(self, name: str, doc: str, labels=GPU_LABELS) -> GaugeMetricFamily:
         return GaugeMetricFamily(name, doc, labels=list(labels))
 
     def collect(self) -> Iterator:
@@ -43,10 +49,10 @@ class AgentCollector(Collector):
             "speed": self._gauge("tpflex_gpu_relative_speed_ratio", "Speed relative to a healthy GPU at the same cap."),
         }
         throttle = self._gauge("tpflex_gpu_throttle_active", "1 while a throttle reason is active.",
-                               ("node", "gpu", "uuid", "reason"))
+                               (*GPU_LABELS, "reason"))
         readable = self._gauge("tpflex_gpu_readable", "1 when the last read of the GPU succeeded.")
         for d in devices:
-            labels = [self.core.node, str(d.index), d.uuid]
+            labels = [self.core.node, str(d.index), d.uuid, self.hostname]
             g["default"].add_metric(labels, d.default_limit_w)
             g["min"].add_metric(labels, d.min_limit_w)
             g["max"].add_metric(labels, d.max_limit_w)
@@ -72,13 +78,13 @@ class AgentCollector(Collector):
 
     def _health(self, devices) -> Iterator:
         state = self._gauge("tpflex_gpu_health_state", "1 for the GPU's current health state.",
-                            ("node", "gpu", "uuid", "state"))
+                            (*GPU_LABELS, "state"))
         xids = CounterMetricFamily("tpflex_gpu_xid_errors", "XID events seen since agent start.",
-                                   labels=["node", "gpu", "uuid"])
+                                   labels=list(GPU_LABELS))
         states = self.core.monitor.gpu_states()
         counts = dict(self.core.monitor.xid_counts)
         for d in devices:
-            labels = [self.core.node, str(d.index), d.uuid]
+            labels = [self.core.node, str(d.index), d.uuid, self.hostname]
             current = states[d.index].state if d.index in states else None
             for value, name in HEALTH_STATES.items():
                 state.add_metric(labels + [name], 1 if current == value else 0)

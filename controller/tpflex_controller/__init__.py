@@ -1,4 +1,9 @@
 """tpflex controller: etcd-backed cluster state, the NTP planner, leader election,
 the reconcile loop, the REST API, metrics, `tpflexctl` and `tpflex-sim`."""
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("tpflex-controller")  # from the git tags at build time (setuptools-scm)
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"

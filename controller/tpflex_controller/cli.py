@@ -1,8 +1,10 @@
 """``tpflexctl``: a command-line client of the controller's REST API.
 
 Human tables by default, ``--json`` for the raw response. Exit codes: 0 ok; 2 usage
-errors and HTTP 4xx (the server's message is printed); 1 connection failures and 5xx.
-Stdlib only (urllib), so it starts fast and needs nothing beyond the controller package.
+errors and HTTP 4xx (the server's message is printed); 1 connection failures and 5xx;
+130 on Ctrl-C (how ``--watch`` ends). HTTP through httpx (``cli_http``), ``--cacert`` for
+a private CA, lists read page by page, ``--watch`` follows the console's live stream
+(``cli_watch``), ``tpflexctl completion bash|zsh`` prints a completion script.
 """
 
 from __future__ import annotations
@@ -12,63 +14,16 @@ import json
 import os
 import sys
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Callable, Sequence
+
+from tpflex_controller import cli_watch
+from tpflex_controller.cli_http import Client, CliError
 
 DEFAULT_URL = "http://127.0.0.1:8470"  # the controller's default rest.listen
 
 
-class CliError(Exception):
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-# ---- HTTP ----
-
-
-class Client:
-    def __init__(self, url: str, token: str | None, timeout: float) -> None:
-        parsed = urllib.parse.urlsplit(url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise CliError(f"invalid --url {url!r}: expected http(s)://host:port", 2)
-        self.base = url.rstrip("/")
-        self.token = token
-        self.timeout = timeout
-
-    def call(self, method: str, path: str, body: dict | None = None, query: dict | None = None):
-        url = self.base + path
-        if query:
-            url += "?" + urllib.parse.urlencode({k: v for k, v in query.items() if v is not None})
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(url, data=data, method=method)
-        req.add_header("Accept", "application/json")
-        if data is not None:
-            req.add_header("Content-Type", "application/json")
-        if self.token:
-            req.add_header("Authorization", f"Bearer {self.token}")
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
-                return json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            raise _http_error(exc) from None
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise CliError(f"cannot reach the tpflex controller at {self.base}: {reason}", 1) from None
-        except ValueError as exc:
-            raise CliError(f"the server at {self.base} sent a response that is not JSON: {exc}", 1) from None
-
-
-def _http_error(exc: urllib.error.HTTPError) -> CliError:
-    raw = exc.read() or b""
-    try:
-        err = json.loads(raw)["error"]
-        message = f"{err['message']} (HTTP {exc.code} {err['code']})"
-    except (ValueError, KeyError, TypeError):
-        message = f"HTTP {exc.code}: {raw[:200].decode(errors='replace') or exc.reason}"
-    return CliError(message, 2 if 400 <= exc.code < 500 else 1)
+# ---- HTTP (cli_http) ----
 
 
 def _read_token(path: str | None) -> str | None:
@@ -95,9 +50,10 @@ def _ratio(x: float | None) -> str:
     return f"{x:.3f}" if x is not None else "-"
 
 
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], widths: Sequence[int] = ()) -> str:
     cells = [[str(c) for c in r] for r in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    least = list(widths) or [0] * len(headers)
+    widths = [max([len(h), least[i]] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)).rstrip()]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     return "\n".join(lines)
@@ -195,8 +151,16 @@ def show_history(d: dict) -> str:
 
 
 def show_events(d: dict) -> str:
-    rows = [[e["seq"], _ts(e["at"]), e["kind"], e["job"] or "-", e["generation"] or "-", e["cause"] or "-"] for e in d["events"]]
-    return table(["SEQ", "AT", "KIND", "JOB", "GEN", "CAUSE"], rows)
+    return show_event_rows(d["events"])
+
+
+def show_event_rows(events: list, header: bool = True) -> str:
+    rows = [[e["seq"], _ts(e["at"]), e["kind"], e["job"] or "-", e["generation"] or "-", e["cause"] or "-"] for e in events]
+    out = table(["SEQ", "AT", "KIND", "JOB", "GEN", "CAUSE"], rows, widths=_EVENT_WIDTHS)
+    return out if header else out.split("\n", 1)[1]
+
+
+_EVENT_WIDTHS = [6, 19, 14, 16, 5, 0]  # fixed under --watch, so that later rows line up
 
 
 def show_drain(d: dict) -> str:
@@ -249,6 +213,8 @@ Command = Callable[[Client, argparse.Namespace], tuple[object, Callable[[object]
 
 
 def _run_plan(c: Client, a: argparse.Namespace):
+    if a.watch:
+        return _watch(lambda: cli_watch.watch_plan(c, a.job, _render(a, show_plan), _out, cli_watch.print_err))
     if a.history:
         return c.call("GET", f"/v1/jobs/{_q(a.job)}/plans", query={"limit": a.limit}), show_history
     return c.call("GET", f"/v1/jobs/{_q(a.job)}/plan"), show_plan
@@ -278,14 +244,45 @@ def _run_set_spec(c: Client, a: argparse.Namespace):
         f"job {d['job']}: spec {'changed' if d['changed'] else 'unchanged'}. {d['note']}")
 
 
+def _out(text: str) -> None:
+    print(text, flush=True)
+
+
+def _render(a: argparse.Namespace, show: Callable[[object], str]) -> Callable[[object], str]:
+    return (lambda d: json.dumps(d)) if a.json else show
+
+
+def _watch(follow: Callable[[], None]):
+    """Run a --watch loop; its output is already printed (nothing left to render)."""
+    follow()
+    return None, None
+
+
+def _list(path: str, show, query: Callable[[argparse.Namespace], dict] = lambda a: {}) -> Command:
+    """A paginated list: every page (or --limit items after --after); the next cursor on stderr."""
+    def run(c: Client, a: argparse.Namespace):
+        items, cursor = c.pages(path, query(a), a.limit, a.after)
+        if cursor is not None and a.limit is not None:
+            print(f"tpflexctl: more items follow; next page: --after {cursor}", file=sys.stderr)
+        return items, show
+    return run
+
+
+def _run_events(c: Client, a: argparse.Namespace):
+    if a.watch:
+        rows = (lambda evs, header=True: "\n".join(json.dumps(e) for e in evs)) if a.json else show_event_rows
+        return _watch(lambda: cli_watch.watch_events(c, a, rows, _out, cli_watch.print_err))
+    return c.call("GET", "/v1/events", query={"limit": a.limit, "job": a.job}), show_events
+
+
 COMMANDS: dict[str, Command] = {
     "status": lambda c, a: (c.call("GET", "/v1/status"), show_status),
-    "racks": lambda c, a: (c.call("GET", "/v1/racks"), show_racks),
-    "nodes": lambda c, a: (c.call("GET", "/v1/nodes"), show_nodes),
-    "gpus": lambda c, a: (c.call("GET", "/v1/gpus", query={"state": a.state, "rack": a.rack}), show_gpus),
-    "jobs": lambda c, a: (c.call("GET", "/v1/jobs"), show_jobs),
+    "racks": _list("/v1/racks", show_racks),
+    "nodes": _list("/v1/nodes", show_nodes),
+    "gpus": _list("/v1/gpus", show_gpus, lambda a: {"state": a.state, "rack": a.rack}),
+    "jobs": _list("/v1/jobs", show_jobs),
     "plan": _run_plan,
-    "events": lambda c, a: (c.call("GET", "/v1/events", query={"limit": a.limit, "job": a.job}), show_events),
+    "events": _run_events,
     "drain": lambda c, a: (c.call("POST", _gpu_path(a, "drain"), {"reason": a.reason}), show_drain),
     "undrain": lambda c, a: (c.call("POST", _gpu_path(a, "undrain")), show_drain),
     "reconfigure": _run_reconfigure,
@@ -304,23 +301,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"controller REST URL (env TPFLEX_URL; default {DEFAULT_URL})")
     p.add_argument("--token-file", default=os.environ.get("TPFLEX_TOKEN_FILE"),
                    help="file holding the bearer token (env TPFLEX_TOKEN_FILE)")
+    p.add_argument("--cacert", default=os.environ.get("TPFLEX_CACERT"),
+                   help="CA certificate (PEM) that signed the controller's HTTPS certificate "
+                        "(env TPFLEX_CACERT; default: the system's CAs)")
     p.add_argument("--json", action="store_true", help="print the raw JSON response")
-    p.add_argument("--timeout", type=float, default=10.0, help="request timeout in seconds")
+    p.add_argument("--timeout", type=_positive, default=10.0, help="request timeout in seconds")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("status", help="leader, GPU counts, jobs")
-    sub.add_parser("racks", help="list racks")
-    sub.add_parser("nodes", help="list nodes")
-    g = sub.add_parser("gpus", help="list GPUs with health")
+    _paged(sub.add_parser("racks", help="list racks"))
+    _paged(sub.add_parser("nodes", help="list nodes"))
+    g = _paged(sub.add_parser("gpus", help="list GPUs with health"))
     g.add_argument("--state", choices=["healthy", "degraded", "failed", "drained"])
     g.add_argument("--rack")
-    sub.add_parser("jobs", help="list jobs with their current plan")
+    _paged(sub.add_parser("jobs", help="list jobs with their current plan"))
     pl = sub.add_parser("plan", help="a job's current plan (or its history)")
     pl.add_argument("job")
-    pl.add_argument("--history", action="store_true")
-    pl.add_argument("--limit", type=int, default=100)
+    how = pl.add_mutually_exclusive_group()
+    how.add_argument("--history", action="store_true")
+    how.add_argument("--watch", action="store_true", help="print each new generation as it is committed")
+    pl.add_argument("--limit", type=_count, default=100)
     ev = sub.add_parser("events", help="latest controller decisions")
-    ev.add_argument("--limit", type=int, default=50)
+    ev.add_argument("--limit", type=_count, default=50)
     ev.add_argument("--job")
+    ev.add_argument("--watch", action="store_true", help="then print each new decision as it happens")
+    c = sub.add_parser("completion", help="print a shell completion script")
+    c.add_argument("shell", choices=["bash", "zsh"])
     d = sub.add_parser("drain", help="take a GPU out of every plan")
     d.add_argument("node")
     d.add_argument("gpu", type=int)
@@ -347,19 +352,51 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _count(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= 10_000:
+        raise argparse.ArgumentTypeError(f"expected a count from 1 to 10000, got {text!r}")
+    return int(text)
+
+
+def _positive(text: str) -> float:
     try:
-        args = build_parser().parse_args(argv)
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 3600:
+        raise argparse.ArgumentTypeError(f"expected seconds in (0, 3600], got {text!r}")
+    return value
+
+
+def _paged(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--limit", type=_count, help="at most this many items (default: all, read page by page)")
+    p.add_argument("--after", help="start after this cursor (printed when more items follow)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse printed the usage error (or --help)
         return exc.code if isinstance(exc.code, int) else 2
+    if args.command == "completion":
+        print(cli_watch.completion(parser, args.shell))
+        return 0
+    client = None
     try:
-        client = Client(args.url, _read_token(args.token_file), args.timeout)
+        client = Client(args.url, _read_token(args.token_file), args.timeout, args.cacert)
         data, render = COMMANDS[args.command](client, args)
     except CliError as exc:
         print(f"tpflexctl: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    finally:
+        if client is not None:
+            client.close()
+    if render is None:
+        return 0
     try:
         print(json.dumps(data, indent=2) if args.json else render(data))
     except (KeyError, TypeError, AttributeError) as exc:

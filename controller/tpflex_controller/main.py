@@ -148,6 +148,7 @@ def _start_rest(
         ssl_certfile=s.rest.tls_cert_file or None,
         ssl_keyfile=s.rest.tls_key_file or None,
         lifespan="off",
+        timeout_graceful_shutdown=2,  # open console streams never end by themselves
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rest", daemon=True)

@@ -38,7 +38,7 @@ class ControllerMetrics:
         self.replica_tp_degree = Gauge(
             "tpflex_replica_tp_degree",
             "Planned TP degree of a job's replica (0 = dropped)",
-            ["job", "replica"],
+            ["training_job", "replica"],
             registry=registry,
         )
         self.rack_healthy_gpus = Gauge(
@@ -54,12 +54,12 @@ class ControllerMetrics:
             registry=registry,
         )
         self.plan_generation = Gauge(
-            "tpflex_plan_generation", "Current plan generation of a job", ["job"], registry=registry
+            "tpflex_plan_generation", "Current plan generation of a job", ["training_job"], registry=registry
         )
         self.reconfigurations = Counter(
             "tpflex_reconfigurations_total",
             "Plan generations committed by this controller, by cause",
-            ["job", "cause"],
+            ["training_job", "cause"],
             registry=registry,
         )
         self.reconfiguration_seconds = Histogram(
@@ -72,7 +72,7 @@ class ControllerMetrics:
         self.expected_throughput_ratio = Gauge(
             "tpflex_job_expected_throughput_ratio",
             "Planned job throughput vs the failure-free job",
-            ["job"],
+            ["training_job"],
             registry=registry,
         )
         self.is_leader = Gauge(
@@ -89,7 +89,7 @@ class ControllerMetrics:
             "tpflex_job_suspended_pins",
             "Operator TP pins of the job that cannot hold now (a failed or drained GPU, a changed"
             " spec): the current plan ignores them",
-            ["job"],
+            ["training_job"],
             registry=registry,
         )
         self.unplannable_jobs = Gauge(
@@ -103,13 +103,13 @@ class ControllerMetrics:
 
     def job_seen(self, job: str, replicas: int) -> None:
         """Pre-create a job's bounded label sets at zero."""
-        self.plan_generation.labels(job=job)
-        self.expected_throughput_ratio.labels(job=job)
-        self.suspended_pins.labels(job=job)
+        self.plan_generation.labels(training_job=job)
+        self.expected_throughput_ratio.labels(training_job=job)
+        self.suspended_pins.labels(training_job=job)
         for cause in CAUSES:
-            self.reconfigurations.labels(job=job, cause=cause)
+            self.reconfigurations.labels(training_job=job, cause=cause)
         for r in range(replicas):
-            self.replica_tp_degree.labels(job=job, replica=str(r))
+            self.replica_tp_degree.labels(training_job=job, replica=str(r))
 
     def job_gone(self, job: str, replicas: int) -> None:
         for gauge in (self.plan_generation, self.expected_throughput_ratio, self.suspended_pins):
@@ -123,11 +123,11 @@ class ControllerMetrics:
         self, job: str, generation: int, ratio: float, degrees: Iterable[tuple[int, int]],
         suspended_pins: int = 0,
     ) -> None:
-        self.plan_generation.labels(job=job).set(generation)
-        self.expected_throughput_ratio.labels(job=job).set(ratio)
-        self.suspended_pins.labels(job=job).set(suspended_pins)
+        self.plan_generation.labels(training_job=job).set(generation)
+        self.expected_throughput_ratio.labels(training_job=job).set(ratio)
+        self.suspended_pins.labels(training_job=job).set(suspended_pins)
         for replica, degree in degrees:
-            self.replica_tp_degree.labels(job=job, replica=str(replica)).set(degree)
+            self.replica_tp_degree.labels(training_job=job, replica=str(replica)).set(degree)
 
     def plan_proto_observed(self, job: str, plan) -> None:
         """A stored ``types_pb2.Plan`` (any replica follows the plans in etcd)."""

@@ -368,7 +368,7 @@ class Reconciler:
         self.view.record_commit(p, commit, power, rev)
         for node, np in power.items():
             self.metrics.node_power_observed(node, np)
-        self.metrics.reconfigurations.labels(job=p.job, cause=p.cause).inc()
+        self.metrics.reconfigurations.labels(training_job=p.job, cause=p.cause).inc()
         degrees = changed_degrees(p)
         ratio = p.result.expected_throughput_ratio
         self.metrics.plan_observed(p.job, commit.generation, ratio, degrees, len(p.result.suspended_pins))

@@ -132,7 +132,7 @@ class StepStats:
 
 class GoodputCollector:
     """Prometheus collector reading the step window at scrape time:
-    ``tpflex_job_achieved_samples_per_second{job}``."""
+    ``tpflex_job_achieved_samples_per_second{training_job}``."""
 
     def __init__(self, steps: StepStats) -> None:
         self.steps = steps
@@ -143,12 +143,12 @@ class GoodputCollector:
         family = GaugeMetricFamily(
             "tpflex_job_achieved_samples_per_second",
             "Samples per second the job achieved over its recent step reports (0 once they stop)",
-            labels=["job"],
+            labels=["training_job"],
         )
         ratio = GaugeMetricFamily(
             "tpflex_job_goodput_ratio",
             "Achieved over failure-free samples/s, in [0, 1] (see docs/metrics.md)",
-            labels=["job"],
+            labels=["training_job"],
         )
         for job in sorted(self.steps.jobs()):
             goodput = self.steps.goodput(job)  # one reading: the same figures as REST

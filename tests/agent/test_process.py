@@ -3,11 +3,13 @@ re-applied on restart, graceful SIGTERM, and the NVML backend over the fake libr
 
 from __future__ import annotations
 
+import socket
 import threading
 import urllib.request
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, types_pb2
 
 from tests.agent.support import AgentProcess, FakeNvml, build_fake_nvml, wait_until
@@ -124,8 +126,16 @@ def test_nvml_agent_process_on_the_fake_library(etcd_server, etcd, tmp_path):
             w.cancel()
         with urllib.request.urlopen(f"http://127.0.0.1:{a.metrics_port}/metrics", timeout=5) as r:
             text = r.read().decode()
-        assert 'tpflex_gpu_health_state{gpu="0",node="g1",state="failed",uuid="GPU-fake-0000"} 1.0' in text
-        assert 'tpflex_gpu_xid_errors_total{gpu="0",node="g1",uuid="GPU-fake-0000"} 1.0' in text
-        assert 'tpflex_gpu_power_limit_watts{gpu="1",node="g1",uuid="GPU-fake-0001"} 700.0' in text
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                   for f in text_string_to_metric_families(text) for s in f.samples}
+
+        def gpu(index: int, **extra) -> tuple:  # dcgm-exporter's label names: gpu, UUID, Hostname
+            labels = {"gpu": str(index), "node": "g1", "UUID": f"GPU-fake-000{index}",
+                      "Hostname": socket.gethostname(), **extra}
+            return tuple(sorted(labels.items()))
+
+        assert samples[("tpflex_gpu_health_state", gpu(0, state="failed"))] == 1.0
+        assert samples[("tpflex_gpu_xid_errors_total", gpu(0))] == 1.0
+        assert samples[("tpflex_gpu_power_limit_watts", gpu(1))] == 700.0
         assert "tpflex_agent_registered 1.0" in text and "tpflex_agent_power_plan_generation 2.0" in text
         assert a.terminate() == 0, a.stderr()

@@ -22,22 +22,22 @@ def test_metrics_follow_a_gpu_failure(etcd_server, etcd):
         value = ctl.registry.get_sample_value
         watcher.wait_generation(1)
         for cause in CAUSES:  # pre-created at zero
-            assert value("tpflex_reconfigurations_total", {"job": "job1", "cause": cause}) is not None
+            assert value("tpflex_reconfigurations_total", {"training_job": "job1", "cause": cause}) is not None
         fail_gpu(etcd, "rack1-n00", 2, {1})
         plan = watcher.wait_generation(2)
         assert value("tpflex_controller_is_leader") == 1.0
         # the loop updates metrics right after its commit, which the watcher may see first
         eventually(lambda: value("tpflex_reconfiguration_seconds_count", {"phase": "committed"}) == 2.0)
-        assert value("tpflex_plan_generation", {"job": "job1"}) == 2.0
-        assert value("tpflex_replica_tp_degree", {"job": "job1", "replica": "1"}) == 3.0
-        assert value("tpflex_replica_tp_degree", {"job": "job1", "replica": "0"}) == 4.0
+        assert value("tpflex_plan_generation", {"training_job": "job1"}) == 2.0
+        assert value("tpflex_replica_tp_degree", {"training_job": "job1", "replica": "1"}) == 3.0
+        assert value("tpflex_replica_tp_degree", {"training_job": "job1", "replica": "0"}) == 4.0
         assert value("tpflex_rack_healthy_gpus", {"rack": "rack1"}) == 3.0
         assert value("tpflex_rack_healthy_gpus", {"rack": "rack0"}) == 4.0
-        assert value("tpflex_job_expected_throughput_ratio", {"job": "job1"}) == pytest.approx(
+        assert value("tpflex_job_expected_throughput_ratio", {"training_job": "job1"}) == pytest.approx(
             plan.expected_throughput_ratio
         )
-        assert value("tpflex_reconfigurations_total", {"job": "job1", "cause": "gpu_failed"}) == 1.0
-        assert value("tpflex_reconfigurations_total", {"job": "job1", "cause": "drain"}) == 0.0
+        assert value("tpflex_reconfigurations_total", {"training_job": "job1", "cause": "gpu_failed"}) == 1.0
+        assert value("tpflex_reconfigurations_total", {"training_job": "job1", "cause": "drain"}) == 0.0
         boosted = {(c.gpu.node, c.gpu.index): c.cap_w for c in plan.power_caps}
         assert value("tpflex_gpu_power_cap_watts", {"node": "rack1-n01", "gpu": "0"}) == boosted[("rack1-n01", 0)]
     assert value("tpflex_controller_is_leader") == 0.0
@@ -55,3 +55,21 @@ def test_exposition_passes_promtool_lint():
     out = subprocess.run(["promtool", "check", "metrics"], input=generate_latest(registry),
                          capture_output=True, timeout=30)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_no_series_has_a_label_named_job():
+    """Prometheus owns ``job`` (the scrape target): the training job is ``training_job``,
+    so the scrape config needs no honor_labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from tpflex_controller.steps import GoodputCollector, StepStats
+
+    registry = CollectorRegistry()
+    m = ControllerMetrics(registry)
+    steps = StepStats()
+    registry.register(GoodputCollector(steps))
+    m.job_seen("j", 2)
+    m.plan_observed("j", 3, 0.97, [(0, 4), (1, 3)])
+    m.reconfigurations.labels(training_job="j", cause="drain").inc()
+    samples = [s for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples]
+    assert {s.labels.get("training_job") for s in samples if s.name.startswith("tpflex_plan_generation")} == {"j"}
+    assert not [s for s in samples if "job" in s.labels]

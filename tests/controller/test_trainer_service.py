@@ -141,7 +141,7 @@ def test_report_step_feeds_the_goodput_window(etcd, trainer):
     registry = CollectorRegistry()
     registry.register(GoodputCollector(steps))
     assert registry.get_sample_value(
-        "tpflex_job_achieved_samples_per_second", {"job": "j"}
+        "tpflex_job_achieved_samples_per_second", {"training_job": "j"}
     ) == pytest.approx(24.0)
     code, _ = _code(lambda: stub.ReportStep(controller_pb2.StepReport(job="j", step_seconds=0), timeout=5))
     assert code == grpc.StatusCode.INVALID_ARGUMENT

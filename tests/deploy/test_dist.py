@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import zipfile
 
+from packaging.requirements import Requirement
+
 from tests.deploy.tools import REPO
 
 PACKAGES = {
@@ -32,3 +34,48 @@ def test_make_dist_builds_a_wheel_per_component(tmp_path):
             assert (REPO / PACKAGES[package] / name).is_file(), f"{wheel.name}: {name} is not in the source tree"
         if package == "tpflex_proto":  # generated code and the shared TLS helpers are shipped
             assert {"tpflex_proto/types_pb2.py", "tpflex_proto/agent_pb2_grpc.py", "tpflex_proto/tls.py"} <= set(modules)
+
+
+def _metadata(wheel) -> list[str]:
+    with zipfile.ZipFile(wheel) as z:
+        name = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        return z.read(name).decode().splitlines()
+
+
+def test_wheels_declare_ranges_a_license_and_a_version_from_git(tmp_path):
+    """Operators install the wheels beside their own stack (the trainer into an NGC or
+    Megatron image with its own torch): dependencies are ranges, exact pins live only in
+    constraints.txt; the version comes from git (setuptools-scm), the license is Apache-2.0."""
+    out = tmp_path / "dist"
+    result = subprocess.run(["make", "-s", "dist", f"DIST={out}"], cwd=REPO, capture_output=True,
+                            text=True, timeout=110)
+    assert result.returncode == 0, result.stdout + result.stderr
+    describe = subprocess.run(["git", "describe", "--tags", "--always"], cwd=REPO, capture_output=True,
+                              text=True).stdout.strip()
+    versions = set()
+    for wheel in sorted(out.glob("*.whl")):
+        meta = _metadata(wheel)
+        requires = [ln.split(":", 1)[1].strip() for ln in meta if ln.startswith("Requires-Dist:")]
+        assert requires, wheel.name
+        specs = {r: {s.operator for s in Requirement(r).specifier} for r in requires}
+        pinned = [r for r, ops in specs.items() if ops & {"==", "==="}]
+        assert pinned == [], f"{wheel.name} pins exact versions: {pinned}"
+        unbounded_below = [r for r, ops in specs.items() if not ops & {">=", ">", "~="}]
+        assert unbounded_below == [], f"{wheel.name} has no lower bound for: {unbounded_below}"
+        assert "License-Expression: Apache-2.0" in meta, wheel.name
+        with zipfile.ZipFile(wheel) as z:
+            assert any(n.endswith("licenses/LICENSE") for n in z.namelist()), wheel.name
+        versions.add(next(ln.split(":", 1)[1].strip() for ln in meta if ln.startswith("Version:")))
+    assert len(versions) == 1, versions  # the four components are released together
+    version = versions.pop()
+    assert version not in ("0.0.0", "0+unknown"), version
+    if describe.startswith("v") and "-" not in describe:  # on a tag: exactly its version
+        assert version == describe[1:].split("-")[0]
+    trainer = _metadata(next(out.glob("tpflex_trainer-*.whl")))
+    torch = [ln for ln in trainer if ln.startswith("Requires-Dist: torch")]
+    assert torch and "2.13.0" not in torch[0], torch  # any recent torch, not the dev pin
+    constraints = (REPO / "constraints.txt").read_text()
+    assert "torch==2.13.0" in constraints
+    with zipfile.ZipFile(next(out.glob("tpflex_controller-*.whl"))) as z:  # the console ships
+        static = {n.rsplit("/", 1)[1] for n in z.namelist() if "/api/console/static/" in n}
+    assert static == {"index.html", "console.js", "console-map.js", "console-actions.js", "console.css"}

@@ -104,3 +104,15 @@ def test_metrics_marked_as_exported_are_in_the_service_code():
         assert metric["status"] in {"issue-2", "agent", "assumed"}, metric["name"]
         if metric["status"] != "assumed":
             assert f'"{metric["name"]}"' in sources[metric["exported_by"]].read_text(), metric["name"]
+
+
+def test_scrape_config_needs_no_honor_labels_and_the_catalog_has_no_job_label():
+    """The controller names the training job ``training_job``: Prometheus' own ``job``
+    target label survives every scrape (no honor_labels), and no tpflex metric declares a
+    label that a scrape would overwrite."""
+    assert "honor_labels" not in (PROM / "prometheus.yml").read_text()
+    catalog = tomllib.loads((PROM / "metrics.toml").read_text())["metric"]
+    for m in catalog:
+        assert not {"job", "instance"} & set(m["labels"]), m["name"]
+    gpu_series = [m for m in catalog if m.get("exported_by") == "agent" and "gpu" in m["labels"]]
+    assert gpu_series and all({"gpu", "UUID", "Hostname"} <= set(m["labels"]) for m in gpu_series)

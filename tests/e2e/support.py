@@ -2,31 +2,22 @@
 
 from __future__ import annotations
 
-import random
 import threading
 
 from tpflex_proto import codec
 from tpflex_proto.etcd import Etcd
-from tpflex_trainer.demo.cluster import DemoPorts, PortsTaken, check_ports_free
 from tpflex_trainer.demo.data import global_batch
 from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_MODEL, DEMO_SEED
 from tpflex_trainer.ntp.reference import reference_losses
 
+from tests.support import ports
+
 N_AGENTS = 2
 
 
-def free_base_port(tries: int = 50) -> int:
-    """A base port whose whole demo range is free, below the ephemeral range (where
-    gloo's and gRPC's client sockets could take a port between the check and the bind)."""
-    rng = random.Random()
-    for _ in range(tries):
-        base = rng.randrange(20000, 32000, 20)
-        try:
-            check_ports_free(DemoPorts(base).all(N_AGENTS))
-            return base
-        except PortsTaken:
-            continue
-    raise RuntimeError("no free demo port range found")
+def free_base_port() -> int:
+    """A free port range for the demo cluster (``N_AGENTS`` agents)."""
+    return ports.free_base_port(N_AGENTS)
 
 
 def etcd_history(etcd: Etcd, prefix: str, message_type, timeout: float = 10.0) -> list:

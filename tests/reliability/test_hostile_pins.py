@@ -57,8 +57,8 @@ def test_failed_or_drained_gpu_leaves_the_plan_whatever_was_pinned(fleet, capsys
     assert ("rack1-n00", 1) not in _used(plan) and fleet.degrees() == [4, 3]
     assert _pins(plan) == [(1, 4)] and "rack rack1 has 3" in plan.suspended_pins[0].reason
     wait_until(fleet.caps_converged, 20, "agents at the new plan's caps")
-    wait_until(lambda: ctl.metric('tpflex_job_suspended_pins{job="job1"}') == 1, 10, "the metric")
-    assert ctl.metric('tpflex_job_expected_throughput_ratio{job="job1"}') == plan.expected_throughput_ratio
+    wait_until(lambda: ctl.metric('tpflex_job_suspended_pins{training_job="job1"}') == 1, 10, "the metric")
+    assert ctl.metric('tpflex_job_expected_throughput_ratio{training_job="job1"}') == plan.expected_throughput_ratio
     status = httpx.get(f"{ctl.rest_url}/v1/status", timeout=10).json()
     assert status["jobs"][0]["suspended_pins"] == 1
     job = httpx.get(f"{ctl.rest_url}/v1/jobs/job1", timeout=10).json()
@@ -81,7 +81,7 @@ def test_failed_or_drained_gpu_leaves_the_plan_whatever_was_pinned(fleet, capsys
     plan = fleet.wait_generation(3, timeout=20)
     assert ("rack0-n01", 0) not in _used(plan) and fleet.degrees() == [3, 3]
     assert _pins(plan) == [(0, 4), (1, 4)]
-    wait_until(lambda: ctl.metric('tpflex_job_suspended_pins{job="job1"}') == 2, 10, "the metric")
+    wait_until(lambda: ctl.metric('tpflex_job_suspended_pins{training_job="job1"}') == 2, 10, "the metric")
 
     # repaired: the pin holds again on its own
     fleet.inject("rack1-n00", 1, "recover")

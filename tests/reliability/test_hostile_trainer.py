@@ -123,8 +123,8 @@ def _report(**kw) -> controller_pb2.StepReport:
 
 def _goodput(ctl) -> tuple[dict, float | None, float | None]:
     rest = httpx.get(f"{ctl.rest_url}/v1/jobs/job1", timeout=10).json()["goodput"]
-    return (rest, ctl.metric('tpflex_job_achieved_samples_per_second{job="job1"}'),
-            ctl.metric('tpflex_job_goodput_ratio{job="job1"}'))
+    return (rest, ctl.metric('tpflex_job_achieved_samples_per_second{training_job="job1"}'),
+            ctl.metric('tpflex_job_goodput_ratio{training_job="job1"}'))
 
 
 def test_reports_and_acks_that_cannot_be_true_are_refused_and_throughput_expires(fleet):
@@ -165,7 +165,7 @@ def test_reports_and_acks_that_cannot_be_true_are_refused_and_throughput_expires
 
     # the reports stop: after trainer.step_report_stale_s the achieved rate is 0 again
     wait_until(lambda: _goodput(ctl)[0]["achieved_samples_per_s"] == 0.0, 15, "throughput expired")
-    wait_until(lambda: ctl.metric('tpflex_job_achieved_samples_per_second{job="job1"}') == 0.0, 5,
+    wait_until(lambda: ctl.metric('tpflex_job_achieved_samples_per_second{training_job="job1"}') == 0.0, 5,
                "the metric expired")
     channel.close()
     record("trainer_reports", f"{len(bad)} step reports that cannot be true (2^32-1 samples in 1e-9 s, "

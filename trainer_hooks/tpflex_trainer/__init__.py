@@ -2,4 +2,9 @@
 gradient sync across TP degrees, checkpoints) and the hooks that connect a training
 script to the controller."""
 
-__version__ = "0.1.0"
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("tpflex-trainer")  # from the git tags at build time (setuptools-scm)
+except PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"

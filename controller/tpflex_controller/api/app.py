@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends, FastAPI
 
 from tpflex_controller import __version__
 from tpflex_controller.api import schemas as s
+from tpflex_controller.api.console import routes as console
 from tpflex_controller.api.deps import ApiDeps, require_reader
 from tpflex_controller.api.errors import install_error_handlers
 from tpflex_controller.api.limits import BodyGuard, InFlightLimit
@@ -35,7 +36,9 @@ def create_app(deps: ApiDeps) -> FastAPI:
     v1 = APIRouter(prefix="/v1", responses=_ERRORS, dependencies=[Depends(require_reader)])
     for router in (system.status_router, racks.router, nodes.router, jobs.router, events.router):
         v1.include_router(router)
+    v1.include_router(console.api)
     app.include_router(v1)
+    app.include_router(console.pages)
     if deps.max_in_flight > 0:
         app.add_middleware(InFlightLimit, limit=deps.max_in_flight, wait_s=deps.busy_wait_s)
     # outermost: a body is read only after its token was checked, and within the bounds

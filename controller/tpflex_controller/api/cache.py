@@ -20,6 +20,7 @@ from tpflex_proto import keys, types_pb2
 from tpflex_proto.etcd import Etcd, EtcdError, KeyValue, Watch, WatchEvent
 
 from tpflex_controller.api.errors import ApiError, ErrorCode
+from tpflex_controller.api.feed import Change, Handler, Kind, Subscribers, Unsubscribe, classify
 from tpflex_controller.store import Snapshot, Store, apply_kv, decode_or_skip
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,9 @@ def node_subset(snap: Snapshot, node: str, rack: types_pb2.Rack | None,
 
 class ApiStateCache:
     """``start()`` reads ``/tpflex/v1/`` once (retrying while etcd is away) and watches it;
-    ``stop()`` cancels the watch. Read methods raise ApiError(503) until synced."""
+    ``stop()`` cancels the watch. Read methods raise ApiError(503) until synced.
+    ``subscribe(handler)``: the :class:`tpflex_controller.api.feed.ChangeFeed` of what it
+    folds (live views such as the console's stream)."""
 
     def __init__(self, etcd: Etcd, *, retry_s: float = 0.5) -> None:
         self.etcd = etcd
@@ -132,6 +135,10 @@ class ApiStateCache:
         self._watch: Watch | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._subscribers = Subscribers()
+
+    def subscribe(self, handler: Handler) -> Unsubscribe:
+        return self._subscribers.subscribe(handler)
 
     # ---- lifecycle ----
 
@@ -175,6 +182,7 @@ class ApiStateCache:
         with self._changed:
             self._t = tables
             self._changed.notify_all()
+        self._subscribers.publish([Change(Kind.RESYNC, "", rev)])
         return rev
 
     def _on_resync(self) -> None:
@@ -198,6 +206,10 @@ class ApiStateCache:
                 t.fold(kv, ev.kind == "delete")
             t.snap.revision = max(t.snap.revision, events[-1].mod_revision)
             self._changed.notify_all()
+        if len(self._subscribers):
+            self._subscribers.publish(
+                [classify(ev.key, ev.mod_revision, ev.kind == "delete") for ev in events]
+            )
 
     # ---- state ----
 

@@ -146,4 +146,12 @@ async def require_reader(
     return _scope(deps, creds)
 
 
+async def require_token(
+    deps: Deps, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> str:
+    """A known token of either scope, whatever ``protect_reads`` says (the console)."""
+    return _scope(deps, creds)
+
+
 Admin = Annotated[str, Depends(require_admin)]
+Scope = Annotated[str, Depends(require_token)]

@@ -3,7 +3,7 @@
 ``InFlightLimit``: at most N requests served at once, so that REST load cannot starve the
 reconcile loop (they share one Python process). Requests beyond the bound wait in the
 event loop (cheap) for up to ``wait_s``, then get 503 ``busy`` with ``Retry-After``.
-Probes (/healthz, /readyz, /metrics) are never held back.
+Probes (/healthz, /readyz, /metrics) are never held back, nor the console's stream.
 
 ``BodyGuard``: a request body is read only after its token was checked, up to a size,
 and only so many at once."""
@@ -14,7 +14,8 @@ import asyncio
 
 from tpflex_controller.api.errors import ErrorCode, error_response
 
-EXEMPT = frozenset({"/healthz", "/readyz", "/metrics"})
+# probes, and the console's long-lived stream (bounded on its own: console.routes.MAX_STREAMS)
+EXEMPT = frozenset({"/healthz", "/readyz", "/metrics", "/v1/console/stream"})
 
 
 class InFlightLimit:

@@ -83,6 +83,9 @@ class DryRunRequest(_Request):
     fail: list[GpuRefModel] = Field(default_factory=list, max_length=100_000)
     policy: Policy | None = None
     ignore_overrides: StrictBool = Field(default=False, description="plan without the job's pins/policy override")
+    pins: list[ReplicaPinRequest] = Field(
+        default_factory=list, max_length=4096,
+        description="hypothetical pins, merged over the job's stored pins (preview of a reconfigure)")
 
 
 # ---- cluster views ----
@@ -269,6 +272,16 @@ class PlanHistory(BaseModel):
     plans: list[PlanView]
 
 
+class PlanChangeView(BaseModel):
+    kind: str = Field(description="plan | replica | power_cap")
+    field: str = Field(description="policy, expected_throughput_ratio; state, tp_degree, "
+                       "local_batch, gpus; cap_w")
+    before: str | float | int | list[str] | None = Field(description="null: no plan / rack TDP")
+    after: str | float | int | list[str] | None
+    replica: int | None = None
+    gpu: GpuRefView | None = None
+
+
 class DryRunResult(BaseModel):
     job: str
     committed: bool = Field(False, description="always false: a dry run writes nothing")
@@ -276,6 +289,8 @@ class DryRunResult(BaseModel):
     current_generation: int | None
     current_expected_throughput_ratio: float | None
     plan: PlanDecision
+    changes: list[PlanChangeView] = Field(
+        default_factory=list, description="what the plan changes against the current one")
 
 
 # ---- operations ----

@@ -205,3 +205,10 @@ def event_view(e: types_pb2.Event) -> s.EventView:
         seq=e.seq, at=e.at, kind=e.kind, job=e.job, generation=e.generation, cause=e.cause,
         reasons=list(e.reasons), phases=[s.PhaseView(phase=p.phase, at=p.at) for p in e.phases],
     )
+
+
+def change_view(c) -> s.PlanChangeView:
+    """A ``plandiff.PlanChange`` as the API shows it."""
+    gpu = s.GpuRefView(node=c.gpu[0], index=c.gpu[1]) if c.gpu is not None else None
+    return s.PlanChangeView(kind=c.kind, field=c.field, before=c.before, after=c.after,
+                            replica=c.replica, gpu=gpu)

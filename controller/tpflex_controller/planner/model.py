@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 GpuKey = tuple[str, int]
 
 
-class Policy(str, enum.Enum):
+class Policy(enum.StrEnum):
     NTP_PW = "ntp-pw"
     NTP = "ntp"
     DP_DROP = "dp-drop"

@@ -6,16 +6,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated
 
-from fastapi import APIRouter, Body
+from fastapi import APIRouter, Body, Request
 from fastapi.responses import Response
 from tpflex_proto import keys, types_pb2
 
-from tpflex_controller import convert
+from tpflex_controller import convert, plandiff
 from tpflex_controller.api import schemas as s
 from tpflex_controller.api import views
 from tpflex_controller.api.checks import check_gpus_exist, check_pins
 from tpflex_controller.api.deps import Admin, ApiDeps, Deps
 from tpflex_controller.api.errors import ApiError, ErrorCode, invalid, not_found
+from tpflex_controller.api.paging import After, PageLimit, page
 from tpflex_controller.api.params import JobName, Limit
 from tpflex_controller.api.state import job_spec, planner_job
 from tpflex_controller.planner import plan
@@ -26,13 +27,15 @@ from tpflex_controller.store import decode_or_skip
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 
-@router.get("", response_model=list[s.JobView], summary="List jobs with their current plan")
-async def list_jobs(deps: Deps) -> list[s.JobView]:
+@router.get("", response_model=list[s.JobView], summary="List jobs with their current plan (paginated)")
+async def list_jobs(deps: Deps, request: Request, response: Response, limit: PageLimit = None,
+                    after: After = None) -> list[s.JobView]:
     reads = deps.reads
+    jobs = reads.jobs()
     return [
-        views.job_view(spec, reads.plan(name), reads.job_override(name), reads.acks(name),
+        views.job_view(jobs[name], reads.plan(name), reads.job_override(name), reads.acks(name),
                        _goodput(deps, name))
-        for name, spec in sorted(reads.jobs().items())
+        for name in page(sorted(jobs), str, limit, after, request, response)
     ]
 
 
@@ -178,17 +181,22 @@ def dry_run(
     status.update({g: GpuStatus.FAILED for g in failed})
     state = dataclasses.replace(state, gpu_status=status)
     overrides = JobOverrides() if body.ignore_overrides else _job_overrides(deps, job)
+    if body.pins:
+        pins = check_pins(model, ((p.replica, p.tp_degree) for p in body.pins), state)
+        overrides = dataclasses.replace(overrides, pins={**overrides.pins, **pins})
     result = _planner(deps)(
         state, model, policy=body.policy, power_model=deps.power_model, overrides=overrides,
         now=deps.clock(),
     )
     current = deps.reads.plan(job)
+    proposed = convert.plan_to_proto(result, 0, cause="dry-run")
     return s.DryRunResult(
         job=job,
         failed_gpus=[s.GpuRefView(node=n, index=i) for n, i in failed],
         current_generation=current.generation if current else None,
         current_expected_throughput_ratio=current.expected_throughput_ratio if current else None,
-        plan=views.plan_decision(convert.plan_to_proto(result, 0, cause="dry-run")),
+        plan=views.plan_decision(proposed),
+        changes=[views.change_view(c) for c in plandiff.diff(current, proposed)],
     )
 
 

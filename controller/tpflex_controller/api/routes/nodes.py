@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request, Response
 from tpflex_proto import keys, types_pb2
 
 from tpflex_controller.api import schemas as s
@@ -12,22 +12,23 @@ from tpflex_controller.api import views
 from tpflex_controller.api.checks import unknown_gpu
 from tpflex_controller.api.deps import Admin, Deps
 from tpflex_controller.api.errors import not_found
+from tpflex_controller.api.paging import After, PageLimit, gpu_cursor, page
 from tpflex_controller.api.params import NAME_PATTERN, GpuIndex, NodeName
 from tpflex_controller.store import Snapshot
 
 router = APIRouter(tags=["nodes"])
 
 
-@router.get("/nodes", response_model=list[s.NodeView], summary="List nodes")
-def list_nodes(deps: Deps) -> list[s.NodeView]:
+@router.get("/nodes", response_model=list[s.NodeView], summary="List nodes (paginated: limit, after)")
+def list_nodes(deps: Deps, request: Request, response: Response, limit: PageLimit = None,
+               after: After = None) -> list[s.NodeView]:
     snap = deps.reads.cluster()
+    names = views.node_names(snap)
+    chosen = page(sorted(names), str, limit, after, request, response)
     by_node: dict[str, list[s.GpuView]] = {}
     for g in views.gpu_views(snap):
         by_node.setdefault(g.node, []).append(g)
-    return [
-        views.node_view(name, rack, snap, by_node.get(name, []))
-        for name, rack in sorted(views.node_names(snap).items())
-    ]
+    return [views.node_view(name, names[name], snap, by_node.get(name, [])) for name in chosen]
 
 
 @router.get("/nodes/{node}", response_model=s.NodeDetail, summary="One node with its GPUs")
@@ -45,9 +46,12 @@ def list_gpus(
     deps: Deps,
     state: Annotated[str | None, Query(pattern="^(healthy|degraded|failed|drained)$")] = None,
     rack: Annotated[str | None, Query(pattern=NAME_PATTERN)] = None,
+    *, request: Request, response: Response, limit: PageLimit = None, after: After = None,
 ) -> list[s.GpuView]:
+    """Sorted by (node, index); the cursor is ``node:index`` as X-Next-Cursor gives it."""
     gpus = views.gpu_views(deps.reads.cluster())
-    return [g for g in gpus if (state is None or g.state == state) and (rack is None or g.rack == rack)]
+    chosen = [g for g in gpus if (state is None or g.state == state) and (rack is None or g.rack == rack)]
+    return page(chosen, lambda g: gpu_cursor(g.node, g.index), limit, after, request, response)
 
 
 @router.get("/nodes/{node}/gpus/{index}", response_model=s.GpuView, summary="One GPU")
