@@ -346,6 +346,40 @@ class NtpRuntime:
         if sync_group is not None:
             dist.barrier(group=sync_group)
 
+    def export_hf(self, path: str | os.PathLike, max_shard_bytes: int | None = None) -> list[str]:
+        """Collective over the active members: write the model to ``path`` as a Hugging
+        Face directory (config.json + safetensors) that ``from_pretrained`` loads. The
+        first replica's members write their parts; its TP rank 0 assembles them. Returns
+        the files written (on the writer; [] elsewhere)."""
+        from tpflex_trainer.ntp import hf_io
+
+        config = getattr(self.adapter, "config", None)
+        if self.layout is None or config is None:
+            raise PlanError("export_hf needs a started runtime over a Hugging Face model")
+        path = Path(path)
+        scratch = path / ".tpflex-export"
+        writers = self.layout.replicas[0]
+        mine = self.layout.member(self.me)
+        writing = mine is not None and self.me.replica == writers.replica and self.state is not None
+        if writing:
+            hf_io.write_member_part(scratch / f"part-s{self.me.slot}.safetensors", self.specs,
+                                    self.state.units, self.state.tensors["param"])
+        sync_group = self.groups.active or self.groups.tp
+        if sync_group is not None:
+            dist.barrier(group=sync_group)
+        files: list[str] = []
+        if writing and mine.tp_rank == 0:
+            parts = [scratch / f"part-s{m.member.slot}.safetensors" for m in writers.members]
+            tensors = hf_io.assemble(self.specs, parts)
+            limit = max_shard_bytes or hf_io.DEFAULT_MAX_SHARD_BYTES
+            files = hf_io.write_hf_dir(path, config, tensors, limit)
+            for part in parts:
+                part.unlink()
+            scratch.rmdir()
+        if sync_group is not None:
+            dist.barrier(group=sync_group)
+        return files
+
     def abort(self) -> None:
         """Call when a collective failed or a member is known to be gone, before the default
         group is re-initialised: destroys this process's NTP groups and drops every
