@@ -100,8 +100,9 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
         raise UnsupportedModelError(f"{type(config).__name__} has no base_model_tp_plan")
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     prefix = getattr(model, "base_model_prefix", "model")
-    if base is None or not isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
-        raise UnsupportedModelError(f"{type(model).__name__}: no {prefix}.embed_tokens embedding")
+    if base is None or type(getattr(base, "embed_tokens", None)) is not nn.Embedding:
+        raise UnsupportedModelError(f"{type(model).__name__}: {prefix}.embed_tokens is not a plain "
+                                    "nn.Embedding (scaled or custom embeddings are not supported)")
     head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear) or head.bias is not None:
         raise UnsupportedModelError(f"{type(model).__name__}: lm_head must be a Linear without bias")
