@@ -10,7 +10,6 @@ gradient x3 fails the check."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -46,8 +45,8 @@ def reshards(summary: dict, at: str) -> list[dict]:
 def test_llama_gqa_kill_drain_repair(tmp_path):
     """4 KV groups on 3 members (a degree that does not divide them); AdamW with weight
     decay, clipping that bites, warmup + cosine, 2 micro-batches."""
-    from transformers import AutoConfig
     from tpflex_trainer.ntp.hf_adapter import HfAdapter
+    from transformers import AutoConfig
 
     model = make_model_dir(tmp_path / "llama", "llama", heads=8, kv=4)
     data = make_data(tmp_path / "tokens.npy")
