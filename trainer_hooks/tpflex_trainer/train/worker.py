@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tpflex_trainer.ntp.errors import NtpError
+from tpflex_trainer.ntp.groups import device_for_backend
 from tpflex_trainer.ntp.layout import Member
 from tpflex_trainer.ntp.optim import AdamSettings, TrainSettings
 from tpflex_trainer.train.data import load_tokens, replica_batch
@@ -86,7 +87,8 @@ class TrainWorker:
             "source": report.source, "step": report.step, "units_moved": report.units_moved,
             "peer_units": report.peer_units, "bytes_moved": report.bytes_moved,
             "lower_bound_bytes": report.lower_bound_bytes, "bytes_sent": report.bytes_sent,
-            "seconds": report.seconds}))
+            "seconds": report.seconds, "device": str(device_for_backend()),
+            "cuda_device_order": os.environ.get("CUDA_DEVICE_ORDER", "")}))
 
     # ------------------------------------------------------------------ changes
     def start(self, join_at: int | None) -> int:
