@@ -162,6 +162,8 @@ class RunResult:
         self.records: dict[int, tuple] = {}
         self.seconds: dict[int, dict[int, float]] = {}
         self.reshards: list[dict] = []
+        self.grad_bytes: dict[tuple[int, int], int] = {}
+        self.export_s = 0.0
         self.error = ""
 
     def summary(self) -> dict:
@@ -247,8 +249,20 @@ class Launcher:
             result.seconds.setdefault(step, {})[replica] = seconds
         elif kind == "reshard":
             result.reshards.append({"member": list(msg[1]), "at": msg[2], **msg[3]})
+        elif kind == "sync":  # bytes a member moves per step in its TP group, last layout
+            result.grad_bytes[msg[1]] = msg[2]
+        elif kind == "export":
+            result.export_s = max(result.export_s, msg[2])
         elif kind == "error":
             result.error = f"member {msg[1]}:\n{msg[2]}"
+
+    def _drain_messages(self, result: RunResult, wait_s: float = 1.0) -> None:
+        deadline = time.monotonic() + wait_s
+        while not result.error and time.monotonic() < deadline:
+            try:
+                self._handle(self.results.get(timeout=0.1), result)
+            except queue.Empty:
+                continue
 
     def _reap(self, killed: list[Member], result: RunResult) -> None:
         """Exited processes: a scheduled victim is expected (its slot's fresh process
@@ -267,7 +281,8 @@ class Launcher:
                         self._start(member, step)
                         break
             elif proc.exitcode != 0 and not result.error:
-                result.error = f"member {tuple(member)} exited with code {proc.exitcode}"
+                self._drain_messages(result)  # its traceback, when it sent one
+                result.error = result.error or f"member {tuple(member)} exited with code {proc.exitcode}"
 
 def cli() -> None:
     sys.exit(main())

@@ -87,7 +87,7 @@ class TrainWorker:
             "source": report.source, "step": report.step, "units_moved": report.units_moved,
             "peer_units": report.peer_units, "bytes_moved": report.bytes_moved,
             "lower_bound_bytes": report.lower_bound_bytes, "bytes_sent": report.bytes_sent,
-            "seconds": report.seconds, "device": str(device_for_backend()),
+            "seconds": report.seconds, "phases": dict(report.phases), "device": str(device_for_backend()),
             "cuda_device_order": os.environ.get("CUDA_DEVICE_ORDER", "")}))
 
     # ------------------------------------------------------------------ changes
@@ -198,8 +198,13 @@ class TrainWorker:
 
     def _finish(self) -> None:
         if self.rt.active:
+            sync = self.rt.sync
+            self.results.put(("sync", tuple(self.me), sync.moved_bytes(),
+                              [r.degree for r in self.rt.layout.replicas]))
             if self.spec.export and self.spec.out:
+                t0 = time.perf_counter()
                 self.rt.export_hf(self.spec.out)
+                self.results.put(("export", tuple(self.me), time.perf_counter() - t0))
             lead = self.rt.layout.replicas[0].members[0].member == self.me
             if lead:
                 self.store.set("done", "1")
