@@ -57,23 +57,32 @@ def load_reference_model(model_dir: str, seed: int = 0):
 
 
 def reference_run(model_dir: str, data: np.ndarray, s: ReferenceSettings) -> dict:
-    """Train; returns per-step losses and gradient norms (before clipping) and the final
-    state dict."""
-    model = load_reference_model(model_dir, s.seed)
+    """Train on ``tpflex-train``'s batches of ``data``; returns per-step losses and gradient
+    norms (before clipping) and the final state dict."""
+    n = data.shape[0]
+
+    def batches():
+        for step in range(s.steps):
+            rows = np.asarray(data[[(step * s.global_batch + i) % n for i in range(s.global_batch)]], dtype=np.int64)
+            rows = torch.from_numpy(rows)
+            yield rows[:, :-1], rows[:, 1:]
+
+    return reference_train(load_reference_model(model_dir, s.seed), batches(), s)
+
+
+def reference_train(model, batches, s: ReferenceSettings) -> dict:
+    """Train ``model`` on each global (inputs, labels) batch in turn."""
     params = [p for p in model.parameters()]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": s.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s))
     losses, norms = [], []
-    n = data.shape[0]
-    for step in range(s.steps):
-        rows = torch.from_numpy(np.asarray(data[[(step * s.global_batch + i) % n for i in range(s.global_batch)]],
-                                           dtype=np.int64))
+    for inputs, labels in batches:
         opt.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.dtype == "bf16"):
-            logits = model(input_ids=rows[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
+            logits = model(input_ids=inputs).logits
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
         loss.backward()
         max_norm = s.clip_grad if s.clip_grad > 0 else float("inf")
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
