@@ -24,7 +24,7 @@ from tests.trainer.hf_support import (
     train,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def unit_payload_bytes(config, counts: dict[str, int], tied: bool) -> dict[str, int]:

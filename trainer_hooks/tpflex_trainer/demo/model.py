@@ -46,7 +46,11 @@ class DemoModel:
 
             return reference_losses(self.model, DEMO_SEED, batches, lr=DEMO_ADAM.lr,
                                     betas=DEMO_ADAM.betas, eps=DEMO_ADAM.eps)
-        from tpflex_trainer.ntp.hf_reference import ReferenceSettings, load_reference_model, reference_train
+        from tpflex_trainer.ntp.hf_reference import (
+            ReferenceSettings,
+            load_reference_model,
+            reference_train,
+        )
 
         s = ReferenceSettings(steps=len(batches), global_batch=0, lr=DEMO_ADAM.lr, betas=DEMO_ADAM.betas,
                               eps=DEMO_ADAM.eps, min_lr_ratio=1.0, seed=DEMO_SEED)
