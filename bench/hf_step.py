@@ -104,6 +104,8 @@ def grad_bytes_lower_bound(config: dict, unit_counts: dict[str, int], degree: in
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6, help="measured steps per configuration")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="alternate the uniform and nonuniform runs this many times (medians)")
     a = p.parse_args()
     from tpflex_trainer.ntp.hf_adapter import HfAdapter
 
@@ -111,14 +113,18 @@ def main() -> None:
         root = Path(tmp)
         model_dir, data, params = make_model(root)
         dense = dense_step_s(model_dir, data, a.steps)
-        uniform = ntp_run(model_dir, data, root / "u", a.steps + 1, "")
-        nonuniform = ntp_run(model_dir, data, root / "n", a.steps + 2, "1:drain=1:3")
+        u_times, n_times = [], []
+        for r in range(a.rounds):  # alternated: load from other processes hits both alike
+            uniform = ntp_run(model_dir, data, root / f"u{r}", a.steps + 1, "")
+            nonuniform = ntp_run(model_dir, data, root / f"n{r}", a.steps + 2, "1:drain=1:3")
+            u_times.append(healthy_step_s(uniform, 1))
+            n_times.append(healthy_step_s(nonuniform, 2))
         counts = HfAdapter.from_pretrained_dir(model_dir, TP).unit_counts
         moved = sum(b for m, b in nonuniform["grad_bytes"].items() if m[0] == 0)
         bound = grad_bytes_lower_bound(CONFIG, counts, 4, 3)
         starts = [r for r in uniform["summary"]["reshards"] if r["at"] == "start"]
         load_s = max(r["phases"]["transfer_s"] for r in starts)
-        u, n = healthy_step_s(uniform, 1), healthy_step_s(nonuniform, 2)
+        u, n = statistics.median(u_times), statistics.median(n_times)
         print(json.dumps({
             "params": params,
             "dense_step_s": round(dense, 4),

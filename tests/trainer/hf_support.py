@@ -61,6 +61,9 @@ def train(argv: list[str], env: dict[str, str] | None = None) -> dict:
     result = Launcher(spec, model_type).run()
     assert not result.error, result.error
     summary = result.summary()
+    # replicas (and every copy of a replicated KV unit) hold bit-identical weights and
+    # Adam state after the last step: peer recovery relies on it
+    assert summary["units_checked"] > 0 and summary["units_disagreeing"] == [], summary["units_disagreeing"]
     (Path(spec.out) / "losses.json").write_text(json.dumps(summary))
     return summary
 

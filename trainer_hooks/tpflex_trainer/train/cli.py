@@ -161,10 +161,20 @@ class RunResult:
         self.steps = steps
         self.records: dict[int, tuple] = {}
         self.seconds: dict[int, dict[int, float]] = {}
+        self.sync_wait: dict[int, dict[int, float]] = {}  # time in the sync after backward
         self.reshards: list[dict] = []
         self.grad_bytes: dict[tuple[int, int], int] = {}
+        self.digests: dict[tuple[int, int], dict[str, str]] = {}  # member -> unit -> digest
         self.export_s = 0.0
         self.error = ""
+
+    def disagreeing_units(self) -> list[str]:
+        """Units whose holders (all replicas, every copy) do not hold identical state."""
+        seen: dict[str, set[str]] = {}
+        for digests in self.digests.values():
+            for unit, d in digests.items():
+                seen.setdefault(unit, set()).add(d)
+        return sorted(u for u, ds in seen.items() if len(ds) > 1)
 
     def summary(self) -> dict:
         rec = [self.records[s] for s in range(self.steps)]
@@ -173,7 +183,11 @@ class RunResult:
             "grad_norms": [r[1] for r in rec],
             "step_seconds": {str(r): [self.seconds.get(s, {}).get(r) for s in range(self.steps)]
                              for r in sorted({r for v in self.seconds.values() for r in v})},
+            "sync_wait_s": {str(r): [self.sync_wait.get(s, {}).get(r) for s in range(self.steps)]
+                            for r in sorted({r for v in self.sync_wait.values() for r in v})},
             "reshards": self.reshards,
+            "units_checked": sum(len(d) for d in self.digests.values()),
+            "units_disagreeing": self.disagreeing_units(),
         }
 
 
@@ -244,13 +258,16 @@ class Launcher:
     def _handle(self, msg: tuple, result: RunResult) -> None:
         kind = msg[0]
         if kind == "step":
-            _, step, replica, loss, norm, degrees, seconds = msg
+            _, step, replica, loss, norm, degrees, seconds, sync_wait = msg
             result.records[step] = (loss, norm, degrees)  # a re-run step overwrites
             result.seconds.setdefault(step, {})[replica] = seconds
+            result.sync_wait.setdefault(step, {})[replica] = sync_wait
         elif kind == "reshard":
             result.reshards.append({"member": list(msg[1]), "at": msg[2], **msg[3]})
         elif kind == "sync":  # bytes a member moves per step in its TP group, last layout
             result.grad_bytes[msg[1]] = msg[2]
+        elif kind == "state":
+            result.digests[msg[1]] = msg[2]
         elif kind == "export":
             result.export_s = max(result.export_s, msg[2])
         elif kind == "error":

@@ -169,7 +169,7 @@ class TrainWorker:
         seconds = time.perf_counter() - t0
         if rep.members[0].member == self.me:
             self.results.put(("step", step, self.me.replica, loss, rt.last_grad_norm,
-                              [r.degree for r in rt.layout.replicas], seconds))
+                              [r.degree for r in rt.layout.replicas], seconds, rt.sync.finish_seconds))
         return None
 
     def _idle(self, step: int) -> int:
@@ -201,6 +201,7 @@ class TrainWorker:
             sync = self.rt.sync
             self.results.put(("sync", tuple(self.me), sync.moved_bytes(),
                               [r.degree for r in self.rt.layout.replicas]))
+            self.results.put(("state", tuple(self.me), unit_digests(self.rt)))
             if self.spec.export and self.spec.out:
                 t0 = time.perf_counter()
                 self.rt.export_hf(self.spec.out)
@@ -212,6 +213,21 @@ class TrainWorker:
         self.rt.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def unit_digests(rt) -> dict[str, str]:
+    """A digest of every unit this member holds (weights and Adam moments, bit for bit):
+    replicas, and copies of a replicated unit, must agree exactly."""
+    import hashlib
+
+    from tpflex_trainer.ntp.state import unit_payload
+
+    out = {}
+    for fam, units in rt.state.units.items():
+        for u in units:
+            payload = unit_payload(rt.state, rt.specs, fam, u).detach().cpu().contiguous()
+            out[f"{fam}:{u}"] = hashlib.sha256(payload.numpy().tobytes()).hexdigest()[:16]
+    return out
 
 
 def _arm_self_kill(rt) -> None:
