@@ -216,3 +216,33 @@ def test_param_spec_user_shape():
     spec = ParamSpec("o.weight", (8, 4), "attn", 2, 0.02, transposed=True)
     assert spec.user_shape == (4, 8) and spec.decay
     assert not ParamSpec("n.weight", (4,), "_replicated", 4, 0.0, 1.0).decay
+
+
+def test_gradient_routes_move_exactly_the_copies_outside_their_reducers():
+    """Qwen3 with 8 query heads and 2 KV heads at base TP 4, replicas at degrees 4 and 3:
+    the blocks every member sends to a reducer (and gets back: both directions) are the
+    units it holds outside their reducer, sized from the config shapes independently."""
+    from tpflex_trainer.ntp.grad_routes import bucket_routes
+    from tpflex_trainer.ntp.hf_adapter import HfAdapter
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model("qwen3", vocab_size=64, hidden_size=16, intermediate_size=32,
+                               num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                               head_dim=2, pad_token_id=0, tie_word_embeddings=False)
+    ad = HfAdapter(cfg, base_tp=4)
+    layout = plan_layout(ad.unit_counts, (ReplicaPlacement(0, (0, 1, 2, 3)), ReplicaPlacement(1, (0, 1, 3))),
+                         4, derived=ad.derived)
+    h, layers, hd = 16, 2, 2
+    numel = {"attn": layers * 2 * hd * h, "kv": layers * 2 * hd * h,
+             "ffn": layers * 3 * h * 32 // ad.unit_counts["ffn"], "vocab": 2 * h * 64 // ad.unit_counts["vocab"]}  # embedding + output rows
+    sharded = [s for s in ad.specs if s.sharded]
+    for rep in layout.replicas:
+        group_rank = {m.member: m.tp_rank for m in rep.members}
+        routes = [bucket_routes(sharded, layout, m, group_rank, True, torch.device("cpu")) for m in rep.members]
+        part = {f: layout.partition_of(f) for f in numel}
+        expected = sum(numel[f] for m in rep.members for f in numel for u in m.units[f] if part[f][u] != m.tp_rank)
+        assert sum(sum(r.send_splits) for r in routes) == expected > 0
+        for dst in range(rep.degree):  # what each reducer receives is what was sent to it
+            assert sum(r.send_splits[dst] for r in routes) == sum(routes[dst].recv_splits)
+        copies = sum(len(m.units["kv"]) for m in rep.members)
+        assert copies > 2  # KV heads are replicated in both replicas
