@@ -20,11 +20,13 @@ from tests.trainer.hf_support import make_model_dir
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(400)
 def test_short_demo_story_with_a_hf_model(tmp_path):
+    # 8 rank processes each import torch and transformers: on 2 busy cores the first phase
+    # alone can take a minute or two, hence the generous phase timeout
     model = make_model_dir(tmp_path / "llama", "llama", heads=8, kv=4)
-    story = Story(StoryConfig(workdir=tmp_path / "w", base_port=free_base_port(), steps=48,
-                              fail_at_step=8, repair_at_step=20, phase_timeout_s=60,
+    story = Story(StoryConfig(workdir=tmp_path / "w", base_port=free_base_port(), steps=44,
+                              fail_at_step=6, repair_at_step=16, phase_timeout_s=150,
                               model_dir=str(model)))
     try:
         story.start()
@@ -36,7 +38,7 @@ def test_short_demo_story_with_a_hf_model(tmp_path):
     trained = {r["tp"] for r in run.records if r["kind"] == "step" and r["generation"] == 2}
     assert trained == {3, 4}
     summary = summarize(run, demo_model(str(model)))
-    assert summary.steps == 48
+    assert summary.steps == 44
     assert summary.parity_max_rel_diff <= 1e-5
 
 
