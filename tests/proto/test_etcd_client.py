@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import Cmp, Etcd, EtcdUnavailable, Op
 
