@@ -135,3 +135,16 @@ def test_a_run_with_sharded_gradients_times_3_fails_parity(tmp_path):
     failures = parity_failures(summary, reference_for(argv), tmp_path / "out")
     assert any(f.startswith("grad_norms") for f in failures), failures
     assert torch.isfinite(torch.tensor(summary["losses"])).all()
+
+
+def test_the_console_entry_point_writes_losses_and_the_model(tmp_path, capsys):
+    from tpflex_trainer.train.cli import main
+
+    model = make_model_dir(tmp_path / "qwen2", "qwen2", heads=4, kv=2)
+    data = make_data(tmp_path / "tokens.npy")
+    argv = args(model, data, tmp_path / "out", tp=2, replicas=1, steps=3, events="2:drain=0:1")
+    assert main(argv) == 0
+    out = json.loads((tmp_path / "out" / "losses.json").read_text())
+    assert len(out["losses"]) == 3 and out["degrees"] == [[2], [2], [1]]
+    assert {"config.json", "model.safetensors"} <= {p.name for p in (tmp_path / "out").iterdir()}
+    assert "3 steps" in capsys.readouterr().out
