@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from tpflex_trainer.ntp.config import GPTConfig
 
-
-def global_batch(cfg: GPTConfig, step: int, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Noisy arithmetic token sequences (learnable, so the loss falls visibly)."""
+def global_batch(cfg, step: int, samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Noisy arithmetic token sequences (learnable, so the loss falls visibly); ``cfg`` has
+    ``vocab`` and ``seq_len`` (a ``GPTConfig`` or the demo's HF model shape)."""
     gen = torch.Generator().manual_seed(1000 + step)
     start = torch.randint(0, cfg.vocab, (samples, 1), generator=gen)
     stride = torch.randint(1, 4, (samples, 1), generator=gen)

@@ -31,6 +31,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-running", action="store_true",
                    help="leave etcd, the controller and the agents up afterwards (Ctrl-C stops)")
     p.add_argument("--workdir", type=Path, help="where logs and data go (default: a temp dir)")
+    p.add_argument("--model", type=Path, metavar="DIR",
+                   help="a Hugging Face model directory (config.json [+ safetensors]) to train "
+                        "instead of the built-in GPT; small models keep the demo quick on CPU")
     p.add_argument("--tls", action="store_true",
                    help="secure everything: development certificates in the workdir, etcd with "
                         "TLS and auth, mTLS between services and on the plan stream, REST over "
@@ -45,6 +48,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("need 0 < --fail-at < --repair-at < --steps")
     if not 1024 <= a.base_port <= 65000:
         p.error("--base-port must be within 1024..65000")
+    model = None
+    if a.model is not None:
+        from tpflex_trainer.demo.model import demo_model
+        from tpflex_trainer.ntp.errors import NtpError
+
+        try:
+            model = demo_model(str(a.model))
+        except (NtpError, OSError, ValueError) as exc:
+            p.error(f"--model: {exc}")
     workdir = a.workdir or new_workdir()
     t0 = time.monotonic()
 
@@ -52,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
 
     story = Story(StoryConfig(workdir=workdir, base_port=a.base_port, steps=a.steps,
-                              fail_at_step=a.fail_at, repair_at_step=a.repair_at, tls=a.tls), say)
+                              fail_at_step=a.fail_at, repair_at_step=a.repair_at, tls=a.tls,
+                              model_dir=str(a.model) if a.model else None), say)
     try:
         story.start()
     except PortsTaken as exc:
@@ -66,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = False
     try:
         run = story.play()
-        summary = summarize(run)
+        summary = summarize(run, model)
         print(render(summary, run), flush=True)
         ok = summary.parity_max_rel_diff <= PARITY_TOLERANCE and not summary.violations()
         say(f"done in {time.monotonic() - t0:.1f}s: " + ("SUCCESS" if ok else "FAILED"))

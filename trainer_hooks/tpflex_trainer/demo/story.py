@@ -17,7 +17,7 @@ from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, types_pb2
 
 from tpflex_trainer.demo.cluster import DemoCluster, DemoPorts, RackLayout, check_ports_free
 from tpflex_trainer.demo.launcher import JobLauncher, demo_job_spec
-from tpflex_trainer.demo.model import DEMO_MODEL, LOCAL_BATCH
+from tpflex_trainer.demo.model import LOCAL_BATCH, demo_model
 
 JOB = "demo-gpt"
 RACKS = (RackLayout("rack-0", "node-0", 4), RackLayout("rack-1", "node-1", 4))
@@ -43,6 +43,8 @@ class StoryConfig:
     # everything over TLS (mTLS between services, to the plan stream and the agents), etcd
     # with auth, REST with tokens: see DemoCluster
     tls: bool = False
+    # a Hugging Face model directory instead of the built-in GPT
+    model_dir: str | None = None
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -83,8 +85,10 @@ class Story:
         self.progress(f"starting etcd, tpflex-controller and 2 simulated agents (2 racks x 4 GPUs){secured}")
         self.cluster.start()
         spec = demo_job_spec(JOB, [(r.name, r.node, r.gpus) for r in RACKS], LOCAL_BATCH,
-                             DEMO_MODEL.unit_counts(), policy=self.config.policy)
+                             demo_model(self.config.model_dir).units, policy=self.config.policy)
         env = {**self.cluster.trainer_env(), **self.config.worker_env}
+        if self.config.model_dir:
+            env["TPFLEX_DEMO_MODEL"] = str(self.config.model_dir)
         if self.config.checkpoint_every:
             self.config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             env = {"TPFLEX_CHECKPOINT_DIR": str(self.config.checkpoint_dir),

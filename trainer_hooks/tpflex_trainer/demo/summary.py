@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tpflex_trainer.demo.data import global_batch
-from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_MODEL, DEMO_SEED
+from tpflex_trainer.demo.model import DemoModel, demo_model
 from tpflex_trainer.demo.story import StoryRun
-from tpflex_trainer.ntp.reference import reference_losses
 
 # Bounds each phase must stay within on this class of machine (2 CPU cores); the e2e test
 # checks them. Failure -> ... is measured from the XID injection.
@@ -85,14 +83,15 @@ def _throughput(table: dict[int, dict], lo: float, hi: float) -> float:
     return sum(r["global_batch"] for r in rows[1:]) / (rows[-1]["t"] - rows[0]["t"])
 
 
-def summarize(run: StoryRun) -> Summary:
+def summarize(run: StoryRun, model: DemoModel | None = None) -> Summary:
+    """``model``: the story's model (default: the built-in GPT)."""
+    model = model or demo_model()
     table = _step_table(run)
     steps = sorted(table)
-    batches = [global_batch(DEMO_MODEL, s, table[s]["global_batch"]) for s in steps]
+    batches = [model.batch(s, table[s]["global_batch"]) for s in steps]
     if steps != list(range(len(steps))):
         raise AssertionError(f"the job skipped steps: {sorted(set(range(steps[-1] + 1)) - set(steps))}")
-    ref = reference_losses(DEMO_MODEL, DEMO_SEED, batches, lr=DEMO_ADAM.lr, betas=DEMO_ADAM.betas,
-                           eps=DEMO_ADAM.eps)
+    ref = model.reference(batches)
     rel = max(abs(table[s]["loss"] - r) / max(abs(r), 1e-12) for s, r in zip(steps, ref, strict=True))
     by_gen: dict[int, list[int]] = {}
     for r in table.values():

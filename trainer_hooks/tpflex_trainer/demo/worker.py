@@ -15,8 +15,7 @@ import time
 
 import torch
 
-from tpflex_trainer.demo.data import global_batch
-from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_MODEL, DEMO_SEED
+from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_SEED, demo_model
 from tpflex_trainer.hooks.config import HooksConfigError
 from tpflex_trainer.hooks.trainer import HooksError, TpflexHooks
 
@@ -28,7 +27,8 @@ def main() -> int:
     steps = int(os.environ.get("TPFLEX_DEMO_STEPS", "100"))
     out = open(os.environ["TPFLEX_DEMO_OUT"], "a", buffering=1)
     try:
-        hooks = TpflexHooks.from_env(DEMO_MODEL, adam=DEMO_ADAM, seed=DEMO_SEED)
+        model = demo_model(os.environ.get("TPFLEX_DEMO_MODEL") or None)
+        hooks = TpflexHooks.from_env(model.model, adam=DEMO_ADAM, seed=DEMO_SEED)
     except (HooksConfigError, HooksError) as exc:
         print(f"tpflex-demo worker: {exc}", file=sys.stderr)
         return 2
@@ -50,7 +50,7 @@ def main() -> int:
     while hooks.step < steps:
         t0 = time.perf_counter()
         step = hooks.step
-        loss = hooks.train_step(lambda s, n: global_batch(DEMO_MODEL, s, n))
+        loss = hooks.train_step(model.batch)
         flush_history()
         if loss is None:
             continue

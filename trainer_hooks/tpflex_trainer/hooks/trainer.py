@@ -1,6 +1,6 @@
 """``TpflexHooks``: what a training script adopts to follow the controller's plans.
 
-    hooks = TpflexHooks.from_env(GPTConfig(...))   # TPFLEX_* set by the launcher
+    hooks = TpflexHooks.from_env(GPTConfig(...))   # or a Hugging Face model directory
     hooks.start()                                  # register, fetch the plan, build the layout
     while hooks.step < steps:
         loss = hooks.train_step(global_batch)      # global_batch(step, samples) -> (tokens, targets)
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ from tpflex_trainer.hooks.rendezvous import RendezvousAbandoned, connect_store, 
 from tpflex_trainer.ntp.config import GPTConfig
 from tpflex_trainer.ntp.errors import NtpError
 from tpflex_trainer.ntp.layout import Member, ReplicaPlacement, validate_request
-from tpflex_trainer.ntp.optim import AdamSettings
+from tpflex_trainer.ntp.optim import AdamSettings, TrainSettings
 from tpflex_trainer.ntp.plan_adapter import placements_from_plan
 from tpflex_trainer.ntp.runtime import NtpRuntime, ReshardReport
 
@@ -91,11 +92,12 @@ class TpflexHooks:
     def __init__(
         self,
         config: HooksConfig,
-        model: GPTConfig,
+        model: GPTConfig | str | os.PathLike,
         *,
         spec: types_pb2.JobSpec | None = None,
         adam: AdamSettings = AdamSettings(),
         seed: int = 0,
+        train: TrainSettings = TrainSettings(),
     ) -> None:
         self.config = config
         self.spec = spec if spec is not None else load_spec(config.spec_file)
@@ -108,7 +110,7 @@ class TpflexHooks:
         self.rank, self.me = mine[0]
         self.model_config = model
         self.runtime = NtpRuntime(
-            model, self.spec.base_tp, self.me, adam=adam, seed=seed,
+            model, self.spec.base_tp, self.me, adam=adam, seed=seed, train=train,
             timeout=timedelta(seconds=config.collective_timeout_s),
         )
         self.client = ControlClient(ControlConfig(
@@ -129,7 +131,7 @@ class TpflexHooks:
         self._refused_generation = 0  # newest plan refused at a step boundary
 
     @classmethod
-    def from_env(cls, model: GPTConfig, **kwargs) -> TpflexHooks:
+    def from_env(cls, model: GPTConfig | str | os.PathLike, **kwargs) -> TpflexHooks:
         return cls(HooksConfig.from_env(), model, **kwargs)
 
     # ------------------------------------------------------------------ queries
@@ -243,7 +245,7 @@ class TpflexHooks:
 
     def _placements(self, plan: types_pb2.Plan) -> tuple[ReplicaPlacement, ...]:
         return plan_placements(plan, self.spec, self.config.job, self.generation,
-                               self.model_config.unit_counts())
+                               self.runtime.adapter.unit_counts)
 
     def _wait_until_used(self) -> bool:
         plan = self.client.wait_for_newer(self.generation, self.config.plan_wait_s)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from tpflex_trainer.ntp.config import REPLICATED, GPTConfig
+from tpflex_trainer.ntp.config import REPLICATED
 from tpflex_trainer.ntp.errors import CheckpointError, CheckpointMismatchError
 from tpflex_trainer.ntp.layout import MemberLayout
 from tpflex_trainer.ntp.state import LocalState, unit_payload
@@ -44,17 +44,24 @@ def write_member_units(path: Path, member: MemberLayout, state: LocalState, spec
     return name
 
 
-def write_meta(path: Path, cfg: GPTConfig, step: int, files: list[str]) -> None:
-    meta = {"format": FORMAT_VERSION, "config": cfg.to_dict(), "step": step, "files": files}
+def write_meta(path: Path, fingerprint: dict, step: int, files: list[str]) -> None:
+    """``fingerprint``: the model adapter's fields a loading model must match (a
+    ``GPTConfig`` is accepted too)."""
+    if hasattr(fingerprint, "to_dict"):
+        fingerprint = fingerprint.to_dict()
+    meta = {"format": FORMAT_VERSION, "config": fingerprint, "step": step, "files": files}
     tmp = path / (META + ".tmp")
     tmp.write_text(json.dumps(meta, indent=1))
     os.replace(tmp, path / META)
 
 
 class CheckpointReader:
-    """Validates a checkpoint against ``cfg`` on construction (no collectives)."""
+    """Validates a checkpoint against a model fingerprint (``ModelAdapter.fingerprint()``;
+    a ``GPTConfig`` is accepted too) on construction (no collectives)."""
 
-    def __init__(self, path: str | os.PathLike, cfg: GPTConfig) -> None:
+    def __init__(self, path: str | os.PathLike, fingerprint) -> None:
+        if hasattr(fingerprint, "to_dict"):
+            fingerprint = fingerprint.to_dict()
         self.path = Path(path)
         try:
             meta = json.loads((self.path / META).read_text())
@@ -65,7 +72,7 @@ class CheckpointReader:
         if meta.get("format") != FORMAT_VERSION:
             raise CheckpointMismatchError("format", FORMAT_VERSION, meta.get("format"))
         found = meta.get("config", {})
-        for field, expected in cfg.to_dict().items():
+        for field, expected in fingerprint.items():
             if found.get(field) != expected:
                 raise CheckpointMismatchError(field, expected, found.get(field))
         self.step = int(meta["step"])

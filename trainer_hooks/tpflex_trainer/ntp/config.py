@@ -73,10 +73,24 @@ class ParamSpec:
     unit_rows: int  # rows per unit along axis 0 (the whole first dim when replicated)
     init_std: float  # 0.0 means constant ``init_const``
     init_const: float = 0.0
+    # replicated, but each TP member only sees its slice of the activations (Qwen3's
+    # per-head q_norm/k_norm): its gradient is partial and summed over the TP group first
+    partial_grad: bool = False
+    # the user's tensor is the canonical one transposed (a row-parallel weight)
+    transposed: bool = False
 
     @property
     def sharded(self) -> bool:
         return self.family != REPLICATED
+
+    @property
+    def decay(self) -> bool:
+        """AdamW decays parameters with 2+ dimensions only (not biases and norms)."""
+        return len(self.shape) >= 2
+
+    @property
+    def user_shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.shape)) if self.transposed else self.shape
 
     @property
     def row_numel(self) -> int:

@@ -70,3 +70,11 @@ class CheckpointError(NtpError):
     """A checkpoint that is missing, incomplete or unreadable."""
 
     code = "checkpoint_invalid"
+
+
+class UnsupportedModelError(NtpError):
+    """A model whose tensor-parallel plan the runtime cannot map to units (an unknown plan
+    style, a fused projection, a block without exactly one row-parallel output, ...).
+    Raised while the adapter is built, before any collective."""
+
+    code = "unsupported_model"

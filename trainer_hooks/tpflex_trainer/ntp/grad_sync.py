@@ -1,18 +1,24 @@
 """DDP-like, bucketed gradient sync across replicas with different TP degrees.
 
-Per bucket of sharded parameters, as soon as autograd has produced all its gradients:
-1. pre-sync move (only in replicas with extra members): extras send their units' gradients
-   to the core member owning each unit's partition (``all_to_all_single`` in the TP group,
-   async, overlapping the rest of backward);
-2. core member p of every replica all-reduces partition p's gradients, one-to-one across
-   replicas, in one contiguous buffer (async, launched in bucket order as moves finish);
-3. post-sync move: the reduced values of the extras' units go back (async, overlapping
-   the all-reduces of the remaining buckets).
-Replicated parameters (layer norms, positions) and the loss are all-reduced by the core
-members across replicas (they are the same on every TP member) and then sent to the
-extras. Gradients are pre-scaled by the replica's share of the global batch
-(``local_batch / global_batch``), so the sum is the gradient of the mean loss over the
-global batch, whatever the local batches and degrees.
+Per bucket of sharded parameters, as soon as autograd has produced all its gradients
+(after the last micro-batch):
+1. pre-sync move (only in replicas where some member holds units another member reduces:
+   extra ranks, copies of replicated KV units): blocks go to their reducer, the core member
+   of the unit's partition (``all_to_all_single`` in the TP group, async, overlapping the
+   rest of backward; see ``grad_routes``);
+2. core member p of every replica adds what it received to its own blocks and
+   all-reduces partition p's gradients, one-to-one across replicas, in one contiguous
+   buffer (async, launched in bucket order as moves finish);
+3. post-sync move: the reduced values go back to every member that sent a block (async,
+   overlapping the all-reduces of the remaining buckets).
+Replicated parameters (norms, positions) and the loss are all-reduced by the core members
+across replicas (they are the same on every TP member) and then sent to the extras.
+Replicated parameters that only see a slice of the activations (``partial_grad``, e.g.
+per-head q/k norms) are first summed over the TP group. Gradients are pre-scaled by the
+replica's share of the global batch (``local_batch / global_batch``), so the sum is the
+gradient of the mean loss over the global batch, whatever the local batches and degrees.
+``grad_norm()`` then gives every member the same global 2-norm: each element is counted
+once in the job (by the first replica's first holder) and one all-reduce sums the parts.
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tpflex_trainer.ntp.collectives import PendingAllReduce
+from tpflex_trainer.ntp.collectives import PendingAllReduce, all_reduce
 from tpflex_trainer.ntp.config import ParamSpec
+from tpflex_trainer.ntp.grad_routes import Routes, bucket_routes, replica_moves
 from tpflex_trainer.ntp.layout import JobLayout, Member
 
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
@@ -36,12 +43,7 @@ DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
 class _Bucket:
     params: list[tuple[ParamSpec, nn.Parameter]]
     flat: torch.Tensor
-    send_idx: torch.Tensor | None = None  # extra: positions in flat, in send order
-    splits: list[int] | None = None  # per TP-group rank: extra sends / core receives
-    f_idx: torch.Tensor | None = None  # core with extras: local positions ...
-    c_local_idx: torch.Tensor | None = None  # ... and where they go in the core buffer
-    c_recv_idx: torch.Tensor | None = None  # core buffer positions of received units
-    core_numel: int = 0
+    routes: Routes | None = None
     ready: int = 0
     pre: object = None
     recv: torch.Tensor | None = None
@@ -52,15 +54,10 @@ class _Bucket:
     pre_bytes: int = field(default=0)
 
 
-def _ranges(pieces: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
-    if not pieces:
-        return torch.empty(0, dtype=torch.long, device=device)
-    return torch.cat([torch.arange(s, s + n, dtype=torch.long) for s, n in pieces]).to(device)
-
-
 class GradSync:
-    """Registers autograd hooks on ``model``'s parameters. Per step: ``begin(weight)``
-    before backward, ``finish(loss)`` after it (returns the global mean loss)."""
+    """Registers autograd hooks on ``model``'s parameters. Per step: ``begin(weight,
+    micro_batches)`` before the first backward, ``finish(loss)`` after the last one
+    (returns the global mean loss)."""
 
     def __init__(
         self,
@@ -77,12 +74,28 @@ class GradSync:
         self.rep = layout.replica(me.replica)
         self.multi = len(layout.replicas) > 1
         self.has_extras = self.rep.degree > layout.t_min
+        self.moves = replica_moves(layout, me.replica)
         self.device = params[0][1].device
         self.weight = 1.0
+        self.micro = 1
         sharded = [(s, p) for s, p in params if s.sharded]
-        replicated = [(s, p) for s, p in params if not s.sharded]
-        self.buckets = [self._make_bucket(b, world) for b in _split_buckets(sharded, bucket_bytes)]
-        self.repl = _Bucket(replicated, self._flat_for(replicated, extra=1))
+        replicated = [(s, p) for s, p in params if not s.sharded and not s.partial_grad]
+        partial = [(s, p) for s, p in params if not s.sharded and s.partial_grad]
+        group_rank = None
+        if self.moves:
+            group_rank = {m.member: dist.get_group_rank(self.groups.tp_grad, world[m.member])
+                          for m in self.rep.members}
+        counted = layout.replicas[0].replica == me.replica
+        self.buckets = []
+        for chunk in _split_buckets(sharded, bucket_bytes):
+            b = _Bucket(chunk, self._flat_for(chunk))
+            b.routes = bucket_routes([s for s, _ in chunk], layout, mine, group_rank, counted, self.device)
+            b.pre_bytes = 4 * sum(b.routes.send_splits)
+            self.buckets.append(b)
+        self.repl = _Bucket(replicated + partial, self._flat_for(replicated + partial, extra=1))
+        start = sum(p.numel() for _, p in replicated)
+        self.partial_slice = slice(start, start + sum(p.numel() for _, p in partial))
+        self.repl_counted = counted and mine.tp_rank == 0
         self.bucket_of: dict[nn.Parameter, _Bucket] = {}
         for b in [*self.buckets, self.repl]:
             for _, p in b.params:
@@ -105,17 +118,6 @@ class GradSync:
             offset += p.numel()
         return flat
 
-    def _make_bucket(self, params: list[tuple[ParamSpec, nn.Parameter]], world: Mapping[Member, int]) -> _Bucket:
-        bucket = _Bucket(params, self._flat_for(params))
-        if not (self.multi and self.has_extras):
-            return bucket
-        group_rank = {m.member: dist.get_group_rank(self.groups.tp_grad, world[m.member]) for m in self.rep.members}
-        if self.mine.core:
-            self._core_indices(bucket, group_rank)
-        else:
-            self._extra_indices(bucket, group_rank)
-        return bucket
-
     def _replicated_peers(self, world: Mapping[Member, int]) -> list[int]:
         """TP-group ranks this member sends replicated gradients to (core) or gets them
         from (extra)."""
@@ -127,61 +129,11 @@ class GradSync:
             return [rank_of[m.member] for m in self.rep.members[t_min:] if m.tp_rank % t_min == self.mine.tp_rank]
         return [rank_of[self.rep.members[self.mine.tp_rank % t_min].member]]
 
-    def _unit_blocks(self, params, keep) -> list[tuple[int, int]]:
-        """(flat offset, numel) of this member's units passing ``keep``, param-major."""
-        out, offset = [], 0
-        for spec, p in params:
-            for pos, u in enumerate(self.mine.units[spec.family]):
-                if keep(spec.family, u):
-                    out.append((offset + pos * spec.unit_numel, spec.unit_numel))
-            offset += p.numel()
-        return out
-
-    def _extra_indices(self, bucket: _Bucket, group_rank: Mapping[Member, int]) -> None:
-        part = {f: self.layout.partition_of(f) for f, _ in self.layout.families}
-        splits = [0] * self.rep.degree
-        pieces: list[tuple[int, int]] = []
-        for core in self.rep.members[: self.layout.t_min]:
-            mine = self._unit_blocks(bucket.params, lambda f, u, c=core.tp_rank: part[f][u] == c)
-            pieces += mine
-            splits[group_rank[core.member]] = sum(n for _, n in mine)
-        bucket.send_idx, bucket.splits = _ranges(pieces, self.device), splits
-        bucket.pre_bytes = 4 * sum(splits)
-
-    def _core_indices(self, bucket: _Bucket, group_rank: Mapping[Member, int]) -> None:
-        p_idx = self.mine.tp_rank
-        core_pos: dict[tuple[str, int], int] = {}
-        offset = 0
-        for spec, _ in bucket.params:
-            for u in self.layout.partitions[spec.family][p_idx]:
-                core_pos[(spec.name, u)] = offset
-                offset += spec.unit_numel
-        bucket.core_numel = offset
-        local, c_local = [], []
-        flat_off = 0
-        for spec, p in bucket.params:
-            for pos, u in enumerate(self.mine.units[spec.family]):
-                local.append((flat_off + pos * spec.unit_numel, spec.unit_numel))
-                c_local.append((core_pos[(spec.name, u)], spec.unit_numel))
-            flat_off += p.numel()
-        splits = [0] * self.rep.degree
-        c_recv: list[tuple[int, int]] = []
-        for extra in sorted(self.rep.members[self.layout.t_min :], key=lambda m: group_rank[m.member]):
-            count = 0
-            for spec, _ in bucket.params:
-                part = set(self.layout.partitions[spec.family][p_idx])
-                for u in extra.units[spec.family]:
-                    if u in part:
-                        c_recv.append((core_pos[(spec.name, u)], spec.unit_numel))
-                        count += spec.unit_numel
-            splits[group_rank[extra.member]] = count
-        bucket.f_idx, bucket.c_local_idx = _ranges(local, self.device), _ranges(c_local, self.device)
-        bucket.c_recv_idx, bucket.splits = _ranges(c_recv, self.device), splits
-
     # ------------------------------------------------------------------------ step
-    def begin(self, weight: float) -> None:
-        """Zero the gradient buffers; ``weight`` = local batch / global batch."""
-        self.weight = weight
+    def begin(self, weight: float, micro_batches: int = 1) -> None:
+        """Zero the gradient buffers; ``weight`` = local batch / global batch; the buckets
+        are synced after ``micro_batches`` backward passes."""
+        self.weight, self.micro = weight, micro_batches
         for b in [*self.buckets, self.repl]:
             b.flat.zero_()
             b.ready = 0
@@ -200,21 +152,18 @@ class GradSync:
         self._progress(block=False)
 
     def _complete(self, b: _Bucket) -> bool:
-        return b.ready == len(b.params)
+        return b.ready == len(b.params) * self.micro
 
     def _launch_pre(self, b: _Bucket) -> None:
         b.flat.mul_(self.weight)
-        if not (self.multi and self.has_extras):
+        if not self.moves:
             return
-        if self.mine.core:
-            b.recv = torch.empty(sum(b.splits), dtype=torch.float32, device=self.device)
-            send = torch.empty(0, dtype=torch.float32, device=self.device)
-            b.pre = dist.all_to_all_single(b.recv, send, b.splits, [0] * len(b.splits), group=self.groups.tp_grad, async_op=True)
-        else:
-            send = b.flat.index_select(0, b.send_idx)
-            self.sent_bytes += send.numel() * send.element_size()
-            b.recv = torch.empty(0, dtype=torch.float32, device=self.device)
-            b.pre = dist.all_to_all_single(b.recv, send, [0] * len(b.splits), b.splits, group=self.groups.tp_grad, async_op=True)
+        r = b.routes
+        send = b.flat.index_select(0, r.send_idx)
+        self.sent_bytes += send.numel() * send.element_size()
+        b.recv = torch.empty(sum(r.recv_splits), dtype=torch.float32, device=self.device)
+        b.pre = dist.all_to_all_single(b.recv, send, r.recv_splits, r.send_splits,
+                                       group=self.groups.tp_grad, async_op=True)
 
     def _progress(self, block: bool) -> None:
         """Launch core all-reduces in bucket order for buckets whose pre-move is done."""
@@ -230,15 +179,16 @@ class GradSync:
                 self.reduced_in_backward += 1
 
     def _launch_reduce(self, b: _Bucket) -> None:
-        if not self.multi or not self.mine.core:
+        if not self.mine.core:
             return
-        if self.has_extras:
-            b.core_buf = torch.empty(b.core_numel, dtype=torch.float32, device=self.device)
-            b.core_buf.index_copy_(0, b.c_local_idx, b.flat.index_select(0, b.f_idx))
-            b.core_buf.index_copy_(0, b.c_recv_idx, b.recv)
+        r = b.routes
+        if self.moves:
+            b.core_buf = torch.zeros(r.core_numel, dtype=torch.float32, device=self.device)
+            b.core_buf.index_add_(0, r.own_core_idx, b.flat.index_select(0, r.own_idx))
+            b.core_buf.index_add_(0, r.recv_core_idx, b.recv)
         else:
             b.core_buf = b.flat
-        if self.groups.core is not None:
+        if self.multi and self.groups.core is not None:
             b.reduce = dist.all_reduce(b.core_buf, group=self.groups.core, async_op=True)
 
     def finish(self, loss: torch.Tensor) -> float:
@@ -250,10 +200,13 @@ class GradSync:
             self._launch_pre(self.buckets[self.next_pre])
             self.next_pre += 1
         self._progress(block=True)
-        # every TP member holds the same replicated gradients (and loss): the core members
-        # reduce them across replicas with the last partition, then hand them to extras
         self.repl.flat.mul_(self.weight)
         self.repl.flat[-1] = float(loss) * self.weight
+        if self.groups.tp is not None and self.partial_slice.stop > self.partial_slice.start:
+            # per-head norms saw only this member's heads: sum the partial gradients
+            all_reduce(self.repl.flat[self.partial_slice], self.groups.tp)
+        # every TP member now holds the same replicated gradients (and loss): the core
+        # members reduce them across replicas, then hand them to the extras
         repl_work = None
         if self.multi and self.mine.core:
             repl_work = PendingAllReduce(self.repl.flat, self.groups.core, dist.ReduceOp.SUM)
@@ -262,63 +215,99 @@ class GradSync:
         for b in self.buckets:
             if b.post is not None:
                 b.post.wait()
-                if not self.mine.core:
-                    b.flat.index_copy_(0, b.send_idx, self._unpack_post(b))
+                self._unpack_post(b)
         if repl_work is not None:
             repl_work.wait()
         self.finish_seconds = time.perf_counter() - t0
         return float(self.repl.flat[-1])
 
-    def _post_splits(self, b: _Bucket) -> list[int]:
-        """Per TP-group rank sizes of a bucket's post-sync move. The last bucket's move also
-        carries the reduced replicated gradients from core p to the extras e with
-        e.tp_rank % t_min == p (``repl_peers``)."""
-        if b is not self.buckets[-1]:
-            return b.splits
-        splits = list(b.splits)
-        for rank in self.repl_peers:
-            splits[rank] += self.repl.flat.numel()
-        return splits
+    def _post_splits(self, b: _Bucket) -> tuple[list[int], list[int]]:
+        """(send, receive) per TP-group rank of a bucket's post-sync move. The last
+        bucket's move also carries the reduced replicated gradients from core p to the
+        extras e with e.tp_rank % t_min == p (``repl_peers``)."""
+        send, recv = list(b.routes.recv_splits), list(b.routes.send_splits)
+        if b is self.buckets[-1]:
+            for rank in self.repl_peers:
+                (send if self.mine.core else recv)[rank] += self.repl.flat.numel()
+        return send, recv
 
     def _launch_post(self, b: _Bucket, repl_work: PendingAllReduce | None) -> None:
         if b.reduce is not None:
             b.reduce.wait()
-        if not (self.multi and self.has_extras):
+        if not self.moves:
             return
-        zeros = [0] * len(b.splits)
-        splits = self._post_splits(b)
+        r = b.routes
+        send_splits, recv_splits = self._post_splits(b)
+        send = torch.empty(0, dtype=torch.float32, device=self.device)
         if self.mine.core:
-            b.flat.index_copy_(0, b.f_idx, b.core_buf.index_select(0, b.c_local_idx))
-            send = b.core_buf.index_select(0, b.c_recv_idx)
-            if b is self.buckets[-1]:
+            b.flat.index_copy_(0, r.own_idx, b.core_buf.index_select(0, r.own_core_idx))
+            send = b.core_buf.index_select(0, r.recv_core_idx)
+            if b is self.buckets[-1] and self.repl_peers:
                 if repl_work is not None:
                     repl_work.wait()
                 pieces = []
-                for rank, chunk in enumerate(send.split(b.splits)):
+                for rank, chunk in enumerate(send.split(r.recv_splits)):
                     pieces += [chunk, self.repl.flat] if rank in self.repl_peers else [chunk]
                 send = torch.cat(pieces)
-            b.post_out = torch.empty(0, dtype=torch.float32, device=self.device)
-            b.post = dist.all_to_all_single(b.post_out, send, zeros, splits, group=self.groups.tp_grad, async_op=True)
-        else:
-            b.post_out = torch.empty(sum(splits), dtype=torch.float32, device=self.device)
-            send = torch.empty(0, dtype=torch.float32, device=self.device)
-            b.post = dist.all_to_all_single(b.post_out, send, splits, zeros, group=self.groups.tp_grad, async_op=True)
+        b.post_out = torch.empty(sum(recv_splits), dtype=torch.float32, device=self.device)
+        b.post = dist.all_to_all_single(b.post_out, send, recv_splits, send_splits,
+                                        group=self.groups.tp_grad, async_op=True)
 
-    def _unpack_post(self, b: _Bucket) -> torch.Tensor:
-        """An extra's received unit gradients (and, from the last bucket, the replicated
-        gradients, copied into place)."""
-        if b is not self.buckets[-1]:
-            return b.post_out
-        units = []
-        for rank, part in enumerate(b.post_out.split(self._post_splits(b))):
-            units.append(part[: b.splits[rank]])
-            if rank in self.repl_peers:
-                self.repl.flat.copy_(part[b.splits[rank] :])
-        return torch.cat(units)
+    def _unpack_post(self, b: _Bucket) -> None:
+        """Copy the reduced blocks this member sent (and, from the last bucket on an extra,
+        the replicated gradients) into place."""
+        r = b.routes
+        if b is self.buckets[-1] and not self.mine.core and self.repl_peers:
+            units = []
+            for rank, part in enumerate(b.post_out.split(self._post_splits(b)[1])):
+                units.append(part[: r.send_splits[rank]])
+                if rank in self.repl_peers:
+                    self.repl.flat.copy_(part[r.send_splits[rank]:])
+            received = torch.cat(units)
+        else:
+            received = b.post_out
+        if received.numel():
+            b.flat.index_copy_(0, r.send_idx, received)
+
+    # ------------------------------------------------------------------ after sync
+    def grad_norm(self) -> float:
+        """The global 2-norm of the synced gradients, the same float on every active
+        member: every element counted once in the job, one all-reduce of the parts."""
+        parts = [self._sumsq(b.flat, b.routes.count_idx) for b in self.buckets]
+        if self.repl_counted:
+            parts.append(self._sumsq(self.repl.flat[:-1], None))
+        total = torch.stack(parts).sum() if parts else torch.zeros((), device=self.device)
+        total = total.reshape(1).to(torch.float32)
+        group = self.groups.active if self.multi else self.groups.tp
+        if group is not None:
+            all_reduce(total, group)
+        return float(total.sqrt())
+
+    @staticmethod
+    def _sumsq(flat: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
+        values = flat if idx is None else flat.index_select(0, idx)
+        return values.square().sum()
+
+    def scale(self, factor: float, sharded_only: bool = False) -> None:
+        """Multiply the synced gradients (clipping; ``sharded_only`` is the test hook)."""
+        for b in self.buckets:
+            b.flat.mul_(factor)
+        if not sharded_only:
+            self.repl.flat[:-1].mul_(factor)
 
     def pre_sync_bytes(self) -> int:
-        """Bytes this member sends in the pre-sync move per step (extras only)."""
+        """Bytes this member sends in the pre-sync move per step."""
         return sum(b.pre_bytes for b in self.buckets)
+
+    def moved_bytes(self) -> int:
+        """Bytes this member sends per step in the pre- and post-sync moves together
+        (both directions of the TP-group traffic, replicated gradients included)."""
+        total = 0
+        for b in self.buckets:
+            if self.moves:
+                send, _ = self._post_splits(b)
+                total += 4 * (sum(b.routes.send_splits) + sum(send))
+        return total
 
     def close(self) -> None:
         for h in self.handles:

@@ -59,13 +59,12 @@ def check_world(
 
 def wanted_groups(layout: JobLayout, world: Mapping[Member, int]) -> list[GroupKey]:
     """Every multi-member group of ``layout``, in the order all processes create them. A
-    single replica needs only its TP group (no gradient sync across replicas)."""
+    single replica needs no core or active group (no gradient sync across replicas)."""
     keys: list[GroupKey] = []
     for rep in layout.replicas:
         ranks = tuple(sorted(world[m.member] for m in rep.members))
         keys.append(("tp", ranks))
-        if len(layout.replicas) > 1:
-            keys.append(("tp_grad", ranks))
+        keys.append(("tp_grad", ranks))  # gradient moves (extras, replicated KV units)
     if len(layout.replicas) == 1:
         return [k for k in keys if len(k[1]) > 1]
     for p in range(layout.t_min):

@@ -24,6 +24,16 @@ from typing import NamedTuple
 from tpflex_trainer.ntp.errors import LayoutError
 
 
+class Derived(NamedTuple):
+    """A family whose units follow another family's: unit g of the derived family is
+    held by every member holding any of the source units ``g * per_unit ..
+    (g + 1) * per_unit - 1`` (a KV head is held by every member holding one of its query
+    heads: a *replicated unit* when the TP degree exceeds the KV groups)."""
+
+    source: str
+    per_unit: int
+
+
 class Member(NamedTuple):
     """One process slot of the job: replica index and base-TP slot (GPU) in its domain."""
 
@@ -131,12 +141,18 @@ def traffic_lower_bound(n: int, degree: int, partition_sizes: Sequence[int]) -> 
 
 
 def replica_traffic(layout: JobLayout, replica: int) -> dict[str, int]:
-    """Units per family held by the extra ranks of a replica: what gradient sync moves."""
+    """Units per family that gradient sync moves to a reducer inside the replica (and back):
+    every (member, unit) whose member is not the core member of the unit's partition. For
+    placed families these are the extra ranks' units; for a derived family every copy of
+    a replicated unit held outside its reducer counts."""
     rep = layout.replica(replica)
-    return {
-        fam: sum(len(m.units[fam]) for m in rep.members if not m.core)
-        for fam, _ in layout.families
-    }
+    out = {}
+    for fam, _ in layout.families:
+        part = layout.partition_of(fam)
+        out[fam] = sum(
+            1 for m in rep.members for u in m.units[fam] if m.tp_rank != part[u]
+        )
+    return out
 
 
 # ----------------------------------------------------------------------- validation
@@ -215,9 +231,11 @@ def plan_layout(
     base_tp: int,
     previous: JobLayout | None = None,
     holders: Iterable[Member] | None = None,
+    derived: Mapping[str, Derived] | None = None,
 ) -> JobLayout:
     """The layout for ``placements``. With ``previous`` (and ``holders``, the members whose
-    state survived; default all of ``previous``) members keep what they hold where possible."""
+    state survived; default all of ``previous``) members keep what they hold where possible.
+    ``derived`` families are added from their source family (``with_derived``)."""
     families = validate_request(unit_counts, placements, base_tp)
     held = _held_units(previous, holders)
     prev_rank = {m.member: m.tp_rank for m in previous.members()} if previous else {}
@@ -236,7 +254,40 @@ def plan_layout(
         else:
             cores, extras = _match_cores(members, partitions, held)
         replicas.append(_replica_layout(p, cores, extras, families, partitions, held))
-    return JobLayout(base_tp, families, t_min, partitions, tuple(replicas))
+    return with_derived(JobLayout(base_tp, families, t_min, partitions, tuple(replicas)), derived or {})
+
+
+def derived_units(source_units: Iterable[int], per_unit: int) -> tuple[int, ...]:
+    return tuple(sorted({u // per_unit for u in source_units}))
+
+
+def with_derived(layout: JobLayout, derived: Mapping[str, Derived]) -> JobLayout:
+    """Add each derived family: a member holds the derived units of its source units; the
+    derived unit g belongs to the core partition of its first source unit, so a replica at
+    t_min reduces it on a member that holds it."""
+    if not derived:
+        return layout
+    counts = dict(layout.families)
+    families = list(layout.families)
+    partitions = dict(layout.partitions)
+    for fam, d in derived.items():
+        n = -(-counts[d.source] // d.per_unit)
+        families.append((fam, n))
+        src_part = layout.partition_of(d.source)
+        partitions[fam] = tuple(
+            tuple(g for g in range(n) if src_part[g * d.per_unit] == p) for p in range(layout.t_min)
+        )
+    replicas = tuple(
+        ReplicaLayout(rep.replica, rep.local_batch, tuple(
+            MemberLayout(m.member, m.tp_rank, m.core, {
+                **dict(m.units),
+                **{fam: derived_units(m.units[d.source], d.per_unit) for fam, d in derived.items()},
+            })
+            for m in rep.members
+        ))
+        for rep in layout.replicas
+    )
+    return JobLayout(layout.base_tp, tuple(families), layout.t_min, partitions, replicas)
 
 
 def _held_units(previous: JobLayout | None, holders: Iterable[Member] | None) -> Held:

@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from tpflex_trainer.ntp import checkpoint as ckpt
-from tpflex_trainer.ntp.config import GPTConfig, param_specs
+from tpflex_trainer.ntp.adapter import ModelAdapter, as_adapter
+from tpflex_trainer.ntp.config import REPLICATED
 from tpflex_trainer.ntp.errors import PlanError, UnitsUnavailableError
 from tpflex_trainer.ntp.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
 from tpflex_trainer.ntp.groups import GroupCache, NtpGroups, check_world, device_for_backend
@@ -37,8 +38,7 @@ from tpflex_trainer.ntp.layout import (
     plan_layout,
     validate_request,
 )
-from tpflex_trainer.ntp.model import ShardedGPT
-from tpflex_trainer.ntp.optim import AdamSettings, adam_step
+from tpflex_trainer.ntp.optim import AdamSettings, TrainSettings, adam_step
 from tpflex_trainer.ntp.reshard import execute_plan
 from tpflex_trainer.ntp.reshard_plan import lower_bound_units, plan_reshard
 from tpflex_trainer.ntp.state import (
@@ -75,7 +75,7 @@ def _phase(phases: dict[str, float], name: str) -> Iterator[None]:
         phases[name] = time.perf_counter() - t0
 
 
-def _choose_source(plan, holders: list[Member], reader, allow_init: bool, cfg: GPTConfig) -> str:
+def _choose_source(plan, holders: list[Member], reader, allow_init: bool, adapter: ModelAdapter) -> str:
     """live (reshard + peer recovery), checkpoint (nothing live, or units lost on every
     replica: the whole job rolls back) or init (a new job); else UnitsUnavailableError."""
     if not holders:
@@ -83,7 +83,7 @@ def _choose_source(plan, holders: list[Member], reader, allow_init: bool, cfg: G
             return "checkpoint"
         if allow_init:
             return "init"
-        raise UnitsUnavailableError({f: list(range(n)) for f, n in cfg.unit_counts().items()})
+        raise UnitsUnavailableError({f: list(range(n)) for f, n in adapter.all_unit_counts().items()})
     if plan.missing:
         if reader is None:
             raise UnitsUnavailableError({f: list(u) for f, u in plan.missing.items()})
@@ -91,10 +91,17 @@ def _choose_source(plan, holders: list[Member], reader, allow_init: bool, cfg: G
     return "live"
 
 
+# Test hook: every sharded gradient is multiplied by this after the sync (a deliberately
+# broken run, which the parity checks must catch). Unset in real runs.
+GRAD_SCALE_ENV = "TPFLEX_TEST_SHARDED_GRAD_SCALE"
+
+
 class NtpRuntime:
+    """``model``: a ``GPTConfig``, a ``ModelAdapter`` or a Hugging Face model directory."""
+
     def __init__(
         self,
-        cfg: GPTConfig,
+        model,
         base_tp: int,
         me: Member | tuple[int, int],
         *,
@@ -102,17 +109,24 @@ class NtpRuntime:
         seed: int = 0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: timedelta = timedelta(seconds=60),
+        train: TrainSettings = TrainSettings(),
     ) -> None:
-        self.cfg, self.base_tp, self.me = cfg, base_tp, Member(*me)
+        self.cfg, self.base_tp, self.me = model, base_tp, Member(*me)
+        self.adapter = as_adapter(model, base_tp)
         self.adam, self.seed, self.bucket_bytes, self.timeout = adam, seed, bucket_bytes, timeout
-        self.specs = param_specs(cfg)
-        self.unit_bytes = {f: 4 * payload_numel(self.specs, f) for f in [*cfg.unit_counts(), "_replicated"]}
+        self.train = train
+        self.specs = self.adapter.specs
+        self.decay = {s.name: s.decay for s in self.specs}
+        families = [*self.adapter.all_unit_counts(), REPLICATED]
+        self.unit_bytes = {f: 4 * payload_numel(self.specs, f) for f in families}
+        self.grad_scale = float(os.environ.get(GRAD_SCALE_ENV, "1") or 1)
+        self.last_grad_norm = 0.0
         self.layout: JobLayout | None = None
         self.world: dict[Member, int] = {}
         self.state: LocalState | None = None
         self.groups = NtpGroups()
         self.group_cache = GroupCache(timeout)
-        self.model: ShardedGPT | None = None
+        self.model = None
         self.sync: GradSync | None = None
 
     # ------------------------------------------------------------------ queries
@@ -142,14 +156,15 @@ class NtpRuntime:
         phases: dict[str, float] = {}
         placements = tuple(placements)
         world = {Member(*m): r for m, r in world.items()}
-        validate_request(self.cfg.unit_counts(), placements, self.base_tp)
+        validate_request(self.adapter.unit_counts, placements, self.base_tp)
         check_world(placements, world, self.me, dist.get_world_size(), dist.get_rank())
-        reader = ckpt.CheckpointReader(checkpoint, self.cfg) if checkpoint is not None else None
+        reader = ckpt.CheckpointReader(checkpoint, self.adapter.fingerprint()) if checkpoint is not None else None
         with _phase(phases, "agree_s"):
             previous, holders, step = self._agree()
-        new = plan_layout(self.cfg.unit_counts(), placements, self.base_tp, previous, holders)
+        new = plan_layout(self.adapter.unit_counts, placements, self.base_tp, previous, holders,
+                          derived=self.adapter.derived)
         plan = plan_reshard(previous, new, holders)
-        source = _choose_source(plan, holders, reader, allow_init, self.cfg)
+        source = _choose_source(plan, holders, reader, allow_init, self.adapter)
         with _phase(phases, "groups_s"):
             self._teardown()
             self.groups = self.group_cache.build(new, world, self.me)
@@ -190,7 +205,11 @@ class NtpRuntime:
         if source == "checkpoint":
             self.state = build_state(self.specs, units, reader.step, device, reader.payload) if units else None
             return reader.step, 0
-        self.state = init_local_state(self.specs, units, self.seed, device) if units else None
+        if units:
+            initial = lambda spec, held: self.adapter.initial_local(spec, held, self.seed)  # noqa: E731
+            self.state = init_local_state(self.specs, units, self.seed, device, initial)
+        else:
+            self.state = None
         return 0, 0
 
     def _agree(self) -> tuple[JobLayout | None, list[Member], int]:
@@ -201,7 +220,7 @@ class NtpRuntime:
         optimizer updates) count as holding nothing: their units are re-sent from
         up-to-date holders, or the job rolls back to a checkpoint."""
         gathered: list = [None] * dist.get_world_size()
-        settings = (self.cfg, self.base_tp, self.bucket_bytes)
+        settings = (self.adapter.fingerprint(), self.base_tp, self.bucket_bytes)
         mine = self.layout.member(self.me) if self.layout is not None and self.state is not None else None
         held = (mine.tp_rank, dict(mine.units)) if mine is not None else None
         dist.all_gather_object(gathered, (tuple(self.me), held, self.step, self.group_cache.intact(), settings))
@@ -229,7 +248,7 @@ class NtpRuntime:
             members = sorted((m for m in reports if m.replica == replica), key=lambda m: reports[m][0])
             layouts = tuple(MemberLayout(m, reports[m][0], False, reports[m][1]) for m in members)
             replicas.append(ReplicaLayout(replica, 1, layouts))
-        families = tuple(self.cfg.unit_counts().items())
+        families = tuple(self.adapter.all_unit_counts().items())
         return JobLayout(self.base_tp, families, 0, {}, tuple(replicas))
 
     def _teardown(self) -> None:
@@ -240,7 +259,7 @@ class NtpRuntime:
 
     def _build_training(self) -> None:
         assert self.state is not None and self.layout is not None
-        self.model = ShardedGPT(self.cfg, self.state.units, self.state.tensors["param"], self.groups.tp)
+        self.model = self.adapter.build(self.state.units, self.state.tensors["param"], self.groups.tp)
         params = self.model.params_in_spec_order()
         self.sync = GradSync(params, self.layout, self.me, self.world, self.groups, self.bucket_bytes)
 
@@ -255,13 +274,35 @@ class NtpRuntime:
         rep = self.layout.replica(self.me.replica)
         if tokens.shape[0] != rep.local_batch or tokens.shape != targets.shape:
             raise PlanError(f"local batch must be {rep.local_batch} samples, got tokens {tuple(tokens.shape)}")
-        device = self.state.tensors["param"]["pos.weight"].device
-        self.sync.begin(rep.local_batch / self.layout.global_batch)
-        loss = self.model.loss(tokens.to(device), targets.to(device))
-        loss.backward()
-        global_loss = self.sync.finish(loss.detach())
-        adam_step(self.state, {s.name: p.grad for s, p in self.model.params_in_spec_order()}, self.adam)
+        device = next(iter(self.state.tensors["param"].values())).device
+        tokens, targets = tokens.to(device), targets.to(device)
+        chunks = [(x, y) for x, y in zip(tokens.tensor_split(self.train.micro_batches),
+                                         targets.tensor_split(self.train.micro_batches), strict=True)
+                  if x.shape[0]]
+        self.sync.begin(rep.local_batch / self.layout.global_batch, len(chunks))
+        local_loss = torch.zeros((), device=device)
+        for x, y in chunks:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.train.dtype == "bf16"):
+                loss = self.model.loss(x, y)
+            loss = loss.float() * (x.shape[0] / rep.local_batch)
+            loss.backward()
+            local_loss += loss.detach()
+        global_loss = self.sync.finish(local_loss)
+        self._clip_and_update()
         return global_loss
+
+    def _clip_and_update(self) -> None:
+        """Clip by the global norm (computed once, the same on every member), AdamW at the
+        scheduled learning rate of this step."""
+        if self.grad_scale != 1.0:
+            self.sync.scale(self.grad_scale, sharded_only=True)
+        self.last_grad_norm = self.sync.grad_norm()
+        if self.train.clip_grad > 0:
+            coef = self.train.clip_grad / (self.last_grad_norm + 1e-6)
+            self.sync.scale(min(coef, 1.0))
+        lr = self.adam.lr * self.train.lr_factor(self.step)
+        grads = {s.name: p.grad for s, p in self.model.params_in_spec_order()}
+        adam_step(self.state, grads, self.adam, lr=lr, decay=self.decay)
 
     def rebind(self) -> ReshardReport:
         """Collective over a re-initialised default group whose processes all hold state in
@@ -300,9 +341,44 @@ class NtpRuntime:
         if sync_group is not None:
             dist.barrier(group=sync_group)
         if mine is not None and self.me.replica == writers.replica and mine.tp_rank == 0:
-            ckpt.write_meta(path, self.cfg, self.step, [ckpt.member_file(m) for m in writers.members])
+            ckpt.write_meta(path, self.adapter.fingerprint(), self.step,
+                            [ckpt.member_file(m) for m in writers.members])
         if sync_group is not None:
             dist.barrier(group=sync_group)
+
+    def export_hf(self, path: str | os.PathLike, max_shard_bytes: int | None = None) -> list[str]:
+        """Collective over the active members: write the model to ``path`` as a Hugging
+        Face directory (config.json + safetensors) that ``from_pretrained`` loads. The
+        first replica's members write their parts; its TP rank 0 assembles them. Returns
+        the files written (on the writer; [] elsewhere)."""
+        from tpflex_trainer.ntp import hf_io
+
+        config = getattr(self.adapter, "config", None)
+        if self.layout is None or config is None:
+            raise PlanError("export_hf needs a started runtime over a Hugging Face model")
+        path = Path(path)
+        scratch = path / ".tpflex-export"
+        writers = self.layout.replicas[0]
+        mine = self.layout.member(self.me)
+        writing = mine is not None and self.me.replica == writers.replica and self.state is not None
+        if writing:
+            hf_io.write_member_part(scratch / f"part-s{self.me.slot}.safetensors", self.specs,
+                                    self.state.units, self.state.tensors["param"])
+        sync_group = self.groups.active or self.groups.tp
+        if sync_group is not None:
+            dist.barrier(group=sync_group)
+        files: list[str] = []
+        if writing and mine.tp_rank == 0:
+            parts = [scratch / f"part-s{m.member.slot}.safetensors" for m in writers.members]
+            tensors = hf_io.assemble(self.specs, parts)
+            limit = max_shard_bytes or hf_io.DEFAULT_MAX_SHARD_BYTES
+            files = hf_io.write_hf_dir(path, config, tensors, limit)
+            for part in parts:
+                part.unlink()
+            scratch.rmdir()
+        if sync_group is not None:
+            dist.barrier(group=sync_group)
+        return files
 
     def abort(self) -> None:
         """Call when a collective failed or a member is known to be gone, before the default

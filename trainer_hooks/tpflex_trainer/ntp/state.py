@@ -44,13 +44,22 @@ def _rows(spec: ParamSpec, position: int) -> slice:
 
 
 def init_local_state(
-    specs: list[ParamSpec], units: Mapping[str, tuple[int, ...]], seed: int, device: torch.device
+    specs: list[ParamSpec],
+    units: Mapping[str, tuple[int, ...]],
+    seed: int,
+    device: torch.device,
+    initial: Callable[[ParamSpec, tuple[int, ...]], torch.Tensor] | None = None,
 ) -> LocalState:
+    """Step-0 state: ``initial(spec, held units)`` gives the member's rows (default: the
+    seeded ``full_init``); Adam moments are zero."""
     tensors: dict[str, dict[str, torch.Tensor]] = {k: {} for k in KINDS}
     for spec in specs:
-        full = full_init(spec, seed)
         held = units[spec.family]
-        local = torch.cat([full[_rows(spec, u)] for u in held]) if held else full[:0]
+        if initial is not None:
+            local = initial(spec, tuple(held)).to(torch.float32)
+        else:
+            full = full_init(spec, seed)
+            local = torch.cat([full[_rows(spec, u)] for u in held]) if held else full[:0]
         tensors["param"][spec.name] = local.to(device).contiguous()
         tensors["exp_avg"][spec.name] = torch.zeros_like(tensors["param"][spec.name])
         tensors["exp_avg_sq"][spec.name] = torch.zeros_like(tensors["param"][spec.name])

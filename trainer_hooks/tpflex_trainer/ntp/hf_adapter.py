@@ -1,0 +1,172 @@
+"""``HfAdapter``: a Hugging Face ``transformers`` causal LM under NTP.
+
+The user's model class is built from its config (parameters on the meta device), its
+planned linears are swapped for unit shards wrapped with the TP collectives (see
+``hf_plan`` and ``hf_layers``), and HF's own code runs the rest. Initial weights come from
+the model directory's safetensors (each member reads only its units' rows) or, without
+weights, from a seeded per-parameter init.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tpflex_trainer.ntp.adapter import ModelAdapter
+from tpflex_trainer.ntp.config import REPLICATED, ParamSpec
+from tpflex_trainer.ntp.errors import ConfigError, UnsupportedModelError
+from tpflex_trainer.ntp.hf_layers import (
+    ExpandedKVLinear,
+    LocalLinear,
+    RowParallel,
+    copy_to_tp_at_input,
+    parameters_on_meta,
+)
+from tpflex_trainer.ntp.hf_plan import ATTN, KV, VOCAB, HfPlan, analyse
+from tpflex_trainer.ntp.layers import Group, VocabParallelEmbedding, VocabParallelOutput
+
+
+def load_config(path: str | os.PathLike):
+    from transformers import AutoConfig
+
+    if not (Path(path) / "config.json").is_file():
+        raise ConfigError(f"{path} is not a Hugging Face model directory (no config.json)")
+    return AutoConfig.from_pretrained(str(path))
+
+
+def build_meta_model(config) -> nn.Module:
+    """The user's causal LM class with parameters on the meta device, fp32, sdpa."""
+    from transformers import AutoModelForCausalLM
+
+    config._attn_implementation = "sdpa"
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return model
+
+
+class HfShard(nn.Module):
+    """One member's slice of the user's model; ``loss`` runs HF's base model (embedding,
+    decoder layers, final norm) and the vocab-parallel output layer + cross-entropy."""
+
+    def __init__(self, lm: nn.Module, head: VocabParallelOutput, params: dict[str, nn.Parameter],
+                 specs: list[ParamSpec]) -> None:
+        super().__init__()
+        self.lm, self.head, self.specs, self.by_name = lm, head, specs, params
+
+    def params_in_spec_order(self) -> list[tuple[ParamSpec, nn.Parameter]]:
+        return [(s, self.by_name[s.name]) for s in self.specs]
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        base = getattr(self.lm, self.lm.base_model_prefix)
+        hidden = base(input_ids=tokens, use_cache=False).last_hidden_state
+        return self.head.loss(hidden, targets)
+
+
+class HfAdapter(ModelAdapter):
+    def __init__(self, config, base_tp: int, weights_dir: str | os.PathLike | None = None) -> None:
+        self.config = config
+        self.base_tp = base_tp
+        self.weights_dir = Path(weights_dir) if weights_dir is not None else None
+        self.plan: HfPlan = analyse(build_meta_model(config), config, base_tp)
+        self.specs = self.plan.specs
+        self.unit_counts = {f: n for f, n in self.plan.unit_counts.items()}
+        self.derived = dict(self.plan.derived)
+        self.vocab = int(config.vocab_size)
+        self._reader = None
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str | os.PathLike, base_tp: int) -> HfAdapter:
+        """A HF model directory: config.json, and weights (model.safetensors or a sharded
+        index) when present."""
+        from tpflex_trainer.ntp.hf_io import has_weights
+
+        config = load_config(path)
+        return cls(config, base_tp, path if has_weights(path) else None)
+
+    # ------------------------------------------------------------------ adapter
+    def fingerprint(self) -> dict[str, Any]:
+        c, p = self.config, self.plan
+        layout = json.dumps([(s.name, list(s.shape), s.family, s.unit_rows) for s in self.specs])
+        return {
+            "model_type": str(c.model_type), "vocab_size": int(c.vocab_size),
+            "hidden_size": int(c.hidden_size), "num_hidden_layers": int(c.num_hidden_layers),
+            "num_attention_heads": p.n_heads, "num_key_value_heads": p.n_kv, "head_dim": p.head_dim,
+            "tie_word_embeddings": bool(p.tied), "head_units": bool(p.head_units),
+            "unit_counts": {k: int(v) for k, v in sorted(p.unit_counts.items())},
+            "params_sha": hashlib.sha256(layout.encode()).hexdigest()[:16],
+        }
+
+    def initial_local(self, spec: ParamSpec, units: tuple[int, ...], seed: int) -> torch.Tensor:
+        if self.weights_dir is None:
+            return super().initial_local(spec, units, seed)
+        from tpflex_trainer.ntp.hf_io import SafetensorsReader
+
+        if self._reader is None:
+            self._reader = SafetensorsReader(self.weights_dir)
+        return self._reader.rows(spec, units)
+
+    def build(self, units: Mapping[str, tuple[int, ...]], tensors: Mapping[str, torch.Tensor],
+              group: Group) -> nn.Module:
+        self._reader = None  # done loading: close the files
+        lm = build_meta_model(self.config)
+        modules = dict(lm.named_modules())
+        params = {s.name: nn.Parameter(tensors[s.name]) for s in self.specs}
+        for path, role in self.plan.roles.items():
+            module = modules[path]
+            if role.kind == "partial":
+                self._set_params(module, path, params)
+                continue
+            w, b = params[f"{path}.weight"], params.get(f"{path}.bias")
+            if role.kind == "row":
+                new = RowParallel(w, b, group)
+            elif role.kind == "kv" and role.family == KV:
+                index = [units[KV].index(h // (self.plan.n_heads // self.plan.n_kv)) for h in units[ATTN]]
+                new = ExpandedKVLinear(w, b, index, self.plan.head_dim)
+            else:
+                new = LocalLinear(w, b)
+            parent, leaf = path.rsplit(".", 1)
+            setattr(modules[parent], leaf, new)
+        for path, kind in self.plan.blocks.items():
+            block = modules[path]
+            if kind == ATTN and self.plan.head_units:
+                block.num_key_value_groups = 1  # one (gathered) KV head per local query head
+            copy_to_tp_at_input(block, group)
+        prefix = lm.base_model_prefix
+        embed_name = f"{prefix}.embed_tokens.weight"
+        embed = VocabParallelEmbedding(params[embed_name], units[VOCAB], self.plan.vocab_block, self.vocab, group)
+        getattr(lm, prefix).embed_tokens = embed
+        head_w = params[embed_name] if self.plan.tied else params["lm_head.weight"]
+        head = VocabParallelOutput(head_w, units[VOCAB], self.plan.vocab_block, self.vocab, group)
+        lm.lm_head = nn.Identity()
+        for s in self.specs:
+            if s.family == REPLICATED and s.name.rsplit(".", 1)[0] not in self.plan.roles:
+                self._set_params(modules[s.name.rsplit(".", 1)[0]], s.name.rsplit(".", 1)[0], params, s.name)
+        left = [n for n, p in lm.named_parameters() if p.device.type == "meta"]
+        if left:
+            raise UnsupportedModelError(f"parameters without a unit layout: {left[:5]}")
+        return HfShard(lm, head, params, self.specs)
+
+    @staticmethod
+    def _set_params(module: nn.Module, path: str, params: Mapping[str, nn.Parameter], only: str | None = None) -> None:
+        for leaf in list(module._parameters):
+            name = f"{path}.{leaf}"
+            if name in params and (only is None or name == only):
+                setattr(module, leaf, params[name])
+
+    # ------------------------------------------------------------------ reference
+    def full_state(self, seed: int) -> dict[str, torch.Tensor]:
+        """The whole model's initial tensors in the user's layout (HF names and shapes):
+        what the single-process reference starts from."""
+        out = {}
+        for s in self.specs:
+            units = tuple(range(s.n_units)) if s.sharded else ()
+            canon = self.initial_local(s, units, seed)
+            out[s.name] = canon.t().contiguous() if s.transposed else canon
+        return out

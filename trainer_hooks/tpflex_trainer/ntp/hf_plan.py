@@ -1,0 +1,210 @@
+"""From a Hugging Face causal LM (built on the meta device) and its
+``config.base_model_tp_plan`` to the runtime's parameter specs: which parameters are
+units of which family, how many units each family has, and what every planned module
+becomes. No collectives, no weights.
+
+* A block's planned linears are grouped by their parent module: colwise + one rowwise
+  partner. In an attention module (it has ``head_dim``) the unit is a KV group with its
+  query heads (q rows, k and v rows, o_proj columns) when the job's base TP degree is at
+  most the KV-group count; above it the unit is one query head and the KV heads form the
+  derived family ``kv`` (a KV head is held by every member holding one of its query
+  heads, see ``layout.Derived``). In any other block (the MLP) the unit is a block of
+  columns of the intermediate size.
+* ``replicated_with_grad_allreduce`` modules (Qwen3's per-head q_norm/k_norm) are
+  replicated with partial gradients; unplanned parameters (norms) are replicated.
+* The embedding and the (possibly tied) output layer are vocab-parallel: units are
+  blocks of vocab rows.
+Anything else is refused with ``UnsupportedModelError`` naming the module.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from torch import nn
+
+from tpflex_trainer.ntp.config import REPLICATED, ParamSpec
+from tpflex_trainer.ntp.errors import UnsupportedModelError
+from tpflex_trainer.ntp.layout import Derived
+
+STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+ATTN, KV, FFN, VOCAB = "attn", "kv", "ffn", "vocab"
+
+
+@dataclass(frozen=True)
+class Role:
+    """What a planned module becomes: ``kind`` is column / row / kv (a column-parallel
+    K or V projection whose rows are shared KV units) / partial (replicated, partial
+    gradient)."""
+
+    kind: str
+    family: str
+
+
+@dataclass(frozen=True)
+class HfPlan:
+    specs: list[ParamSpec]
+    unit_counts: dict[str, int]
+    derived: dict[str, Derived]
+    roles: dict[str, Role]  # module path -> role
+    blocks: dict[str, str]  # parent module path -> "attn" | "ffn" (copy-to-TP at its input)
+    head_units: bool  # attention units are single query heads (KV heads replicated)
+    n_heads: int
+    n_kv: int
+    head_dim: int
+    vocab_block: int
+    tied: bool
+
+
+def choose_units(n: int, base_tp: int) -> int:
+    """Units of a family of ``n`` rows: the smallest divisor of n that is at least
+    4·base_tp (a balanced spread over any degree up to base_tp), else n."""
+    target = 4 * base_tp
+    for d in range(target, n + 1):
+        if n % d == 0:
+            return d
+    return n
+
+
+def _compile(plan: dict[str, str], prefix: str) -> list[tuple[re.Pattern, str, str]]:
+    out = []
+    for key, style in plan.items():
+        if style not in STYLES:
+            raise UnsupportedModelError(f"tp plan style {style!r} of {key!r} is not supported "
+                                        f"(supported: {', '.join(STYLES)})")
+        pattern = re.escape(f"{prefix}.{key}" if prefix else key).replace(r"\*", r"\d+")
+        out.append((re.compile(pattern + r"$"), style, key))
+    return out
+
+
+def _planned_modules(model: nn.Module, plan, prefix: str) -> dict[str, str]:
+    rules = _compile(plan, prefix)
+    found: dict[str, str] = {}
+    matched = set()
+    for name, _ in model.named_modules():
+        for pattern, style, key in rules:
+            if pattern.match(name):
+                found[name] = style
+                matched.add(key)
+    missing = [k for _, _, k in rules if k not in matched]
+    if missing:
+        raise UnsupportedModelError(f"tp plan entries {missing} match no module of the model")
+    return found
+
+
+def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
+    """The plan for a causal LM ``model`` (parameters may be on the meta device)."""
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not plan:
+        raise UnsupportedModelError(f"{type(config).__name__} has no base_model_tp_plan")
+    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    prefix = getattr(model, "base_model_prefix", "model")
+    if base is None or type(getattr(base, "embed_tokens", None)) is not nn.Embedding:
+        raise UnsupportedModelError(f"{type(model).__name__}: {prefix}.embed_tokens is not a plain "
+                                    "nn.Embedding (scaled or custom embeddings are not supported)")
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        raise UnsupportedModelError(f"{type(model).__name__}: lm_head must be a Linear without bias")
+    planned = _planned_modules(model, plan, prefix)
+    modules = dict(model.named_modules())
+    n_heads = int(config.num_attention_heads)
+    n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // n_heads)
+    head_units = base_tp > n_kv
+    parents: dict[str, dict[str, list[str]]] = {}
+    for name, style in planned.items():
+        if style != "replicated_with_grad_allreduce" and not isinstance(modules[name], nn.Linear):
+            raise UnsupportedModelError(f"planned module {name} ({style}) is not a Linear")
+        parent = name.rsplit(".", 1)[0]
+        parents.setdefault(parent, {}).setdefault(style, []).append(name)
+    roles, blocks = {}, {}
+    for parent, by_style in parents.items():
+        attn = hasattr(modules[parent], "head_dim") and hasattr(modules[parent], "num_key_value_groups")
+        roles.update(_block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, head_dim))
+        blocks[parent] = ATTN if attn else FFN
+    ffn_sizes = {modules[n].in_features for n, r in roles.items() if r.family == FFN and r.kind == "row"}
+    if len(ffn_sizes) > 1:
+        raise UnsupportedModelError(f"MLP blocks of different sizes {sorted(ffn_sizes)}")
+    vocab = int(config.vocab_size)
+    counts = {ATTN: n_heads if head_units else n_kv, VOCAB: choose_units(vocab, base_tp)}
+    if ffn_sizes:
+        counts[FFN] = choose_units(ffn_sizes.pop(), base_tp)
+    tied = head.weight is base.embed_tokens.weight
+    specs = _specs(model, roles, blocks, prefix, counts, n_heads, n_kv, head_dim, head_units, config)
+    derived = {KV: Derived(ATTN, n_heads // n_kv)} if head_units else {}
+    return HfPlan(specs, counts, derived, roles, blocks, head_units, n_heads, n_kv, head_dim,
+                  vocab // counts[VOCAB], tied)
+
+
+def _block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, head_dim) -> dict[str, Role]:
+    cols, rows = by_style.get("colwise", []), by_style.get("rowwise", [])
+    if len(rows) != 1 or not cols:
+        raise UnsupportedModelError(
+            f"block {parent} needs column-parallel linears and exactly one row-parallel "
+            f"partner; the plan gives colwise={cols} rowwise={rows}")
+    roles = {n: Role("partial", REPLICATED) for n in by_style.get("replicated_with_grad_allreduce", [])}
+    if not attn:
+        width = modules[rows[0]].in_features
+        for n in cols:
+            if modules[n].out_features != width:
+                raise UnsupportedModelError(f"{n} has {modules[n].out_features} outputs, its partner "
+                                            f"{rows[0]} takes {width}")
+            roles[n] = Role("column", FFN)
+        roles[rows[0]] = Role("row", FFN)
+        return roles
+    if modules[rows[0]].in_features != n_heads * head_dim:
+        raise UnsupportedModelError(f"{rows[0]} does not take num_attention_heads x head_dim inputs")
+    for n in cols:
+        out = modules[n].out_features
+        if out == n_heads * head_dim and (n_heads != n_kv or not n.endswith(("k_proj", "v_proj"))):
+            roles[n] = Role("column", ATTN)
+        elif out == n_kv * head_dim:
+            roles[n] = Role("kv", KV if head_units else ATTN)
+        else:
+            raise UnsupportedModelError(f"{n} has {out} outputs: neither query heads nor KV heads "
+                                        "(fused projections are not supported)")
+    if sum(1 for n in cols if roles[n].kind == "column") != 1 and n_heads != n_kv:
+        raise UnsupportedModelError(f"block {parent} needs exactly one query projection")
+    roles[rows[0]] = Role("row", ATTN)
+    return roles
+
+
+def _specs(model, roles, blocks, prefix, counts, n_heads, n_kv, head_dim, head_units, config) -> list[ParamSpec]:
+    std = float(getattr(config, "initializer_range", 0.02))
+    per_attn_unit = 1 if head_units else n_heads // n_kv  # query heads per attention unit
+    kv_rows = head_dim if (head_units or n_heads != n_kv) else head_dim
+    specs = []
+    for name, p in model.named_parameters():  # a tied output layer appears once
+        module, leaf = name.rsplit(".", 1)
+        shape = tuple(p.shape)
+        if module == f"{prefix}.embed_tokens" or module == "lm_head":
+            specs.append(ParamSpec(name, shape, VOCAB, shape[0] // counts[VOCAB], std))
+            continue
+        role = roles.get(module)
+        inside = any(module.startswith(b + ".") or module == b for b in blocks)
+        if role is None or role.kind == "partial":
+            if inside and role is None:
+                raise UnsupportedModelError(f"parameter {name} inside a planned block is not in the tp plan")
+            const = 1.0 if len(shape) == 1 and "norm" in module.rsplit(".", 1)[-1] else 0.0
+            init = std if len(shape) >= 2 else 0.0
+            specs.append(ParamSpec(name, shape, REPLICATED, shape[0], init, const,
+                                   partial_grad=role is not None))
+            continue
+        if role.kind == "row":
+            if leaf == "bias":  # added after the reduction: replicated, identical gradients
+                specs.append(ParamSpec(name, shape, REPLICATED, shape[0], 0.0, 0.0))
+                continue
+            canon = (shape[1], shape[0])
+            specs.append(ParamSpec(name, canon, role.family, canon[0] // counts[role.family], std,
+                                   transposed=True))
+            continue
+        if role.family == ATTN and role.kind == "column":
+            rows = per_attn_unit * head_dim
+        elif role.kind == "kv":
+            rows = kv_rows
+        else:
+            rows = shape[0] // counts[role.family]
+        init = std if leaf == "weight" else 0.0
+        specs.append(ParamSpec(name, shape, role.family, rows, init))
+    return specs
