@@ -187,6 +187,7 @@ class ControllerProcess:
             max_workers=s.trainer.max_workers,
             steps=self.steps,
             tls=_trainer_tls(s),
+            rendezvous=s.rendezvous.limits(),
         )
         self.rest = _start_rest(s, self.etcd, self.registry, self.steps)
         self.grpc_server.start()

@@ -8,6 +8,7 @@ records a rank's ack, ``ReportStep`` feeds the in-memory step window (goodput).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from tpflex_controller.cache import decode_plan
 from tpflex_controller.planfeed import PlanFeed
 from tpflex_controller.planner.model import ClusterState, PlanningError
 from tpflex_controller.planner.planner import validate
+from tpflex_controller.rendezvous import RendezvousLimits, add_rendezvous
 from tpflex_controller.steps import StepStats
 from tpflex_controller.store import Store
 
@@ -36,8 +38,7 @@ class _Abort(Exception):
         self.message = message
 
 
-def _job_name_ok(name: str) -> bool:
-    return bool(name) and "/" not in name and name.isprintable() and len(name) <= 128
+_job_name_ok = keys.job_name_ok
 
 
 def validate_job(spec: types_pb2.JobSpec, racks: dict[str, types_pb2.Rack]) -> None:
@@ -244,16 +245,21 @@ def create_grpc_server(
     steps: StepStats | None = None,
     clock: Callable[[], float] = time.time,
     tls: ServerTls | None = None,
+    rendezvous: RendezvousLimits | None = RendezvousLimits(),
 ) -> tuple[grpc.Server, int]:
-    """A started-not-yet ``grpc.Server`` serving ``Trainer``, bound to ``bind``; returns it
-    and the bound port (``bind`` may use port 0). Call ``server.start()``. ``tls``: none =
-    plaintext, a certificate = TLS, plus a client CA = mutual TLS (see tpflex_proto.tls)."""
+    """A started-not-yet ``grpc.Server`` serving ``Trainer`` (and the jobs' ``Rendezvous``
+    store unless ``rendezvous`` is None), bound to ``bind``; returns it and the bound port
+    (``bind`` may use port 0). Call ``server.start()``. ``tls``: none = plaintext, a
+    certificate = TLS, plus a client CA = mutual TLS (see tpflex_proto.tls)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="trainer-rpc"),
         options=[("grpc.max_send_message_length", 64 << 20)],
     )
     servicer = TrainerServicer(etcd, steps=steps or StepStats(), clock=clock)
     controller_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
+    if rendezvous is not None:  # parked calls hold worker threads: at most half of them
+        parked = min(rendezvous.max_parked, max_workers // 2)
+        add_rendezvous(server, etcd, dataclasses.replace(rendezvous, max_parked=parked))
     try:
         server, port = bind_grpc(server, bind, tls, service="trainer")
     except RuntimeError as exc:

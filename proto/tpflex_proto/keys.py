@@ -1,4 +1,10 @@
-"""The etcd key layout (DESIGN.md): every key tpflex reads or writes is built here."""
+"""The etcd key layout (DESIGN.md): every key tpflex reads or writes is built here.
+
+Cluster state lives under ``/tpflex/v1/`` (watched as a whole by the controller's
+informers). The jobs' rendezvous stores live under ``/tpflex/rendezvous/v1/``, outside
+that range, so that their O(ranks²) churn while process groups form never reaches the
+decision loop's watch (docs/launch.md).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ POWER = PREFIX + "power/"
 LEADER = PREFIX + "leader"
 EVENTS = PREFIX + "events/"
 STEPS = PREFIX + "steps/"
+RENDEZVOUS = "/tpflex/rendezvous/v1/"
 
 
 def node(name: str) -> str:
@@ -27,6 +34,11 @@ def health(node_name: str) -> str:
 
 def rack(name: str) -> str:
     return RACKS + name
+
+
+def job_name_ok(name: str) -> bool:
+    """A job name that is safe as one etcd key segment: 1-128 printable characters, no '/'."""
+    return bool(name) and "/" not in name and name.isprintable() and len(name) <= 128
 
 
 def job_prefix(job: str) -> str:
@@ -76,3 +88,22 @@ def split_job_key(key: str) -> tuple[str, str] | None:
         return None
     job, sep, rest = key[len(JOBS):].partition("/")
     return (job, rest) if sep and job else None
+
+
+def rendezvous_prefix(job: str) -> str:
+    """Everything of one job's rendezvous store (removed with its lease)."""
+    return f"{RENDEZVOUS}{job}/"
+
+
+def rendezvous_lease(job: str) -> str:
+    """The job's rendezvous lease id (decimal), itself bound to that lease."""
+    return f"{RENDEZVOUS}{job}/lease"
+
+
+def rendezvous_keys(job: str) -> str:
+    return f"{RENDEZVOUS}{job}/kv/"
+
+
+def rendezvous_key(job: str, key: str) -> str:
+    """One c10d store key of the job (any UTF-8 text; '/' only nests)."""
+    return f"{RENDEZVOUS}{job}/kv/{key}"
