@@ -8,6 +8,8 @@ decision loop's watch (docs/launch.md).
 
 from __future__ import annotations
 
+import re
+
 PREFIX = "/tpflex/v1/"
 
 NODES = PREFIX + "nodes/"
@@ -22,6 +24,14 @@ LEADER = PREFIX + "leader"
 EVENTS = PREFIX + "events/"
 STEPS = PREFIX + "steps/"
 RENDEZVOUS = "/tpflex/rendezvous/v1/"
+
+# node, rack and controller names (one etcd key segment each)
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def name_ok(value: str) -> bool:
+    """1-63 letters, digits, '.', '_' or '-', starting with a letter or digit."""
+    return bool(NAME_PATTERN.match(value))
 
 
 def node(name: str) -> str:

@@ -7,7 +7,11 @@ import itertools
 from dataclasses import dataclass
 
 import pytest
-from tpflex_controller.rendezvous import RendezvousLimits, RendezvousServicer, add_rendezvous
+from tpflex_controller.rendezvous import (
+    RendezvousLimits,
+    RendezvousServicer,
+    add_rendezvous,
+)
 from tpflex_controller.trainer_service import create_grpc_server
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import Etcd

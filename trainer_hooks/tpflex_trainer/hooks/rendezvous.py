@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from tpflex_trainer.hooks.control import ControlConfig, endpoints_from
+from tpflex_trainer.hooks.store_client import STORE_SCHEME
 from tpflex_trainer.ntp.layout import Member
 
 log = logging.getLogger(__name__)
@@ -33,9 +34,6 @@ log = logging.getLogger(__name__)
 
 class RendezvousAbandoned(RuntimeError):
     """A newer generation appeared (or the deadline passed) before everyone arrived."""
-
-
-STORE_SCHEME = "tpflex://"
 
 
 def connect_store(address: str, timeout_s: float = 30.0, *,

@@ -23,6 +23,7 @@ from tpflex_trainer.hooks.control import ControlConfig, open_channel
 
 log = logging.getLogger(__name__)
 
+STORE_SCHEME = "tpflex://"  # TPFLEX_STORE=tpflex://[HOST:PORT,...]: this service
 _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
 WAIT_SLICE_S = 5.0  # one parked Get/Wait call (the server caps it too)
 
@@ -57,9 +58,11 @@ class RendezvousClient:
         self._stubs: dict[str, rendezvous_pb2_grpc.RendezvousStub] = {}
         self._channels: list[grpc.Channel] = []
         self._current = 0
+        self._closed = False
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             for ch in self._channels:
                 ch.close()
             self._channels.clear()
@@ -67,6 +70,8 @@ class RendezvousClient:
 
     def _stub(self, endpoint: str) -> rendezvous_pb2_grpc.RendezvousStub:
         with self._lock:
+            if self._closed:
+                raise StoreUnreachable("rendezvous client closed")
             stub = self._stubs.get(endpoint)
             if stub is None:
                 ch = open_channel(self.config, endpoint)
