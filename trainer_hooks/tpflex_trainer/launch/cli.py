@@ -91,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backoff-max-s", type=_seconds, default=30.0, help="longest restart delay (30)")
     p.add_argument("--grace-period-s", type=_seconds, default=30.0,
                    help="after SIGTERM/SIGINT, SIGKILL ranks still running after this long (30)")
-    p.add_argument("--log-dir", help="write rank-<local rank>.log files here (default: inherit stdout/stderr)")
+    p.add_argument("--log-dir", help="write <node>-rank-<local rank>.log files here (may be shared by "
+                                     "nodes; default: inherit stdout/stderr)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 

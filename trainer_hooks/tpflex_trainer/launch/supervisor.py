@@ -170,7 +170,7 @@ class Supervisor:
                        len(rank.restarted_at))
         out = None
         if self.log_dir is not None:
-            out = open(self.log_dir / f"rank-{rank.local_rank}.log", "ab")  # noqa: SIM115
+            out = open(self.log_dir / f"{self.setting.node}-rank-{rank.local_rank}.log", "ab")  # noqa: SIM115
         try:
             rank.proc = subprocess.Popen(self.command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                          start_new_session=True)
