@@ -84,7 +84,7 @@ class RendezvousSection(config.Section):
 
     ttl_s: int = Field(600, ge=10, le=86_400,
                        description="a job's store vanishes this long after its last write/keep-alive")
-    max_keys_per_job: int = Field(200_000, ge=100, le=10_000_000)
+    max_entries_per_job: int = Field(200_000, ge=100, le=10_000_000)
     max_value_bytes: int = Field(1 << 20, ge=1024, le=1_400_000,
                                  description="below etcd's request limit (1.5 MiB by default)")
     max_wait_s: float = Field(10.0, gt=0, le=60, description="longest park of one Get/Wait call")
@@ -93,7 +93,7 @@ class RendezvousSection(config.Section):
     def limits(self):
         from tpflex_controller.rendezvous.limits import RendezvousLimits
 
-        return RendezvousLimits(ttl_s=self.ttl_s, max_keys=self.max_keys_per_job,
+        return RendezvousLimits(ttl_s=self.ttl_s, max_keys=self.max_entries_per_job,
                                 max_value_bytes=self.max_value_bytes, max_wait_s=self.max_wait_s,
                                 max_parked=self.max_parked)
 

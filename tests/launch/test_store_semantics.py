@@ -13,7 +13,10 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tpflex_trainer.hooks.control import ControlConfig
+from tpflex_trainer.hooks.rendezvous import forget_generation
 from tpflex_trainer.hooks.store import ControllerStore
+
+from tests.support.wait import wait_until
 
 SHORT = timedelta(seconds=0.3)
 
@@ -118,3 +121,14 @@ def test_jobs_are_separate_namespaces(served):
     a.set("k", b"a")
     assert not b.check(["k"])
     assert a.num_keys() == 1 and b.num_keys() == 0
+
+
+def test_the_hooks_drop_a_finished_generations_namespace(served):
+    store = store_for(served, served.new_job())
+    kept = ["tpflex/j/g30//pg/0", "tpflex/j/world", "tpflex/j/g4//member/0/0"]
+    for key in ["tpflex/j/g3//member/0/0", "tpflex/j/g3a//pg/1", *kept]:
+        store.set(key, b"1")
+    forget_generation(store, "j", 3)  # in the background: a step never waits for it
+    wait_until(lambda: store.num_keys() == len(kept), 10, "generation 3's keys to go")
+    assert store.check(kept)
+    forget_generation(dist.HashStore(), "j", 3)  # a store without prefix deletes: nothing to do

@@ -144,17 +144,17 @@ def test_a_parked_get_is_woken_through_etcd_by_a_write_to_another_replica(served
 
 
 def test_calls_beyond_the_parking_bound_answer_busy_at_once(served):
-    server, endpoint, _ = serve(served.etcd, RendezvousLimits(max_parked=1), max_workers=4)
+    server, endpoint, servicer = serve(served.etcd, RendezvousLimits(max_parked=1), max_workers=4)
     job = served.new_job()
     channel = grpc.insecure_channel(endpoint)
     stub = rendezvous_pb2_grpc.RendezvousStub(channel)
     try:
         with ThreadPoolExecutor(1) as pool:
             first = pool.submit(stub.Wait, pb.StoreWaitRequest(job=job, keys=["x"], wait_ms=60_000), timeout=30)
-            second = wait_until(
-                lambda: (r := stub.Wait(pb.StoreWaitRequest(job=job, keys=["y"], wait_ms=60_000), timeout=8)).busy and r,
-                15, "a second call to find the one parking slot taken")
-            assert not second.all_present
+            wait_until(lambda: job in servicer.waiters.watched_jobs(), 15, "the first call to be parked")
+            # parked up to 10 s if it got a slot: only an immediate busy answer beats 8 s
+            second = stub.Wait(pb.StoreWaitRequest(job=job, keys=["y"], wait_ms=60_000), timeout=8)
+            assert second.busy and not second.all_present
             stub.Set(pb.StoreSetRequest(job=job, key="x", value=b"1"), timeout=10)
             assert first.result(timeout=15).all_present
     finally:

@@ -5,9 +5,11 @@ argument, no traceback, no rank started."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
+from tpflex_trainer.launch import cli
 
 from tests.agent.support import FakeNvml, build_fake_nvml
 from tests.launch.support import RUN, Launcher, base_env, job_spec
@@ -83,18 +85,27 @@ def test_an_inherited_cuda_visible_devices_is_mapped_to_cuda_indices(tmp_path):
     assert [run.events(r, "start")[0]["env"]["TPFLEX_CUDA_DEVICE"] for r in (0, 1)] == ["1", "0"]
 
 
-def bad(tmp_path, args, env=None, command=("python3", "-c", "pass")):
+def bad(args, env=None, command=("python3", "-c", "pass")):
+    """tpflex-run as a real process: (exit status, stderr)."""
     proc = subprocess.run([RUN, *args, "--", *command] if command else [RUN, *args],
                           env=base_env(**(env or {})), capture_output=True, text=True, timeout=60)
     return proc.returncode, proc.stderr
 
 
-def test_bad_arguments_exit_2_naming_the_argument(tmp_path):
-    build_fake_nvml()
+def bad_in_process(args, env, monkeypatch, capsys, command=("python3", "-c", "pass")):
+    """The same checks without a process start: main() in this process."""
+    monkeypatch.setattr(os, "environ", base_env(**(env or {})))
+    try:
+        code = cli.main([*args, "--", *command] if command else list(args))
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_bad_arguments_exit_2_naming_the_argument(tmp_path, monkeypatch, capsys):
     spec = str(job_spec(tmp_path / "job.json", nodes={"n0": 4, "n1": 2}))
     garbage = tmp_path / "garbage.json"
     garbage.write_text("{not json")
-    nvml = FakeNvml(tmp_path / "nvml.state", count=2).env()
     ok = ["--controller", "c:1", "--job-spec", spec, "--node", "n0"]
     cases = [
         (["--controller", "c:1", "--node", "n0"], None, "--job-spec: missing"),
@@ -114,13 +125,23 @@ def test_bad_arguments_exit_2_naming_the_argument(tmp_path):
         (ok[:4], {"SLURM_JOB_ID": "1", "SLURMD_NODENAME": "n0", "SLURM_STEP_TASKS_PER_NODE": "4(x2)"},
          "--node: srun runs 4(x2) tasks per node"),
         (ok[:4], {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}, "--node: in a Kubernetes pod without NODE_NAME"),
-        ([*ok, "--gpus", "3"], nvml, "--gpus: GPU 3 does not exist on this node (NVML sees 2)"),
         ([*ok, "--gpus", "1"], {"CUDA_VISIBLE_DEVICES": "0"}, "--gpus: CUDA_VISIBLE_DEVICES=0 does not include GPU 1"),
     ]
     for args, env, message in cases:
-        code, err = bad(tmp_path, args, env)
+        code, err = bad_in_process(args, env, monkeypatch, capsys)
         assert code == 2 and message in err and "Traceback" not in err, (args, err)
-    code, err = bad(tmp_path, ok, command=())
+    code, err = bad_in_process(ok, None, monkeypatch, capsys, command=())
     assert code == 2 and "COMMAND: missing the training command after --" in err
-    code, err = bad(tmp_path, ok, command=("no-such-program-here",))
+    code, err = bad_in_process(ok, None, monkeypatch, capsys, command=("no-such-program-here",))
     assert code == 2 and "COMMAND: 'no-such-program-here' is not an executable" in err
+
+
+def test_bad_arguments_as_a_real_process_and_gpus_nvml_does_not_have(tmp_path):
+    build_fake_nvml()
+    spec = str(job_spec(tmp_path / "job.json", nodes={"n0": 4}))
+    ok = ["--controller", "c:1", "--job-spec", spec, "--node", "n0"]
+    nvml = FakeNvml(tmp_path / "nvml.state", count=2).env()  # the library is loaded at process start
+    for args, env, message in [([*ok, "--gpus", "3"], nvml, "--gpus: GPU 3 does not exist on this node (NVML sees 2)"),
+                               ([*ok, "--gpus", "x"], None, "argument --gpus: 'x' is not an index")]:
+        code, err = bad(args, env)
+        assert code == 2 and message in err and "Traceback" not in err, (args, err)
