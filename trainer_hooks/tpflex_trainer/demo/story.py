@@ -15,12 +15,7 @@ from pathlib import Path
 
 from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, types_pb2
 
-from tpflex_trainer.demo.cluster import (
-    DemoCluster,
-    DemoPorts,
-    RackLayout,
-    check_ports_free,
-)
+from tpflex_trainer.demo.cluster import DemoCluster, DemoPorts, RackLayout, check_ports_free
 from tpflex_trainer.demo.launcher import JobLauncher, demo_job_spec
 from tpflex_trainer.demo.model import DEMO_MODEL, LOCAL_BATCH
 

@@ -32,12 +32,7 @@ import torch.distributed as dist
 from tpflex_proto import controller_pb2, types_pb2
 
 from tpflex_trainer.hooks.config import HooksConfig, load_spec
-from tpflex_trainer.hooks.control import (
-    ControlClient,
-    ControlConfig,
-    PlanRejected,
-    check_plan,
-)
+from tpflex_trainer.hooks.control import ControlClient, ControlConfig, PlanRejected, check_plan
 from tpflex_trainer.hooks.rendezvous import (
     RendezvousAbandoned,
     connect_store,

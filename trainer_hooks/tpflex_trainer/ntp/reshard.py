@@ -12,12 +12,7 @@ import torch.distributed as dist
 from tpflex_trainer.ntp.config import ParamSpec
 from tpflex_trainer.ntp.layout import Member
 from tpflex_trainer.ntp.reshard_plan import ReshardPlan, Transfer
-from tpflex_trainer.ntp.state import (
-    LocalState,
-    build_state,
-    payload_numel,
-    unit_payload,
-)
+from tpflex_trainer.ntp.state import LocalState, build_state, payload_numel, unit_payload
 
 
 def _group_by(transfers: list[Transfer], key) -> dict[Member, list[Transfer]]:

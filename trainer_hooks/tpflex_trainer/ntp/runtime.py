@@ -27,12 +27,7 @@ from tpflex_trainer.ntp import checkpoint as ckpt
 from tpflex_trainer.ntp.config import GPTConfig, param_specs
 from tpflex_trainer.ntp.errors import PlanError, UnitsUnavailableError
 from tpflex_trainer.ntp.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
-from tpflex_trainer.ntp.groups import (
-    GroupCache,
-    NtpGroups,
-    check_world,
-    device_for_backend,
-)
+from tpflex_trainer.ntp.groups import GroupCache, NtpGroups, check_world, device_for_backend
 from tpflex_trainer.ntp.layout import (
     JobLayout,
     Member,
