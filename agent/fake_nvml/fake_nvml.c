@@ -8,6 +8,11 @@
  *                               min_mw max_mw temp sm_mhz max_sm_mhz throttle ecc_sbe
  *                               ecc_dbe retired remap_pending remap_failed nvlinks
  *                               nvlink_down lost deny_set   ('_' in name = space)
+ *                               fabric_uuid (32 hex digits, '-' ignored) fabric_clique
+ *                               fabric_state (nvmlGpuFabricState_t; 0 = no fabric: the
+ *                               fabric calls answer NOT_SUPPORTED) fabric_status
+ *                               fabric_legacy (1: an older driver, the versioned
+ *                               nvmlDeviceGetGpuFabricInfoV answers FUNCTION_NOT_FOUND)
  *   event <index> xid <code>    an XID critical error event (delivered once, in order;
  *                               keep earlier events in the file, append new ones)
  *   event <index> dbe           a double-bit ECC error event
@@ -28,7 +33,7 @@
 typedef int nvmlReturn_t;
 enum {
     OK = 0, E_UNINIT = 1, E_INVAL = 2, E_NOTSUP = 3, E_NOPERM = 4, E_NOTFOUND = 6,
-    E_SIZE = 7, E_DRIVER = 9, E_TIMEOUT = 10, E_LOST = 15, E_UNKNOWN = 999
+    E_SIZE = 7, E_DRIVER = 9, E_TIMEOUT = 10, E_NOFUNC = 13, E_LOST = 15, E_VERSION = 25, E_UNKNOWN = 999
 };
 #define EV_DBE 0x2ULL
 #define EV_XID 0x8ULL
@@ -42,7 +47,23 @@ typedef struct {
     unsigned power_mw, limit_mw, default_mw, min_mw, max_mw, temp, sm_mhz, max_sm_mhz;
     unsigned long long throttle, ecc_sbe, ecc_dbe;
     unsigned retired, remap_pending, remap_failed, nvlinks, nvlink_down, lost, deny_set;
+    unsigned char fabric_uuid[16];
+    unsigned fabric_clique, fabric_state, fabric_status, fabric_legacy;
 } gpu_state;
+
+/* pynvml's c_nvmlGpuFabricInfo_t and c_nvmlGpuFabricInfo_v2_t */
+typedef struct {
+    unsigned char clusterUuid[16];
+    int status;
+    unsigned cliqueId, state;
+} fabric_info_v1;
+typedef struct {
+    unsigned version;
+    unsigned char clusterUuid[16];
+    int status;
+    unsigned cliqueId, state, healthMask;
+} fabric_info_v2;
+#define FABRIC_INFO_V2 (sizeof(fabric_info_v2) | (2u << 24))
 
 typedef struct { int index; unsigned long long type, data; } fake_event;
 
@@ -66,9 +87,22 @@ static struct timespec seen_mtime;
 static off_t seen_size = -1;
 static ino_t seen_ino;
 
+static void set_fabric_uuid(gpu_state *g, const char *v) {
+    memset(g->fabric_uuid, 0, sizeof g->fabric_uuid);
+    unsigned n = 0;
+    for (const char *p = v; *p && n < 32; p++) {
+        int d = (*p >= '0' && *p <= '9') ? *p - '0' : (*p >= 'a' && *p <= 'f') ? *p - 'a' + 10
+              : (*p >= 'A' && *p <= 'F') ? *p - 'A' + 10 : -1;
+        if (d < 0) continue;  /* dashes */
+        g->fabric_uuid[n / 2] |= (unsigned char)(n % 2 ? d : d << 4);
+        n++;
+    }
+}
+
 static void set_field(gpu_state *g, const char *k, const char *v) {
     unsigned long long n = strtoull(v, NULL, 0);
     if (!strcmp(k, "uuid")) snprintf(g->uuid, sizeof g->uuid, "%s", v);
+    else if (!strcmp(k, "fabric_uuid")) set_fabric_uuid(g, v);
     else if (!strcmp(k, "name")) {
         snprintf(g->name, sizeof g->name, "%s", v);
         for (char *p = g->name; *p; p++) if (*p == '_') *p = ' ';
@@ -77,7 +111,8 @@ static void set_field(gpu_state *g, const char *k, const char *v) {
 #define U(f) else if (!strcmp(k, #f)) g->f = n;
     U(power_mw) U(limit_mw) U(default_mw) U(min_mw) U(max_mw) U(temp) U(sm_mhz)
     U(max_sm_mhz) U(throttle) U(ecc_sbe) U(ecc_dbe) U(retired) U(remap_pending)
-    U(remap_failed) U(nvlinks) U(nvlink_down) U(lost) U(deny_set)
+    U(remap_failed) U(nvlinks) U(nvlink_down) U(lost) U(deny_set) U(fabric_clique)
+    U(fabric_state) U(fabric_status) U(fabric_legacy)
 #undef U
 }
 
@@ -314,6 +349,32 @@ nvmlReturn_t nvmlDeviceGetNvLinkState(void *d, unsigned link, unsigned *active) 
     if (g->nvlinks == 0) DONE(E_NOTSUP);
     if (link >= g->nvlinks) DONE(E_INVAL);
     *active = link >= g->nvlink_down;
+    DONE(OK);
+}
+
+/* NVLink fabric (GB200 NVL72); a GPU with fabric_state 0 has none: NOT_SUPPORTED. */
+nvmlReturn_t nvmlDeviceGetGpuFabricInfo(void *d, fabric_info_v1 *info) {
+    WITH_GPU(d);
+    if (!info) DONE(E_INVAL);
+    if (g->fabric_state == 0) DONE(E_NOTSUP);
+    memcpy(info->clusterUuid, g->fabric_uuid, 16);
+    info->status = (int)g->fabric_status;
+    info->cliqueId = g->fabric_clique;
+    info->state = g->fabric_state;
+    DONE(OK);
+}
+
+nvmlReturn_t nvmlDeviceGetGpuFabricInfoV(void *d, fabric_info_v2 *info) {
+    WITH_GPU(d);
+    if (!info) DONE(E_INVAL);
+    if (g->fabric_legacy) DONE(E_NOFUNC);
+    if (info->version != FABRIC_INFO_V2) DONE(E_VERSION);
+    if (g->fabric_state == 0) DONE(E_NOTSUP);
+    memcpy(info->clusterUuid, g->fabric_uuid, 16);
+    info->status = (int)g->fabric_status;
+    info->cliqueId = g->fabric_clique;
+    info->state = g->fabric_state;
+    info->healthMask = 0;
     DONE(OK);
 }
 

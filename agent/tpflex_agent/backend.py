@@ -8,7 +8,7 @@ NVML backend). Two implementations: ``nvml.NvmlBackend`` and ``sim.SimulatedBack
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from typing import Protocol, runtime_checkable
 
 # NVML clocks-event (throttle) reason bits (nvmlClocksEventReason*).
@@ -69,6 +69,30 @@ class GpuReading:
     relative_throughput: float = 1.0  # vs a healthy GPU at its default limit
 
 
+class FabricState(IntEnum):
+    """NVML's nvmlGpuFabricState_t: the GPU's registration with the NVLink fabric."""
+
+    NOT_SUPPORTED = 0
+    NOT_STARTED = 1
+    IN_PROGRESS = 2
+    COMPLETED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class FabricInfo:
+    """A GPU's place in a multi-node NVLink fabric (GB200 NVL72): GPUs with the same
+    cluster UUID and clique id share one NVLink domain."""
+
+    cluster_uuid: str  # canonical lowercase 8-4-4-4-12 form
+    clique_id: int
+    state: FabricState
+    status: int = 0  # NVML return code of the registration (0 = success)
+
+    @property
+    def registered(self) -> bool:
+        return self.state == FabricState.COMPLETED and self.status == 0
+
+
 class GpuEventKind(StrEnum):
     XID = "xid"
     DOUBLE_BIT_ECC = "dbe"
@@ -99,6 +123,11 @@ class GpuBackend(Protocol):
     def devices(self) -> list[DeviceInfo]: ...
 
     def read(self, index: int) -> GpuReading: ...
+
+    def fabric(self, index: int) -> FabricInfo | None:
+        """The GPU's NVLink fabric registration; None on a GPU without a fabric (NVML's
+        "not supported": an HGX node, a PCIe card)."""
+        ...
 
     def set_power_limit(self, index: int, watts: float) -> float:
         """Set the power limit; returns the enforced limit read back (watts)."""

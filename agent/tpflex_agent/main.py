@@ -38,7 +38,8 @@ files only; --print-config prints file paths, never their contents.
 _FLAGS = (
     ("--backend", "agent", "backend", str, "nvml (GPU nodes) or sim (simulated GPUs)"),
     ("--sim-gpus", "agent", "sim_gpus", int, "number of simulated GPUs"),
-    ("--rack", "agent", "rack", str, "rack (NVLink domain) of this node"),
+    ("--sim-fabric", "agent", "sim_fabric", str, "simulated NVLink fabric <cluster uuid>/<clique id>"),
+    ("--rack", "agent", "rack", str, "rack (NVLink domain) of this node (default: from the NVLink fabric)"),
     ("--node", "agent", "node", str, "node name (default: host name)"),
     ("--log-level", "agent", "log_level", str, "DEBUG, INFO, WARNING or ERROR"),
     ("--etcd", "etcd", "endpoints", str, "etcd endpoints HOST:PORT[,HOST:PORT...]"),
@@ -87,7 +88,8 @@ def _open_backend(settings) -> GpuBackend:
     if settings.agent.backend == "sim":
         from .sim import SimulatedBackend
 
-        return SimulatedBackend(settings.agent.sim_gpus, node=settings.node)
+        return SimulatedBackend(settings.agent.sim_gpus, node=settings.node,
+                                fabric=settings.agent.sim_fabric_info())
     from .nvml import NvmlBackend
 
     return NvmlBackend()

@@ -69,7 +69,7 @@ class Membership:
         return types_pb2.Node(
             name=self.core.node, rack=self.core.rack, agent_address=self.agent_address,
             gpus=self.core.devices(), registered_at=self._clock(), backend=self.core.backend.kind,
-            metrics_address=self.metrics_address,
+            metrics_address=self.metrics_address, rack_source=self.core.rack_choice.source,
         )
 
     def _register(self) -> None:

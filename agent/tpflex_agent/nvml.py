@@ -10,11 +10,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from ctypes import byref
 from typing import TypeVar
 
 import pynvml
 
-from .backend import DeviceInfo, GpuEvent, GpuEventKind, GpuReading
+from .backend import DeviceInfo, FabricInfo, FabricState, GpuEvent, GpuEventKind, GpuReading
 from .errors import BackendUnavailable, GpuError, GpuErrorCode
 
 log = logging.getLogger(__name__)
@@ -145,6 +146,28 @@ class NvmlBackend:
             down += 0 if active else 1
         return total, down
 
+    def fabric(self, index: int) -> FabricInfo | None:
+        """nvmlDeviceGetGpuFabricInfoV (the versioned call), or the older
+        nvmlDeviceGetGpuFabricInfo on drivers without it."""
+        h = self._handle(index)
+        try:
+            info = pynvml.c_nvmlGpuFabricInfoV_t()
+            try:
+                pynvml.nvmlDeviceGetGpuFabricInfoV(h, byref(info))
+            except pynvml.NVMLError as exc:
+                if exc.value != pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+                    raise
+                info = pynvml.c_nvmlGpuFabricInfo_t()
+                pynvml.nvmlDeviceGetGpuFabricInfo(h, byref(info))
+        except pynvml.NVMLError as exc:
+            if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+                return None
+            raise gpu_error(exc, "fabric info", index) from exc
+        if info.state == FabricState.NOT_SUPPORTED:
+            return None
+        return FabricInfo(cluster_uuid=fabric_uuid(bytes(info.clusterUuid)), clique_id=int(info.cliqueId),
+                          state=FabricState(int(info.state)), status=int(info.status))
+
     def set_power_limit(self, index: int, watts: float) -> float:
         h = self._handle(index)
         _call("set power limit", index, pynvml.nvmlDeviceSetPowerManagementLimit, h, int(round(watts * 1000)))
@@ -190,6 +213,12 @@ class NvmlBackend:
             pynvml.nvmlShutdown()
         except pynvml.NVMLError as exc:
             log.warning("nvml shutdown failed error=%s", exc)
+
+
+def fabric_uuid(raw: bytes) -> str:
+    """NVML's 16-byte cluster UUID in the canonical 8-4-4-4-12 lowercase form."""
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
 def _addr(handle) -> int:

@@ -21,9 +21,12 @@ ConfigError = config.ConfigError
 
 class AgentSection(config.Section):
     node: str = Field("", description="node name in etcd; empty = the host name")
-    rack: str = Field("rack0", description="the NVLink domain this node belongs to")
+    rack: str = Field("", description="the NVLink domain this node belongs to; empty = from the"
+                      " GPUs' NVLink fabric (nvl-<cluster uuid>-<clique id>), else rack0")
     backend: Literal["nvml", "sim"] = "nvml"
     sim_gpus: int = Field(8, ge=1, le=1024)
+    sim_fabric: str = Field("", description="simulated GPUs' NVLink fabric as <cluster uuid>/<clique"
+                            " id>; empty = none (as on HGX)")
     log_level: config.LogLevel = "INFO"
 
     @field_validator("node", "rack")
@@ -31,7 +34,36 @@ class AgentSection(config.Section):
     def _name(cls, v: str, info) -> str:
         if info.field_name == "node" and not v:
             v = socket.gethostname().split(".")[0]
+        if info.field_name == "rack" and not v:
+            return v  # chosen at start from the fabric (tpflex_agent.fabric)
         return config.valid_name(v)
+
+    @field_validator("sim_fabric")
+    @classmethod
+    def _fabric(cls, v: str) -> str:
+        if v:
+            sim_fabric(v)
+        return v
+
+    def sim_fabric_info(self):
+        return sim_fabric(self.sim_fabric) if self.sim_fabric else None
+
+
+def sim_fabric(text: str):
+    """``<cluster uuid>/<clique id>`` -> a registered FabricInfo; ValueError says why."""
+    import uuid
+
+    from .backend import FabricInfo, FabricState
+
+    cluster, sep, clique = text.partition("/")
+    try:
+        canonical = str(uuid.UUID(cluster))
+        clique_id = int(clique)
+    except ValueError:
+        raise ValueError(f"must be <cluster uuid>/<clique id>, got {text!r}") from None
+    if not sep or not 0 <= clique_id < 2**32:
+        raise ValueError(f"must be <cluster uuid>/<clique id 0..2^32-1>, got {text!r}")
+    return FabricInfo(canonical, clique_id, FabricState.COMPLETED)
 
 
 class EtcdSection(config.EtcdClientSection):

@@ -21,6 +21,7 @@ from .backend import (
     THROTTLE_SW_POWER_CAP,
     THROTTLE_SW_THERMAL,
     DeviceInfo,
+    FabricInfo,
     GpuEvent,
     GpuEventKind,
     GpuReading,
@@ -62,10 +63,13 @@ class SimulatedBackend:
     def __init__(
         self, count: int, *, spec: SimGpuSpec = SimGpuSpec(),
         model: PowerModel = DEFAULT_POWER_MODEL, node: str = "sim",
+        fabric: FabricInfo | None = None,
     ) -> None:
+        """``fabric``: the NVLink fabric every GPU reports (None: no fabric, as on HGX)."""
         if count < 1:
             raise ValueError("a simulated node needs at least one GPU")
         self.spec, self.model, self.node = spec, model, node
+        self._fabric = fabric
         self.max_limit_w = spec.tdp_w * model.max_power_ratio
         self._gpus = [_SimGpu(limit_w=spec.tdp_w) for _ in range(count)]
         self._cond = threading.Condition()
@@ -91,6 +95,17 @@ class SimulatedBackend:
             if g.lost:
                 raise GpuError(GpuErrorCode.GPU_IS_LOST, "GPU has fallen off the bus", index)
             return self._reading(index, g)
+
+    def fabric(self, index: int) -> FabricInfo | None:
+        with self._cond:
+            if self._gpu(index).lost:
+                raise GpuError(GpuErrorCode.GPU_IS_LOST, "GPU has fallen off the bus", index)
+            return self._fabric
+
+    def set_fabric(self, fabric: FabricInfo | None) -> None:
+        """Simulator control: what the GPUs report from now on (e.g. registration done)."""
+        with self._cond:
+            self._fabric = fabric
 
     def set_power_limit(self, index: int, watts: float) -> float:
         with self._cond:

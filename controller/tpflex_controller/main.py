@@ -192,6 +192,7 @@ class ControllerProcess:
             steps=self.steps,
             tls=_trainer_tls(s),
             min_step_seconds=s.trainer.min_step_seconds,
+            rendezvous=s.rendezvous.limits(),
         )
         self.rest = _start_rest(s, self.etcd, self.registry, self.steps)
         self.grpc_server.start()

@@ -102,6 +102,25 @@ class TrainerSection(config.ClientCaListener, _Listener):
     )
 
 
+class RendezvousSection(config.Section):
+    """The jobs' rendezvous store served on the trainer port (docs/launch.md)."""
+
+    ttl_s: int = Field(600, ge=10, le=86_400,
+                       description="a job's store vanishes this long after its last write/keep-alive")
+    max_entries_per_job: int = Field(200_000, ge=100, le=10_000_000)
+    max_value_bytes: int = Field(1 << 20, ge=1024, le=1_400_000,
+                                 description="below etcd's request limit (1.5 MiB by default)")
+    max_wait_s: float = Field(10.0, gt=0, le=60, description="longest park of one Get/Wait call")
+    max_parked: int = Field(16, ge=0, description="Get/Wait calls parked at once (0: never park)")
+
+    def limits(self):
+        from tpflex_controller.rendezvous.limits import RendezvousLimits
+
+        return RendezvousLimits(ttl_s=self.ttl_s, max_keys=self.max_entries_per_job,
+                                max_value_bytes=self.max_value_bytes, max_wait_s=self.max_wait_s,
+                                max_parked=self.max_parked)
+
+
 class AgentsSection(config.Section):
     ca_file: str = ""
     cert_file: str = ""
@@ -137,6 +156,7 @@ class ControllerSettings(config.Section):
     etcd: EtcdSection = Field(default_factory=EtcdSection)
     rest: RestSection = Field(default_factory=RestSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
+    rendezvous: RendezvousSection = Field(default_factory=RendezvousSection)
     agents: AgentsSection = Field(default_factory=AgentsSection)
     timeouts: TimeoutsSection = Field(default_factory=TimeoutsSection)
 
@@ -144,6 +164,11 @@ class ControllerSettings(config.Section):
     def _within_reaction_bound(self) -> ControllerSettings:
         """A standby takes over within the leader lease TTL + 1 s and a push to an agent
         gives up after rpc_timeout_s: both must fit in the reaction bound."""
+        if self.rendezvous.max_parked > self.trainer.max_workers // 2:
+            raise ValueError(
+                f"need rendezvous.max_parked <= trainer.max_workers / 2 (parked calls hold worker"
+                f" threads), got {self.rendezvous.max_parked} > {self.trainer.max_workers // 2}"
+            )
         bound = self.timeouts.reaction_bound_s
         if not self.etcd.lease_ttl_s + 1 <= bound:
             raise ValueError(

@@ -20,13 +20,13 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tpflex_proto import types_pb2
+from tpflex_proto import keys, types_pb2
 
 from tpflex_controller import convert
 from tpflex_controller.planner.model import ClusterState, GpuKey, JobSpec, PlanningError, RackInfo
 from tpflex_controller.planner.planner import validate
 
-JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+JOB_NAME = keys.JOB_NAME_PATTERN
 UNIT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_BASE_TP = 4096
 MAX_REPLICAS = 65536
@@ -49,8 +49,7 @@ def _invalid(message: str) -> InputError:
     return InputError("invalid", message)
 
 
-def job_name_ok(name: str) -> bool:
-    return bool(JOB_NAME.fullmatch(name))
+job_name_ok = keys.job_name_ok
 
 
 def check_job_name(name: str) -> None:

@@ -10,6 +10,7 @@ against its meaning in ``spec_checks``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -36,6 +37,7 @@ from tpflex_controller.spec_checks import (
     job_name_ok,
     spec_difference,
 )
+from tpflex_controller.rendezvous import RendezvousLimits, add_rendezvous
 from tpflex_controller.steps import StepStats
 from tpflex_controller.store import Store, decode_or_skip
 
@@ -291,10 +293,12 @@ def create_grpc_server(
     clock: Callable[[], float] = time.time,
     tls: ServerTls | None = None,
     min_step_seconds: float = DEFAULT_MIN_STEP_SECONDS,
+    rendezvous: RendezvousLimits | None = RendezvousLimits(),
 ) -> tuple[grpc.Server, int]:
-    """A started-not-yet ``grpc.Server`` serving ``Trainer``, bound to ``bind``; returns it
-    and the bound port (``bind`` may use port 0). Call ``server.start()``. ``tls``: none =
-    plaintext, a certificate = TLS, plus a client CA = mutual TLS (see tpflex_proto.tls)."""
+    """A started-not-yet ``grpc.Server`` serving ``Trainer`` (and the jobs' ``Rendezvous``
+    store unless ``rendezvous`` is None), bound to ``bind``; returns it and the bound port
+    (``bind`` may use port 0). Call ``server.start()``. ``tls``: none = plaintext, a
+    certificate = TLS, plus a client CA = mutual TLS (see tpflex_proto.tls)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="trainer-rpc"),
         options=[("grpc.max_send_message_length", 64 << 20)],
@@ -302,6 +306,9 @@ def create_grpc_server(
     servicer = TrainerServicer(etcd, steps=steps or StepStats(), clock=clock,
                                min_step_seconds=min_step_seconds)
     controller_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
+    if rendezvous is not None:  # parked calls hold worker threads: at most half of them
+        parked = min(rendezvous.max_parked, max_workers // 2)
+        add_rendezvous(server, etcd, dataclasses.replace(rendezvous, max_parked=parked))
     try:
         server, port = bind_grpc(server, bind, tls, service="trainer")
     except RuntimeError as exc:

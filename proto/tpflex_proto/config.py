@@ -27,9 +27,11 @@ from pydantic import (
     model_validator,
 )
 
+from tpflex_proto import keys
+
 ENV_PREFIX = "TPFLEX_"
 ARGS_SOURCE = "command line"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+_NAME = keys.NAME_PATTERN
 _HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
 
 SettingsT = TypeVar("SettingsT", bound=BaseModel)

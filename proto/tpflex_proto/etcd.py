@@ -144,8 +144,8 @@ class Op:
         )
 
     @staticmethod
-    def get(key: str) -> etcdrpc.RequestOp:
-        return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=_b(key)))
+    def get(key: str, *, keys_only: bool = False) -> etcdrpc.RequestOp:
+        return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=_b(key), keys_only=keys_only))
 
 
 def _kv(kv) -> KeyValue:
@@ -320,6 +320,12 @@ class Etcd:
         )
         resp = self._call(self._kv.Range, req, timeout=max(self.timeout, 10.0))
         return [_kv(kv) for kv in resp.kvs], resp.header.revision
+
+    def count_prefix(self, prefix: str) -> int:
+        """How many keys are under ``prefix`` (etcd counts; nothing is transferred)."""
+        p = _b(prefix)
+        req = etcdrpc.RangeRequest(key=p, range_end=_prefix_end(p), count_only=True)
+        return self._call(self._kv.Range, req).count
 
     def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
         resp = self._call(self._kv.Put, etcdrpc.PutRequest(key=_b(key), value=value, lease=lease))

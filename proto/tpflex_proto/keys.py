@@ -1,6 +1,14 @@
-"""The etcd key layout (DESIGN.md): every key tpflex reads or writes is built here."""
+"""The etcd key layout (DESIGN.md): every key tpflex reads or writes is built here.
+
+Cluster state lives under ``/tpflex/v1/`` (watched as a whole by the controller's
+informers). The jobs' rendezvous stores live under ``/tpflex/rendezvous/v1/``, outside
+that range, so that their O(ranks²) churn while process groups form never reaches the
+decision loop's watch (docs/launch.md).
+"""
 
 from __future__ import annotations
+
+import re
 
 PREFIX = "/tpflex/v1/"
 
@@ -19,6 +27,15 @@ EVENTS = PREFIX + "events/"
 # claim the same GPUs at once
 SPEC_GUARD = PREFIX + "spec-guard"
 STEPS = PREFIX + "steps/"
+RENDEZVOUS = "/tpflex/rendezvous/v1/"
+
+# node, rack and controller names (one etcd key segment each)
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def name_ok(value: str) -> bool:
+    """1-63 letters, digits, '.', '_' or '-', starting with a letter or digit."""
+    return bool(NAME_PATTERN.match(value))
 
 
 def node(name: str) -> str:
@@ -31,6 +48,15 @@ def health(node_name: str) -> str:
 
 def rack(name: str) -> str:
     return RACKS + name
+
+
+JOB_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def job_name_ok(name: str) -> bool:
+    """A job name that is safe as one etcd key segment (and in URLs and label values):
+    1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit."""
+    return bool(JOB_NAME_PATTERN.fullmatch(name))
 
 
 def job_prefix(job: str) -> str:
@@ -80,3 +106,22 @@ def split_job_key(key: str) -> tuple[str, str] | None:
         return None
     job, sep, rest = key[len(JOBS):].partition("/")
     return (job, rest) if sep and job else None
+
+
+def rendezvous_prefix(job: str) -> str:
+    """Everything of one job's rendezvous store (removed with its lease)."""
+    return f"{RENDEZVOUS}{job}/"
+
+
+def rendezvous_lease(job: str) -> str:
+    """The job's rendezvous lease id (decimal), itself bound to that lease."""
+    return f"{RENDEZVOUS}{job}/lease"
+
+
+def rendezvous_keys(job: str) -> str:
+    return f"{RENDEZVOUS}{job}/kv/"
+
+
+def rendezvous_key(job: str, key: str) -> str:
+    """One c10d store key of the job (any UTF-8 text; '/' only nests)."""
+    return f"{RENDEZVOUS}{job}/kv/{key}"

@@ -37,7 +37,8 @@ class RunningAgent:
 
 
 def start_agent(settings: AgentSettings) -> RunningAgent:
-    backend = SimulatedBackend(settings.agent.sim_gpus, node=settings.node)
+    backend = SimulatedBackend(settings.agent.sim_gpus, node=settings.node,
+                               fabric=settings.agent.sim_fabric_info())
     core = AgentCore(settings, backend).start()
     server, port = create_server(settings, backend, core=core)
     server.start()

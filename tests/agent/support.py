@@ -36,6 +36,7 @@ def _gpu_defaults(i: int) -> dict:
         "max_mw": 900_000, "temp": 55, "sm_mhz": 1980, "max_sm_mhz": 1980, "throttle": 4,
         "ecc_sbe": 0, "ecc_dbe": 0, "retired": 0, "remap_pending": 0, "remap_failed": 0,
         "nvlinks": 18, "nvlink_down": 0, "lost": 0, "deny_set": 0,
+        "fabric_state": 0,  # no NVLink fabric (an HGX node): the fabric calls say NOT_SUPPORTED
     }
 
 
@@ -65,6 +66,13 @@ class FakeNvml:
     def xid(self, index: int, code: int, **fields) -> FakeNvml:
         self.gpus[index].update(fields)
         self.events.append(f"event {index} xid {code}")
+        return self.write()
+
+    def fabric(self, cluster_uuid: str, clique: int, state: int = 3, status: int = 0) -> FakeNvml:
+        """Every GPU registered with one NVLink fabric domain (state 3 = COMPLETED)."""
+        for g in self.gpus:
+            g.update(fabric_uuid=cluster_uuid, fabric_clique=clique, fabric_state=state,
+                     fabric_status=status)
         return self.write()
 
     def dbe(self, index: int) -> FakeNvml:

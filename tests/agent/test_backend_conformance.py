@@ -12,7 +12,14 @@ import os
 import time
 
 import pytest
-from tpflex_agent.backend import THROTTLE_HW_THERMAL, THROTTLE_SW_THERMAL, GpuBackend, GpuEventKind
+from tpflex_agent.backend import (
+    THROTTLE_HW_THERMAL,
+    THROTTLE_SW_THERMAL,
+    FabricInfo,
+    FabricState,
+    GpuBackend,
+    GpuEventKind,
+)
 from tpflex_agent.errors import GpuError, GpuErrorCode
 
 SUBRUN = os.environ.get("TPFLEX_FAKE_NVML_SUBRUN") == "1"
@@ -41,6 +48,12 @@ class SimHarness:
     def recover(self, i: int) -> None:
         self.backend.inject_fault(i, "recover")
 
+    def fabric(self, cluster_uuid: str, clique: int, state: FabricState) -> None:
+        self.backend.set_fabric(FabricInfo(cluster_uuid, clique, state))
+
+    def older_driver(self) -> None:
+        """No versioned fabric call (NVML only; the simulated GPUs have no driver)."""
+
 
 class NvmlHarness:
     kind = "nvml"
@@ -68,6 +81,14 @@ class NvmlHarness:
 
     def recover(self, i: int) -> None:
         self.state.set(i, lost=0, ecc_dbe=0, temp=55, throttle=4)
+
+    def fabric(self, cluster_uuid: str, clique: int, state: FabricState) -> None:
+        self.state.fabric(cluster_uuid, clique, int(state))
+
+    def older_driver(self) -> None:
+        for i in range(self.state.count):
+            self.state.gpus[i]["fabric_legacy"] = 1
+        self.state.write()
 
 
 @pytest.fixture(params=["nvml"] if SUBRUN else ["sim"])
@@ -186,3 +207,38 @@ def test_thermal_throttling_shows_in_reasons(harness):
     r = harness.backend.read(0)
     assert r.throttle_reasons & (THROTTLE_SW_THERMAL | THROTTLE_HW_THERMAL)
     assert r.temperature_c >= 85
+
+
+CLUSTER = "2f1e9c3a-7b4d-4e8f-9a0b-1c2d3e4f5a6b"
+
+
+def test_a_gpu_without_an_nvlink_fabric_reports_none(harness):
+    assert harness.backend.fabric(0) is None and harness.backend.fabric(1) is None
+
+
+def test_fabric_cluster_and_clique_of_registered_gpus(harness):
+    harness.fabric(CLUSTER, 7, FabricState.COMPLETED)
+    for i in (0, 1):
+        info = harness.backend.fabric(i)
+        assert info == FabricInfo(CLUSTER, 7, FabricState.COMPLETED, 0) and info.registered
+
+
+def test_fabric_registration_in_progress_is_not_registered(harness):
+    harness.fabric(CLUSTER, 7, FabricState.IN_PROGRESS)
+    info = harness.backend.fabric(0)
+    assert info is not None and info.state == FabricState.IN_PROGRESS and not info.registered
+
+
+def test_fabric_of_a_lost_gpu_is_a_typed_error(harness):
+    harness.fabric(CLUSTER, 1, FabricState.COMPLETED)
+    harness.fall_off_bus(1)
+    with pytest.raises(GpuError) as err:
+        harness.backend.fabric(1)
+    assert err.value.code == GpuErrorCode.GPU_IS_LOST
+    assert harness.backend.fabric(0).clique_id == 1
+
+
+def test_fabric_on_a_driver_without_the_versioned_call(harness):
+    harness.fabric(CLUSTER, 3, FabricState.COMPLETED)
+    harness.older_driver()
+    assert harness.backend.fabric(1) == FabricInfo(CLUSTER, 3, FabricState.COMPLETED, 0)

@@ -30,7 +30,8 @@ def test_precedence_argument_over_environment_over_file_over_default(tmp_path):
     assert s.etcd.endpoints == ["127.0.0.1:1", "127.0.0.1:2"]
     assert load_settings({}, env, str(cfg)).rack == "from-env"
     assert load_settings(plain, {}, str(cfg)).rack == "from-file"
-    assert load_settings(plain, {}).rack == "rack0" and load_settings(plain, {}).health.debounce_s == 1.0
+    # no rack configured: chosen at start from the NVLink fabric, else rack0 (tpflex_agent.fabric)
+    assert load_settings(plain, {}).rack == "" and load_settings(plain, {}).health.debounce_s == 1.0
     as_json = load_settings(plain, {"TPFLEX_ETCD__ENDPOINTS": '["https://10.0.0.1:2379", "10.0.0.2:2379"]'})
     assert as_json.etcd.endpoints == ["10.0.0.1:2379", "10.0.0.2:2379"]
 

@@ -21,6 +21,7 @@ CERTS_SCRIPT = Path(__file__).resolve().parents[3] / "deploy" / "certs" / "make-
 ROOT_PASSWORD = "root-pw"
 SERVICE_PASSWORDS = {"tpflex-controller": "controller-pw", "tpflex-agent": "agent-pw"}
 TPFLEX_PREFIX = b"/tpflex/v1/"
+RENDEZVOUS_PREFIX = b"/tpflex/rendezvous/v1/"  # the jobs' rendezvous stores (controller only)
 
 
 class DevCertsError(RuntimeError):
@@ -67,7 +68,9 @@ def etcd_tls_args(certs: CertSet) -> list[str]:
 def enable_etcd_auth(endpoint: str, certs: CertSet, *, root_password: str = ROOT_PASSWORD,
                      users: Mapping[str, str] = SERVICE_PASSWORDS, timeout_s: float = 5.0) -> None:
     """Root user, a ``tpflex`` role with read-write on /tpflex/v1/, ``users`` (name ->
-    password) holding that role; then auth on (etcd's gRPC Auth API, as etcdctl would)."""
+    password) holding that role, a ``tpflex-rendezvous`` role with read-write on
+    /tpflex/rendezvous/v1/ for ``tpflex-controller``; then auth on (etcd's gRPC Auth API,
+    as etcdctl would)."""
     from pyetcd import etcdrpc
 
     creds = channel_credentials(certs.ca, certs.cert("etcd"), certs.key("etcd"))
@@ -75,15 +78,18 @@ def enable_etcd_auth(endpoint: str, certs: CertSet, *, root_password: str = ROOT
         auth = etcdrpc.AuthStub(ch)
         auth.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password=root_password), timeout=timeout_s)
         auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=timeout_s)
-        auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name="tpflex"), timeout=timeout_s)
-        perm = etcdrpc.Permission(permType=etcdrpc.Permission.READWRITE, key=TPFLEX_PREFIX,
-                                  range_end=_prefix_end(TPFLEX_PREFIX))
-        auth.RoleGrantPermission(etcdrpc.AuthRoleGrantPermissionRequest(name="tpflex", perm=perm),
-                                 timeout=timeout_s)
+        for role, prefix in (("tpflex", TPFLEX_PREFIX), ("tpflex-rendezvous", RENDEZVOUS_PREFIX)):
+            auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name=role), timeout=timeout_s)
+            perm = etcdrpc.Permission(permType=etcdrpc.Permission.READWRITE, key=prefix,
+                                      range_end=_prefix_end(prefix))
+            auth.RoleGrantPermission(etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm),
+                                     timeout=timeout_s)
         for user, password in users.items():
             auth.UserAdd(etcdrpc.AuthUserAddRequest(name=user, password=password), timeout=timeout_s)
-            auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=user, role="tpflex"),
-                               timeout=timeout_s)
+            roles = ("tpflex", "tpflex-rendezvous") if user == "tpflex-controller" else ("tpflex",)
+            for role in roles:
+                auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user=user, role=role),
+                                   timeout=timeout_s)
         auth.AuthEnable(etcdrpc.AuthEnableRequest(), timeout=timeout_s)
 
 

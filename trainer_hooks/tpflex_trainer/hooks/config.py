@@ -21,9 +21,10 @@ class HooksConfig:
     job: str
     node: str  # this rank's placement: node name and NVML GPU index
     gpu: int
-    store: str  # HOST:PORT of the launcher's TCPStore (rendezvous)
+    store: str  # tpflex://[HOST:PORT,...] (the controller's store) or HOST:PORT (a TCPStore)
     spec_file: str  # the job spec (protobuf JSON) the launcher wrote
     gpu_uuid: str = ""
+    cuda_device: int = -1  # torch.cuda.set_device index (TPFLEX_CUDA_DEVICE); -1 = leave it
     backend: str = ""  # "" = nccl when CUDA is available, else gloo
     checkpoint_dir: str = ""
     checkpoint_every: int = 0  # steps; 0 = never
@@ -68,6 +69,7 @@ class HooksConfig:
             store=need("TPFLEX_STORE"),
             spec_file=need("TPFLEX_JOB_SPEC"),
             gpu_uuid=env.get("TPFLEX_GPU_UUID", ""),
+            cuda_device=int(number("TPFLEX_CUDA_DEVICE", -1, int)),
             backend=env.get("TPFLEX_BACKEND", ""),
             checkpoint_dir=env.get("TPFLEX_CHECKPOINT_DIR", ""),
             checkpoint_every=int(number("TPFLEX_CHECKPOINT_EVERY", 0, int)),

@@ -57,6 +57,14 @@ def _tls(config: ControlConfig) -> tuple[grpc.ChannelCredentials, list[tuple[str
     return creds, options
 
 
+def open_channel(config: ControlConfig, endpoint: str) -> grpc.Channel:
+    """A channel to one controller endpoint with ``config``'s TLS settings (the plan stream
+    and the rendezvous store share this)."""
+    if config.tls_ca_file:
+        return grpc.secure_channel(endpoint, *_tls(config))
+    return grpc.insecure_channel(endpoint)
+
+
 class PlanRejected(ValueError):
     """A plan that does not match this job/rank or is older than the one applied."""
 
@@ -111,10 +119,7 @@ class ControlClient:
     def _channel(self, endpoint: str) -> grpc.Channel:
         ch = self._channels.get(endpoint)
         if ch is None:
-            if self.config.tls_ca_file:
-                ch = grpc.secure_channel(endpoint, *_tls(self.config))
-            else:
-                ch = grpc.insecure_channel(endpoint)
+            ch = open_channel(self.config, endpoint)
             self._channels[endpoint] = ch
         return ch
 

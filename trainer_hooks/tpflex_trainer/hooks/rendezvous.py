@@ -7,19 +7,26 @@ same namespace. Waiting is done in short slices so the caller can give up on G w
 newer generation appears (someone who would never arrive, e.g. a rank that died after
 G was planned, must not hang the survivors).
 
-The store is a ``torch.distributed.TCPStore`` served by the launcher (torchrun's c10d
-store, or ``tpflex-demo``); the hooks are clients only.
+The store (``TPFLEX_STORE``) is either the control plane's rendezvous store
+(``tpflex://`` = the controller endpoints of TPFLEX_CONTROLLER, or
+``tpflex://HOST:PORT[,HOST:PORT]``; what ``tpflex-run`` sets) or a
+``torch.distributed.TCPStore`` at ``HOST:PORT`` served by a launcher (``tpflex-demo``);
+the hooks are clients only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from tpflex_trainer.hooks.control import ControlConfig, endpoints_from
+from tpflex_trainer.hooks.store_client import STORE_SCHEME
 from tpflex_trainer.ntp.layout import Member
 
 log = logging.getLogger(__name__)
@@ -29,10 +36,22 @@ class RendezvousAbandoned(RuntimeError):
     """A newer generation appeared (or the deadline passed) before everyone arrived."""
 
 
-def connect_store(address: str, timeout_s: float = 30.0) -> dist.TCPStore:
+def connect_store(address: str, timeout_s: float = 30.0, *,
+                  control: ControlConfig | None = None) -> dist.Store:
+    """The job's store: ``tpflex://[HOST:PORT,...]`` -> the controller's rendezvous store
+    (``control`` gives the job, TLS and, without addresses, the endpoints), ``HOST:PORT``
+    -> a TCPStore client."""
+    if address.startswith(STORE_SCHEME):
+        from tpflex_trainer.hooks.store import ControllerStore
+
+        if control is None:
+            raise ValueError(f"a {STORE_SCHEME} store needs the controller settings")
+        endpoints = endpoints_from(address[len(STORE_SCHEME):]) or control.endpoints
+        config = dataclasses.replace(control, endpoints=endpoints)
+        return ControllerStore(config, timeout=timedelta(seconds=timeout_s))
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"store address must be HOST:PORT, got {address!r}")
+        raise ValueError(f"store address must be HOST:PORT or {STORE_SCHEME}[HOST:PORT,...], got {address!r}")
     return dist.TCPStore(
         host, int(port), is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
     )
@@ -82,3 +101,21 @@ def join_generation(
         timeout=collective_timeout,
     )
     log.info("rendezvous complete job=%s generation=%d rank=%d world=%d", job, generation, world[me], len(world))
+
+
+def forget_generation(store: dist.Store, job: str, generation: int) -> None:
+    """Drop generation ``generation``'s namespace from a store that can delete by prefix
+    (the controller's; a TCPStore lives only as long as its launcher). In the background:
+    the step never waits for it, and a failure only leaves keys for the store's TTL."""
+    drop = getattr(store, "delete_prefix", None)
+    if drop is None:
+        return
+
+    def run() -> None:
+        try:
+            for suffix in ("", "a"):
+                drop(f"tpflex/{job}/g{generation}{suffix}/")
+        except (RuntimeError, TimeoutError) as exc:
+            log.warning("rendezvous namespace not dropped job=%s generation=%d error=%s", job, generation, exc)
+
+    threading.Thread(target=run, name="tpflex-store-gc", daemon=True).start()

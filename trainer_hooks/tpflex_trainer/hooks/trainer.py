@@ -34,7 +34,12 @@ from tpflex_proto import controller_pb2, types_pb2
 
 from tpflex_trainer.hooks.config import HooksConfig, load_spec
 from tpflex_trainer.hooks.control import ControlClient, ControlConfig, PlanRejected, check_plan
-from tpflex_trainer.hooks.rendezvous import RendezvousAbandoned, connect_store, join_generation
+from tpflex_trainer.hooks.rendezvous import (
+    RendezvousAbandoned,
+    connect_store,
+    forget_generation,
+    join_generation,
+)
 from tpflex_trainer.ntp.config import GPTConfig
 from tpflex_trainer.ntp.errors import NtpError
 from tpflex_trainer.ntp.layout import Member, ReplicaPlacement, validate_request
@@ -152,8 +157,10 @@ class TpflexHooks:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> AppliedPlan:
         """Register the job, wait for its plan, join the job's current layout."""
+        if self.config.cuda_device >= 0 and torch.cuda.is_available():
+            torch.cuda.set_device(self.config.cuda_device)  # TPFLEX_CUDA_DEVICE from tpflex-run
         self.client.start()
-        self.store = connect_store(self.config.store, self.config.plan_wait_s)
+        self.store = connect_store(self.config.store, self.config.plan_wait_s, control=self.client.config)
         try:
             self.client.register_job(self.spec)
         except Exception as exc:  # the plan stream retries on its own; registration is idempotent
@@ -332,6 +339,7 @@ class TpflexHooks:
         )
 
     def _applied(self, plan, report: ReshardReport, mode: str, seconds: float) -> AppliedPlan:
+        previous = self.generation
         self.generation, self.plan = plan.generation, plan
         # every member of the new layout (newcomers too) skips the checkpoint of the step it
         # resumes from, so all of them take the same checkpoints from here on
@@ -339,6 +347,8 @@ class TpflexHooks:
         if self.world and self.world.get(self.me) == 0:
             self.store.set(f"tpflex/{self.config.job}/world",
                            json.dumps({"generation": plan.generation, "members": [list(m) for m in self.world]}))
+            if previous and previous != plan.generation:  # every member has left it
+                forget_generation(self.store, self.config.job, previous)
         applied = AppliedPlan(
             generation=plan.generation, tp_degree=self.tp_degree, world_size=len(self.world),
             source=report.source, step=report.step, reshard_s=seconds, bytes_moved=report.bytes_moved,

@@ -1,0 +1,87 @@
+"""``ControllerStore``: a ``torch.distributed.Store`` backed by the control plane.
+
+The rendezvous of a job goes through the controller's ``Rendezvous`` service (every
+replica serves it; state in etcd), not through a process on one training host, so a rank
+on any node can rendezvous as long as one controller replica is reachable. It follows the
+c10d Store contract: ``get``/``wait`` block until the keys exist or the store's timeout
+passes (then ``DistStoreError``), ``add`` keeps decimal counters, ``compare_set`` answers
+like TCPStore. Usable with ``init_process_group(store=...)`` on gloo and NCCL.
+
+    store = ControllerStore(ControlConfig(endpoints=..., job=..., rank=...))
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from tpflex_trainer.hooks.control import ControlConfig
+from tpflex_trainer.hooks.store_client import RendezvousClient, StoreUnreachable
+
+
+def _bytes(value) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class ControllerStore(dist.Store):
+    def __init__(self, config: ControlConfig, timeout: timedelta = timedelta(seconds=300)) -> None:
+        super().__init__()
+        self.config = config
+        self.client = RendezvousClient(config)
+        self.set_timeout(timeout)
+
+    def _deadline(self, timeout: timedelta | None = None) -> float:
+        t = (timeout if timeout is not None else self.timeout).total_seconds()
+        return time.monotonic() + (t if t > 0 else 365 * 86400.0)  # 0: c10d's "no timeout"
+
+    def _op(self, fn, *args):
+        try:
+            return fn(*args)
+        except StoreUnreachable as exc:
+            raise dist.DistStoreError(str(exc)) from None
+
+    # ---- the c10d Store interface ----
+
+    def set(self, key: str, value) -> None:
+        self._op(self.client.set, key, _bytes(value), self._deadline())
+
+    def get(self, key: str) -> bytes:
+        value = self._op(self.client.get, key, self._deadline())
+        if value is None:
+            raise dist.DistStoreError(f"timed out after {self.timeout} waiting for key {key!r} (job {self.client.job})")
+        return value
+
+    def add(self, key: str, value: int) -> int:
+        return self._op(self.client.add, key, int(value), self._deadline())
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return self._op(self.client.check, list(keys), self._deadline())
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        if not self._op(self.client.wait, list(keys), self._deadline(timeout)):
+            waited = timeout if timeout is not None else self.timeout
+            raise dist.DistStoreError(f"timed out after {waited} waiting for keys {list(keys)!r} (job {self.client.job})")
+
+    def compare_set(self, key: str, expected_value, desired_value) -> bytes:
+        return self._op(self.client.compare_set, key, _bytes(expected_value), _bytes(desired_value), self._deadline())
+
+    def delete_key(self, key: str) -> bool:
+        return self._op(self.client.delete_key, key, self._deadline())
+
+    def num_keys(self) -> int:
+        return self._op(self.client.num_keys, self._deadline())
+
+    def clone(self) -> ControllerStore:
+        return ControllerStore(self.config, self.timeout)
+
+    # ---- beyond c10d ----
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key starting with ``prefix`` (the hooks drop finished generations)."""
+        return self._op(self.client.delete_prefix, prefix, self._deadline())
+
+    def close(self) -> None:
+        self.client.close()
