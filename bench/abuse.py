@@ -41,10 +41,16 @@ from pathlib import Path
 
 import grpc
 import httpx
-from tpflex_proto import agent_pb2, agent_pb2_grpc, controller_pb2, controller_pb2_grpc, keys, types_pb2
+from tpflex_proto import (
+    agent_pb2,
+    agent_pb2_grpc,
+    controller_pb2,
+    controller_pb2_grpc,
+    types_pb2,
+)
 
 from tests.reliability import invariants
-from tests.reliability.fleet import ADMIN_TOKEN, Fleet, RankClient
+from tests.reliability.fleet import ADMIN_TOKEN, Fleet
 from tests.support.etcd_server import EtcdCluster
 
 PROBE_GPU = ("rack0-n00", 0)

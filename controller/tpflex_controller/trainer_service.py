@@ -25,6 +25,7 @@ from tpflex_proto.tls import ServerTls, bind_grpc
 from tpflex_controller.cache import decode_plan
 from tpflex_controller.planfeed import PlanFeed
 from tpflex_controller.planner.model import PlanningError
+from tpflex_controller.rendezvous import RendezvousLimits, add_rendezvous
 from tpflex_controller.spec_checks import (
     DEFAULT_MIN_STEP_SECONDS,
     InputError,
@@ -37,7 +38,6 @@ from tpflex_controller.spec_checks import (
     job_name_ok,
     spec_difference,
 )
-from tpflex_controller.rendezvous import RendezvousLimits, add_rendezvous
 from tpflex_controller.steps import StepStats
 from tpflex_controller.store import Store, decode_or_skip
 
