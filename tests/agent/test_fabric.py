@@ -24,7 +24,7 @@ def done(uuid: str = A, clique: int = 7) -> FabricInfo:
 def test_the_rack_name_is_the_domain_and_a_valid_name():
     assert fabric_rack_name(done()) == RACK_A7
     assert fabric_rack_name(done(clique=4294967295)) == RACK_A7[:-1] + "4294967295"
-    load_settings({"agent": {"rack": fabric_rack_name(done(clique=4294967295))}}, {})  # valid
+    load_settings({"agent": {"rack": fabric_rack_name(done(clique=4294967295))}, "grpc": {"insecure": True}}, {})  # valid
 
 
 @pytest.mark.parametrize("configured, fabrics, expected", [
@@ -47,7 +47,7 @@ def test_rack_choice(configured, fabrics, expected):
 
 def test_a_bad_simulated_fabric_is_refused():
     with pytest.raises(ValueError, match="sim_fabric"):
-        load_settings({"agent": {"sim_fabric": "not-a-uuid/3"}}, {})
+        load_settings({"agent": {"sim_fabric": "not-a-uuid/3"}, "grpc": {"insecure": True}}, {})
 
 
 def registered(etcd, node: str) -> types_pb2.Node:
@@ -57,7 +57,7 @@ def registered(etcd, node: str) -> types_pb2.Node:
 
 def args(node, etcd_server, *extra):
     return ["--node", node, "--etcd", ",".join(etcd_server.endpoints), "--listen", "127.0.0.1:0",
-            "--metrics-listen", "127.0.0.1:0", *extra]
+            "--metrics-listen", "127.0.0.1:0", "--insecure", *extra]
 
 
 @pytest.mark.slow

@@ -102,10 +102,10 @@ def test_rest_and_the_metric_give_the_same_achieved_rate():
         feed(steps, clock, 0, i, at=i * 0.3, seconds=0.1)  # wall 0.3 s, compute 0.1 s per step
     registry = CollectorRegistry()
     registry.register(GoodputCollector(steps))
-    metric = registry.get_sample_value("tpflex_job_achieved_samples_per_second", {"job": "j"})
+    metric = registry.get_sample_value("tpflex_job_achieved_samples_per_second", {"training_job": "j"})
     rest = views.job_view(types_pb2.JobSpec(name="j", base_tp=4), None, None, {}, steps.goodput("j"))
     assert metric == pytest.approx(rest.goodput.achieved_samples_per_s) == pytest.approx(4 / 0.3)
-    assert registry.get_sample_value("tpflex_job_goodput_ratio", {"job": "j"}) == pytest.approx(1.0)
+    assert registry.get_sample_value("tpflex_job_goodput_ratio", {"training_job": "j"}) == pytest.approx(1.0)
 
 
 def test_job_view_carries_goodput():

@@ -54,7 +54,11 @@ def test_the_schema_check_catches_a_misplaced_field_and_a_wrong_type():
 
 
 def _version(component: str) -> str:
-    return tomllib.loads((REPO / component / "pyproject.toml").read_text())["project"]["version"]
+    """The release a component's tree describes: versions come from git tags through
+    setuptools-scm, whose ``fallback_version`` names the release line for untagged trees."""
+    meta = tomllib.loads((REPO / component / "pyproject.toml").read_text())
+    assert "version" in meta["project"].get("dynamic", []), component
+    return meta["tool"]["setuptools_scm"]["fallback_version"]
 
 
 def test_images_are_the_components_at_their_package_versions():

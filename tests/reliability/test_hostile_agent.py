@@ -10,6 +10,8 @@ plaintext gRPC without being asked to."""
 
 from __future__ import annotations
 
+import socket
+
 import grpc
 import pytest
 from tpflex_proto import codec, keys, types_pb2
@@ -95,7 +97,8 @@ def test_divergence_from_the_desired_caps_is_measured_and_corrected(etcd_server,
         fake.set(1, deny_set=0)  # the device takes limits again: the next check corrects it
         wait_until(lambda: agent_metric(a, diverged) == 0, 10, "divergence corrected")
         assert agent_metric(a, 'tpflex_agent_power_corrections_total{node="g1"}') >= 1
-        assert agent_metric(a, 'tpflex_gpu_power_limit_watts{gpu="1",node="g1",uuid="GPU-fake-0001"}') == 820.0
+        assert agent_metric(a, f'tpflex_gpu_power_limit_watts{{Hostname="{socket.gethostname()}",'
+                            'UUID="GPU-fake-0001",gpu="1",node="g1"}') == 820.0
 
 
 def test_plaintext_grpc_is_an_explicit_choice_and_logged_loudly(tmp_path):

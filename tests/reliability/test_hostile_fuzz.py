@@ -168,7 +168,9 @@ def test_generated_calls_to_every_grpc_method_keep_the_invariants(fleet):
     channels: dict[str, grpc.Channel] = {}
     tally: dict[str, int] = {}
 
-    @settings(max_examples=30, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    # derandomize: the same 30 sequences every run, so the coverage assertion below is stable
+    @settings(max_examples=30, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
     @given(st.lists(st.one_of(_agent_call, _trainer_call), min_size=1, max_size=8))
     def sequence(calls):
         for node, method, request in calls:
