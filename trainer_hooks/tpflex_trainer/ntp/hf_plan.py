@@ -13,7 +13,9 @@ becomes. No collectives, no weights.
 * ``replicated_with_grad_allreduce`` modules (Qwen3's per-head q_norm/k_norm) are
   replicated with partial gradients; unplanned parameters (norms) are replicated.
 * The embedding and the (possibly tied) output layer are vocab-parallel: units are
-  blocks of vocab rows.
+  blocks of vocab rows. A plan entry for the embedding itself (``embed_tokens:
+  embedding_rowwise``, as some transformers 5.x releases give Qwen3) is accepted and
+  superseded by that vocab-parallel embedding: both shard the table by vocab rows.
 Anything else is refused with ``UnsupportedModelError`` naming the module.
 """
 
@@ -29,6 +31,9 @@ from tpflex_trainer.ntp.errors import UnsupportedModelError
 from tpflex_trainer.ntp.layout import Derived
 
 STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+# plan styles for the embedding table that tpflex's own vocab-parallel embedding supersedes
+EMBEDDING_STYLES = ("embedding_rowwise", "rowwise")
+EMBEDDING = "embed_tokens"
 ATTN, KV, FFN, VOCAB = "attn", "kv", "ffn", "vocab"
 
 
@@ -106,6 +111,11 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
     head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear) or head.bias is not None:
         raise UnsupportedModelError(f"{type(model).__name__}: lm_head must be a Linear without bias")
+    if EMBEDDING in plan:
+        if plan[EMBEDDING] not in EMBEDDING_STYLES:
+            raise UnsupportedModelError(f"tp plan style {plan[EMBEDDING]!r} of {EMBEDDING!r} is not "
+                                        f"supported (supported: {', '.join(EMBEDDING_STYLES)})")
+        del plan[EMBEDDING]  # vocab-parallel below, whatever the plan says
     planned = _planned_modules(model, plan, prefix)
     modules = dict(model.named_modules())
     n_heads = int(config.num_attention_heads)
