@@ -79,6 +79,10 @@ class CheckpointReader:
         for field, expected in fingerprint.items():
             if found.get(field) != expected:
                 raise CheckpointMismatchError(field, expected, found.get(field))
+        # stages qualify the unit names: a one-stage model (no such field) needs 1 too
+        stages = (fingerprint.get("pipeline_stages", 1), found.get("pipeline_stages", 1))
+        if stages[0] != stages[1]:
+            raise CheckpointMismatchError("pipeline_stages", *stages)
         self.step = int(meta["step"])
         self._files = list(meta["files"])
         self._index: dict[str, torch.Tensor] | None = None
