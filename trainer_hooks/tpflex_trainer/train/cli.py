@@ -16,7 +16,9 @@ lr*(s+1)/warmup while s < warmup, then lr_min + (lr - lr_min)*(1 + cos(pi*(s - w
 their step: drain=R:S removes base-TP slot S of replica R (live reshard), undrain=R:S
 returns it, kill=R:S SIGKILLs that rank's process during the step (the survivors recover
 in-process from peers and re-run the step); a killed slot stays out until an undrain
-returns it, as a fresh process that receives its units from peers. Writes
+returns it, as a fresh process that receives its units from peers. With --pp P each
+replica is P pipeline stages of --tp slots (layers split in contiguous ranges, 1F1B over
+the micro-batches) and a slot is R:K:S (replica, stage, slot): "5:drain=1:0:2". Writes
 OUT/losses.json (losses, degrees, grad_norms per step) and the trained model in HF format
 in OUT. Exit codes: 0 done, 1 the run failed, 2 bad arguments.
 """
