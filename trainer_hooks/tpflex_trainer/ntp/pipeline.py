@@ -125,7 +125,7 @@ class PipelineStep:
         for act in one_f_one_b(links.stage, links.n_stages, len(chunks)):
             kind, i = act.kind, act.micro
             if kind == "forward":
-                self._forward(act, chunks, inputs, outputs, local_batch)
+                self._forward(act, chunks, inputs, outputs)
             elif kind == "backward":
                 local_loss += self._backward(i, chunks, outputs, grads, local_batch)
             elif kind == "recv_forward":
@@ -142,7 +142,7 @@ class PipelineStep:
                 self._exchange([send_backward(i)], [recv_forward(act.recv)])
         return local_loss
 
-    def _forward(self, act: Action, chunks, inputs, outputs, local_batch: int) -> None:
+    def _forward(self, act: Action, chunks, inputs, outputs) -> None:
         i = act.micro
         x, y = chunks[i]
         links = self.links

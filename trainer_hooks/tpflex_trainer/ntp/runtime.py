@@ -24,16 +24,12 @@ import torch
 import torch.distributed as dist
 
 from tpflex_trainer.ntp import checkpoint as ckpt
+from tpflex_trainer.ntp import persist
 from tpflex_trainer.ntp.adapter import as_adapter
 from tpflex_trainer.ntp.config import REPLICATED
 from tpflex_trainer.ntp.errors import PlanError, UnitsUnavailableError
 from tpflex_trainer.ntp.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
-from tpflex_trainer.ntp.groups import (
-    GroupCache,
-    NtpGroups,
-    check_world,
-    device_for_backend,
-)
+from tpflex_trainer.ntp.groups import GroupCache, NtpGroups, check_world, device_for_backend
 from tpflex_trainer.ntp.layout import (
     JobLayout,
     Member,
@@ -43,6 +39,7 @@ from tpflex_trainer.ntp.layout import (
     validate_request,
 )
 from tpflex_trainer.ntp.optim import AdamSettings, TrainSettings, adam_step
+from tpflex_trainer.ntp.persist import stage_key as _stage_key
 from tpflex_trainer.ntp.pipeline import PipelineStep, stage_links
 from tpflex_trainer.ntp.reshard import execute_plan
 from tpflex_trainer.ntp.reshard_plan import lower_bound_units, plan_reshard
@@ -100,10 +97,7 @@ def _choose_source(missing: Mapping[str, Sequence[int]], holders: list[Member], 
     return "live"
 
 
-def _stage_key(stage: int, n_stages: int, family: str) -> str:
-    """A family's name across the job: stages have families of the same names (every
-    stage has attention heads) but different parameters."""
-    return family if n_stages == 1 else f"stage{stage}.{family}"
+
 
 
 # Test hook: every sharded gradient is multiplied by this after the sync (a deliberately
@@ -390,65 +384,15 @@ class NtpRuntime:
         self.rebind()
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Collective over the active members: replica ``layout.replicas[0]`` writes its
-        units, then the meta file marking the checkpoint complete."""
-        if self.layout is None:
-            raise PlanError("no layout yet: call start() first")
-        path = Path(path)
-        writers = self.layout.replicas[0]
-        mine = self.layout.member(self.me)
-        k, n = self.me.stage, self.n_stages
-        if mine is not None and self.me.replica == writers.replica and self.state is not None:
-            ckpt.write_member_units(path, mine, self.state, self.specs, lambda fam: _stage_key(k, n, fam))
-        sync_group = self._sync_group()
-        if sync_group is not None:
-            dist.barrier(group=sync_group)
-        if mine is not None and self.me.replica == writers.replica and mine.tp_rank == 0 and k == 0:
-            files = [ckpt.member_file(m) for lay in self.stage_layouts for m in lay.replicas[0].members]
-            ckpt.write_meta(path, self.adapter.fingerprint(), self.step, files)
-        if sync_group is not None:
-            dist.barrier(group=sync_group)
+        """Collective over the active members: every stage's first replica writes its
+        units, then the meta file marking the checkpoint complete (``persist``)."""
+        persist.save_checkpoint(self, Path(path))
 
     def export_hf(self, path: str | os.PathLike, max_shard_bytes: int | None = None) -> list[str]:
         """Collective over the active members: write the model to ``path`` as a Hugging
-        Face directory (config.json + safetensors) that ``from_pretrained`` loads. The
-        first replica's members write their parts; its TP rank 0 assembles them. Returns
-        the files written (on the writer; [] elsewhere)."""
-        from tpflex_trainer.ntp import hf_io
-
-        config = getattr(self.adapter, "config", None)
-        if self.layout is None or config is None:
-            raise PlanError("export_hf needs a started runtime over a Hugging Face model")
-        path = Path(path)
-        scratch = path / ".tpflex-export"
-        writers = self.layout.replicas[0]
-        mine = self.layout.member(self.me)
-        writing = mine is not None and self.me.replica == writers.replica and self.state is not None
-        part = lambda m: scratch / f"part-k{m.stage}-s{m.slot}.safetensors"  # noqa: E731
-        if writing:
-            hf_io.write_member_part(part(self.me), self.specs, self.state.units, self.state.tensors["param"])
-        sync_group = self._sync_group()
-        if sync_group is not None:
-            dist.barrier(group=sync_group)
-        files: list[str] = []
-        if writing and mine.tp_rank == 0 and self.me.stage == 0:
-            tensors, parts = {}, []
-            for k, lay in enumerate(self.stage_layouts):  # each stage's parameters from its parts
-                stage_parts = [part(m.member) for m in lay.replicas[0].members]
-                tensors.update(hf_io.assemble(self.stage_adapters[k].specs, stage_parts))
-                parts += stage_parts
-            limit = max_shard_bytes or hf_io.DEFAULT_MAX_SHARD_BYTES
-            files = hf_io.write_hf_dir(path, config, tensors, limit)
-            for p in parts:
-                p.unlink()
-            scratch.rmdir()
-        if sync_group is not None:
-            dist.barrier(group=sync_group)
-        return files
-
-    def _sync_group(self):
-        """The group of every active member of every stage (None: a lone member)."""
-        return self.groups.active if self.groups.active is not None else self.groups.tp
+        Face directory that ``from_pretrained`` loads; returns the files written (on the
+        writer; [] elsewhere). See ``persist.export_hf``."""
+        return persist.export_hf(self, Path(path), max_shard_bytes)
 
     def abort(self) -> None:
         """Call when a collective failed or a member is known to be gone, before the default
