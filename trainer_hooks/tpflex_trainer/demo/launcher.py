@@ -120,6 +120,15 @@ class JobLauncher:
         return {g: p.returncode for g, p in self.procs.items()
                 if p.poll() is not None and p.returncode not in (0, -signal.SIGKILL)}
 
+    def log_tail(self, gpu: GpuKey, lines: int = 25) -> str:
+        """The last ``lines`` lines of ``gpu``'s rank log (the traceback of a failed rank)."""
+        node, index = gpu
+        try:
+            text = (self.workdir / f"rank-{node}-{index}.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
     def all_done(self) -> bool:
         return all(p.poll() is not None for p in self.procs.values())
 

@@ -205,7 +205,9 @@ class Story:
             self.cluster.check_alive()
             failed = self.launcher.failed_ranks() if self.launcher else {}
             if failed:
-                raise RuntimeError(f"training ranks failed {failed}; logs in {self.config.workdir}")
+                tails = "".join(f"\n--- rank {node}:{index} (exit {code}) ---\n{self.launcher.log_tail((node, index))}"
+                                for (node, index), code in sorted(failed.items()))
+                raise RuntimeError(f"training ranks failed {failed}; logs in {self.config.workdir}{tails}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what}: not within {self.config.phase_timeout_s:.0f}s; "
                                    f"logs in {self.config.workdir}")
