@@ -222,7 +222,10 @@ class Reconciler:
             self.metrics.is_leader.set(0)
             self.pusher.cancel_all()
             self._rollouts.clear()
-            self._dirty.clear()
+            # keep what changed and why, as a follower does: whoever leads next (maybe us
+            # again) plans it with its real cause (gpu_failed, not resync) and detection time
+            for d in self._dirty.values():
+                d.attempts, d.not_before = 0, 0.0
             self._unwritten.clear()
             log.warning("controller stopped acting reason=%s", payload)
 
