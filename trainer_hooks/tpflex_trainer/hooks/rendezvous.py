@@ -77,6 +77,12 @@ def join_generation(
     ``generation``'s ``world``. Raises RendezvousAbandoned if ``give_up()`` turns true or
     the deadline passes before all members arrived."""
     prefixed = dist.PrefixStore(f"tpflex/{job}/g{generation}/", store)
+    if prefixed.check([_member_key(me)]):
+        # a previous process of this rank joined this round (it died since): its peers'
+        # addresses here are stale for us; the controller's next round (the restart epoch
+        # its death raises) is the one to join
+        raise RendezvousAbandoned(f"generation {generation}: member {tuple(me)} was here before "
+                                  "(a previous process of this rank)")
     prefixed.set(_member_key(me), "1")
     keys = [_member_key(m) for m in world]
     deadline = time.monotonic() + deadline_s
@@ -100,7 +106,7 @@ def join_generation(
         world_size=len(world),
         timeout=collective_timeout,
     )
-    log.info("rendezvous complete job=%s generation=%d rank=%d world=%d", job, generation, world[me], len(world))
+    log.info("rendezvous complete job=%s generation=%s rank=%d world=%d", job, generation, world[me], len(world))
 
 
 def forget_generation(store: dist.Store, job: str, generation: int) -> None:
@@ -116,6 +122,6 @@ def forget_generation(store: dist.Store, job: str, generation: int) -> None:
             for suffix in ("", "a"):
                 drop(f"tpflex/{job}/g{generation}{suffix}/")
         except (RuntimeError, TimeoutError) as exc:
-            log.warning("rendezvous namespace not dropped job=%s generation=%d error=%s", job, generation, exc)
+            log.warning("rendezvous namespace not dropped job=%s generation=%s error=%s", job, generation, exc)
 
     threading.Thread(target=run, name="tpflex-store-gc", daemon=True).start()
