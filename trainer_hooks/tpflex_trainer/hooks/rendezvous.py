@@ -87,14 +87,21 @@ def join_generation(
     keys = [_member_key(m) for m in world]
     deadline = time.monotonic() + deadline_s
     pause = 0.002
-    while not prefixed.check(keys):  # polled: store.wait() logs a warning per time-out
-        if give_up():
-            raise RendezvousAbandoned(f"generation {generation}: a newer plan arrived")
-        if time.monotonic() > deadline:
+    while True:  # polled: store.wait() logs a warning per time-out
+        why = ""
+        if prefixed.check(keys):
+            if _settle(prefixed, _GO) == _GO:
+                break
+            why = "another member abandoned it"
+        elif give_up():
+            why = "a newer plan arrived"
+        elif time.monotonic() > deadline:
             missing = [k for k in keys if not prefixed.check([k])]
-            raise RendezvousAbandoned(
-                f"generation {generation}: members {missing} did not arrive in {deadline_s:.0f}s"
-            )
+            why = f"members {missing} did not arrive in {deadline_s:.0f}s"
+        if why and _settle(prefixed, _ABANDONED) == _ABANDONED:
+            raise RendezvousAbandoned(f"generation {generation}: {why}")
+        if why:
+            break  # the others already formed it (our key counted): join them
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
     if dist.is_initialized():
@@ -107,6 +114,18 @@ def join_generation(
         timeout=collective_timeout,
     )
     log.info("rendezvous complete job=%s generation=%s rank=%d world=%d", job, generation, world[me], len(world))
+
+
+_GO, _ABANDONED = b"go", b"abandoned"
+
+
+def _settle(prefixed: dist.Store, outcome: bytes) -> bytes:
+    """A round is formed or abandoned once, for every member alike: the first member to
+    see everyone arrive (go) or to give up (abandoned) decides it by compare-and-set, and
+    a member that finds it decided the other way follows that decision. Without this, a
+    member could give up after the others counted its key and formed the group without
+    it, leaving them blocked in ``init_process_group`` until the store's timeout."""
+    return bytes(prefixed.compare_set("state", "", outcome))
 
 
 def forget_generation(store: dist.Store, job: str, generation: int) -> None:

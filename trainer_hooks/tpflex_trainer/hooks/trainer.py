@@ -211,9 +211,9 @@ class TpflexHooks:
             failure = ""
             try:
                 self._maybe_checkpoint()  # at the step boundary: a failure here loses no step
-                with self.watchdog.guard():
-                    if self._follow_newer_plan():
-                        continue  # a new layout: agree again (newcomers start with the agreement)
+                if self._follow_newer_plan():
+                    continue  # a new layout: agree again (newcomers start with the agreement)
+                with self.watchdog.guard():  # the step's collectives (a re-plan has its own deadline)
                     return self._run_step(batch)
             except (RuntimeError, dist.DistError) as exc:
                 if isinstance(exc, NtpError | HooksError):
@@ -253,7 +253,8 @@ class TpflexHooks:
         from tpflex_trainer.ntp.groups import device_for_backend
 
         t = torch.tensor(list(seen), dtype=torch.int64, device=device_for_backend())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        with self.watchdog.guard():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
         newest = (int(t[0].item()), int(t[1].item()))
         if newest[0] <= max(self.generation, self._refused_generation) and newest[1] <= self.epoch:
             return False
