@@ -8,7 +8,9 @@ return to full health:
   collective; tpflex-run finds its beats stopped and kills it, then restarts it;
 - ``xid79``: a GPU falls off the bus through its agent's fault injection, its rank dies
   with it; the GPU is repaired a few seconds later;
-- ``agent_freeze``: a node's agent is frozen (SIGSTOP) for 1-4 s (its lease is 2 s);
+- ``agent_freeze``: a node's agent is frozen (SIGSTOP) for 0.5-1.5 s, within its 2 s lease
+  (a longer freeze loses the node: the job drops that replica and trains on a smaller
+  global batch, no longer the baseline's data);
 - ``controller_leader_kill``: the leading controller is SIGKILLed (the standby takes over)
   and restarted;
 - ``etcd_member_kill``: one etcd member is SIGKILLed and restarted.
@@ -17,7 +19,13 @@ Repeated soft failures of one GPU are the soak's doing, so its controllers never
 GPU for them (``[liveness] max_soft_failures`` 1000; tests/controller cover the drain).
 
 Then every rank stops at the same step N, and the same job runs N steps uninterrupted on a
-fresh cluster: the baseline. Prints one JSON line: ``faults_injected``, ``faults_by_kind``,
+fresh cluster: the baseline. Its arithmetic is the chaos run's exactly when the faults
+left the layout and the data alone (a rank death, a hang, the controller or etcd faults
+recover bit for bit: ``weights_rel_l2`` is then 0). An XID 79 is different by design: NTP
+runs the degraded replica at TP 3 on fewer samples (``local_batch x`` its throughput), so
+the job no longer sees the baseline's data and ``weights_rel_l2`` measures that. stderr
+then also gives each run against the single-process reference on its own per-step batches
+(the same data), the chaos run and the fault-free baseline side by side. Prints one JSON line: ``faults_injected``, ``faults_by_kind``,
 ``lost_steps`` (completed steps that had to be run again), ``weights_rel_l2`` (final
 weights vs the baseline's, relative L2 over the whole model), ``max_pause_s`` and
 ``p50_pause_s`` (per fault: the gap in the job's progress around it), ``checkpoint_restarts``
@@ -45,12 +53,13 @@ from tpflex_proto.devtools.etcd_server import EtcdCluster
 from tpflex_proto.devtools.ports import free_ports
 from tpflex_proto.etcd import Etcd
 from tpflex_trainer.demo.cluster import DemoCluster, DemoPorts, RackLayout, check_ports_free
+from tpflex_trainer.demo.data import global_batch
 from tpflex_trainer.demo.launcher import demo_job_spec
-from tpflex_trainer.demo.model import DEMO_MODEL
+from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_MODEL, DEMO_SEED
 from tpflex_trainer.hooks.config import write_spec
 from tpflex_trainer.ntp.adapter import as_adapter
 from tpflex_trainer.ntp.checkpoint import read_full_state
-from tpflex_trainer.ntp.reference import state_rel_l2
+from tpflex_trainer.ntp.reference import reference_state, state_rel_l2
 
 JOB, LOCAL_BATCH = "soak", 4
 RACKS = (RackLayout("rack-0", "node-0", 4), RackLayout("rack-1", "node-1", 4))
@@ -190,8 +199,9 @@ def run_job(cluster: DemoCluster, work: Path, steps: int, *, stop_file: Path | N
 
 
 class Chaos:
-    def __init__(self, cluster: SoakCluster, work: Path, records: Records, rng: random.Random) -> None:
-        self.cluster, self.work, self.records, self.rng = cluster, work, records, rng
+    def __init__(self, cluster: SoakCluster, work: Path, records: Records, rng: random.Random,
+                 kinds: tuple[str, ...] = KINDS) -> None:
+        self.cluster, self.work, self.records, self.rng, self.kinds = cluster, work, records, rng, kinds
         self.faults: list[dict] = []
 
     def rank_pids(self) -> dict[tuple[str, int], int]:
@@ -223,7 +233,7 @@ class Chaos:
         return sum(1 for ranks in done.values() if len(ranks) == 8) >= 3
 
     def inject(self) -> dict:
-        kind = self.rng.choice(KINDS)
+        kind = self.rng.choice(self.kinds)
         fault = {"kind": kind, "at": time.time()}
         getattr(self, kind)(fault)
         fault["done_at"] = time.time()
@@ -245,18 +255,15 @@ class Chaos:
         (node, index), pid = self.training_rank()
         fault["what"] = f"{node}:{index}"
         self.cluster.inject(node, index, "xid79")
+        os.kill(pid, signal.SIGKILL)  # its rank dies with it (a CUDA error, at once)
         wait(lambda: (node, index) not in self.cluster.plan_gpus(), 30, "the re-plan without the failed GPU")
-        try:
-            os.kill(pid, signal.SIGKILL)  # its rank dies with it
-        except ProcessLookupError:
-            pass
         time.sleep(self.rng.uniform(2, 6))  # the GPU stays out of the job this long
         self.cluster.inject(node, index, "recover")
 
     def agent_freeze(self, fault: dict) -> None:
         node = self.rng.choice([r.node for r in RACKS])
         proc = self.cluster.procs[f"agent-{node}"]
-        hold = self.rng.uniform(1.0, 4.0)
+        hold = self.rng.uniform(0.5, 1.5)  # within its lease: the node stays in the job
         fault["what"] = f"{node} {hold:.1f}s"
         os.kill(proc.pid, signal.SIGSTOP)
         time.sleep(hold)
@@ -313,7 +320,17 @@ def lost_steps(records: list[dict]) -> tuple[int, int]:
     return lost, restarts
 
 
-def chaos_run(work: Path, minutes: float, rng: random.Random) -> dict:
+def vs_reference(records: list[dict], state: dict) -> float:
+    """Relative L2 of a run's final weights against the single-process reference trained
+    on the run's own per-step global batches (the same data)."""
+    batch = {r["step"]: r["global_batch"] for r in records if r["kind"] == "step"}
+    batches = [global_batch(DEMO_MODEL, s, batch[s]) for s in range(len(batch))]
+    _, ref = reference_state(DEMO_MODEL, DEMO_SEED, batches, lr=DEMO_ADAM.lr, betas=DEMO_ADAM.betas,
+                             eps=DEMO_ADAM.eps)
+    return state_rel_l2(state["param"], ref["param"])
+
+
+def chaos_run(work: Path, minutes: float, rng: random.Random, kinds: tuple[str, ...]) -> dict:
     cluster = SoakCluster(free_demo_ports(), RACKS, work / "cluster")
     stop_file = work / "stop-at"
     procs = []
@@ -321,7 +338,7 @@ def chaos_run(work: Path, minutes: float, rng: random.Random) -> dict:
         cluster.start()
         spec, procs = run_job(cluster, work, 10**9, stop_file=stop_file, checkpoints=True)
         records = Records(work / "steps.jsonl")
-        chaos = Chaos(cluster, work, records, rng)
+        chaos = Chaos(cluster, work, records, rng, kinds)
         wait(lambda: records.progress() >= 5, 240, "the job's first steps")
         t_end = time.monotonic() + minutes * 60
         while time.monotonic() < t_end:
@@ -365,15 +382,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=10.0, help="how long faults hit the job (10)")
     ap.add_argument("--seed", type=int, default=None, help="fault schedule seed (random)")
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"fault kinds, comma-separated ({','.join(KINDS)})")
     args = ap.parse_args(argv)
     if not args.minutes > 0:
         ap.error("--minutes: must be > 0")
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    if not kinds or set(kinds) - set(KINDS):
+        ap.error(f"--kinds: choose from {', '.join(KINDS)}, got {args.kinds!r}")
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     work = Path(tempfile.mkdtemp(prefix="tpflex-soak-"))
     log(f"work={work} seed={seed} minutes={args.minutes}")
     t0 = time.monotonic()
-    chaos = chaos_run(work / "chaos", args.minutes, random.Random(seed))
-    (work / "chaos" / "steps.jsonl").parent.mkdir(exist_ok=True)
+    chaos = chaos_run(work / "chaos", args.minutes, random.Random(seed), kinds)
     t1 = time.monotonic()
     (work / "baseline").mkdir()
     baseline_run(work / "baseline", chaos["steps"])
@@ -386,6 +406,9 @@ def main(argv: list[str] | None = None) -> int:
     gaps = pauses(chaos["records"], chaos["faults"])
     log(f"steps={chaos['steps']} chaos_s={t1 - t0:.0f} baseline_s={time.monotonic() - t1:.0f} "
         f"pauses={[round(g, 2) for g in gaps]}")
+    log(f"vs the single-process reference on each run's own batches: chaos "
+        f"{vs_reference(chaos['records'], state_c):.3g} baseline "
+        f"{vs_reference(Records(work / 'baseline' / 'steps.jsonl').poll(), state_b):.3g}")
     print(json.dumps({
         "faults_injected": len(chaos["faults"]),
         "faults_by_kind": dict(sorted(Counter(f["kind"] for f in chaos["faults"]).items())),

@@ -127,6 +127,11 @@ class ControlClient:
 
     def close(self) -> None:
         self._stop.set()
+        if self.config.beat_file:  # beats stop on purpose: tpflex-run must not take it for a hang
+            try:
+                os.unlink(self.config.beat_file)
+            except OSError:
+                pass
         call = self._stream_call
         if call is not None:
             call.cancel()

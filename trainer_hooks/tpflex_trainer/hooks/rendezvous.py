@@ -106,6 +106,9 @@ def join_generation(
         pause = min(pause * 2, 0.05)
     if dist.is_initialized():
         dist.destroy_process_group()
+    # the default group's store namespace is named by torch's group counter, which a failed
+    # init_process_group leaves raised: every member must start from the same count
+    dist.distributed_c10d._world.group_count = 0
     dist.init_process_group(
         backend,
         store=dist.PrefixStore("pg/", prefixed),
