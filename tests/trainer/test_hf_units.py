@@ -103,6 +103,13 @@ def test_tp_plan_mapping_and_refusals():
         cfg = AutoConfig.for_model(family, **small)
         with pytest.raises(UnsupportedModelError, match=why):
             HfAdapter(cfg, base_tp=2)
+    # an embedding entry (transformers 5.17's Qwen3 plan) changes nothing: vocab-parallel anyway
+    cfg = AutoConfig.for_model("qwen3", head_dim=4, **small)
+    cfg.base_model_tp_plan = {"embed_tokens": "embedding_rowwise", **cfg.base_model_tp_plan}
+    assert HfAdapter(cfg, base_tp=2).specs == ad.specs
+    cfg.base_model_tp_plan = {**cfg.base_model_tp_plan, "embed_tokens": "colwise"}
+    with pytest.raises(UnsupportedModelError, match="'colwise' of 'embed_tokens'"):
+        HfAdapter(cfg, base_tp=2)
     cfg = AutoConfig.for_model("llama", **small)
     cfg.base_model_tp_plan = {**cfg.base_model_tp_plan, "layers.*.mlp.down_proj": "colwise"}
     with pytest.raises(UnsupportedModelError, match="exactly one row-parallel"):

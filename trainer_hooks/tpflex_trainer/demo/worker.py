@@ -24,6 +24,7 @@ import torch
 from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_SEED, demo_model
 from tpflex_trainer.hooks.config import HooksConfigError
 from tpflex_trainer.hooks.trainer import HooksError, TpflexHooks
+from tpflex_trainer.train.worker import degrees
 
 
 def main() -> int:
@@ -53,7 +54,7 @@ def main() -> int:
             record("applied", generation=a.generation, tp=a.tp_degree, world=a.world_size,
                    source=a.source, step=a.step, reshard_s=a.reshard_s, bytes_moved=a.bytes_moved,
                    peer_units=a.peer_units, after_failure=a.after_failure, at=a.applied_at,
-                   epoch=hooks.epoch)
+                   bytes_sent=a.bytes_sent, epoch=hooks.epoch)
         seen = len(hooks.history)
 
     hooks.start()
@@ -68,7 +69,7 @@ def main() -> int:
         layout = hooks.runtime.layout
         record("step", step=hooks.step - 1, loss=loss, generation=hooks.generation, tp=hooks.tp_degree,
                global_batch=layout.global_batch, seconds=time.perf_counter() - t0,
-               degrees=[r.degree for r in layout.replicas], started_at=step)
+               degrees=degrees(hooks.runtime), started_at=step)
         time.sleep(max(0.0, pace - (time.perf_counter() - t0)))
     if os.environ.get("TPFLEX_DEMO_FINAL_DIR") and hooks.active:
         hooks.runtime.save_checkpoint(os.environ["TPFLEX_DEMO_FINAL_DIR"])

@@ -58,7 +58,8 @@ def connect_store(address: str, timeout_s: float = 30.0, *,
 
 
 def _member_key(m: Member) -> str:
-    return f"member/{m.replica}/{m.slot}"
+    """One key per member: with pipeline stages, (replica, slot) repeats across stages."""
+    return f"member/{m.replica}/{m.slot}/{m.stage}"
 
 
 def join_generation(

@@ -13,7 +13,9 @@ becomes. No collectives, no weights.
 * ``replicated_with_grad_allreduce`` modules (Qwen3's per-head q_norm/k_norm) are
   replicated with partial gradients; unplanned parameters (norms) are replicated.
 * The embedding and the (possibly tied) output layer are vocab-parallel: units are
-  blocks of vocab rows.
+  blocks of vocab rows. A plan entry for the embedding itself (``embed_tokens:
+  embedding_rowwise``, as some transformers 5.x releases give Qwen3) is accepted and
+  superseded by that vocab-parallel embedding: both shard the table by vocab rows.
 Anything else is refused with ``UnsupportedModelError`` naming the module.
 """
 
@@ -29,6 +31,9 @@ from tpflex_trainer.ntp.errors import UnsupportedModelError
 from tpflex_trainer.ntp.layout import Derived
 
 STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+# plan styles for the embedding table that tpflex's own vocab-parallel embedding supersedes
+EMBEDDING_STYLES = ("embedding_rowwise", "rowwise")
+EMBEDDING = "embed_tokens"
 ATTN, KV, FFN, VOCAB = "attn", "kv", "ffn", "vocab"
 
 
@@ -55,6 +60,7 @@ class HfPlan:
     head_dim: int
     vocab_block: int
     tied: bool
+    prefix: str = "model"  # the base model's attribute (``base_model_prefix``)
 
 
 def choose_units(n: int, base_tp: int) -> int:
@@ -106,6 +112,11 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
     head = getattr(model, "lm_head", None)
     if not isinstance(head, nn.Linear) or head.bias is not None:
         raise UnsupportedModelError(f"{type(model).__name__}: lm_head must be a Linear without bias")
+    if EMBEDDING in plan:
+        if plan[EMBEDDING] not in EMBEDDING_STYLES:
+            raise UnsupportedModelError(f"tp plan style {plan[EMBEDDING]!r} of {EMBEDDING!r} is not "
+                                        f"supported (supported: {', '.join(EMBEDDING_STYLES)})")
+        del plan[EMBEDDING]  # vocab-parallel below, whatever the plan says
     planned = _planned_modules(model, plan, prefix)
     modules = dict(model.named_modules())
     n_heads = int(config.num_attention_heads)
@@ -134,7 +145,7 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
     specs = _specs(model, roles, blocks, prefix, counts, n_heads, n_kv, head_dim, head_units, config)
     derived = {KV: Derived(ATTN, n_heads // n_kv)} if head_units else {}
     return HfPlan(specs, counts, derived, roles, blocks, head_units, n_heads, n_kv, head_dim,
-                  vocab // counts[VOCAB], tied)
+                  vocab // counts[VOCAB], tied, prefix)
 
 
 def _block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, head_dim) -> dict[str, Role]:
