@@ -115,8 +115,12 @@ class ControlClient:
             threading.Thread(target=self._watch_loop, name="tpflex-plan-stream", daemon=True),
             threading.Thread(target=self._send_loop, name="tpflex-control-sender", daemon=True),
         ]
+        self._file_beats_end = threading.Event()
         if config.beat_interval_s > 0:
             self._threads.append(threading.Thread(target=self._beat_loop, name="tpflex-heartbeat", daemon=True))
+            if config.beat_file:
+                self._threads.append(threading.Thread(target=self._beat_file_loop, name="tpflex-beat-file",
+                                                      daemon=True))
 
     # ---- lifecycle ----
 
@@ -126,12 +130,8 @@ class ControlClient:
         return self
 
     def close(self) -> None:
+        self.end_beats()  # beats stop on purpose: tpflex-run must not take it for a hang
         self._stop.set()
-        if self.config.beat_file:  # beats stop on purpose: tpflex-run must not take it for a hang
-            try:
-                os.unlink(self.config.beat_file)
-            except OSError:
-                pass
         call = self._stream_call
         if call is not None:
             call.cancel()
@@ -250,17 +250,36 @@ class ControlClient:
     def _beats(self):
         while not self._stop.is_set():
             generation, epoch, step, hung_s = self.beat_state()
-            if self.config.beat_file:
-                try:
-                    with open(self.config.beat_file, "a"):
-                        os.utime(self.config.beat_file)
-                except OSError as exc:
-                    log.warning("beat file not touched path=%s error=%s", self.config.beat_file, exc)
             yield controller_pb2.Beat(job=self.config.job, rank=self.config.rank,
                                       incarnation=self.config.incarnation, generation=generation,
                                       epoch=epoch, step=step, hung_s=hung_s)
             self.beats_sent += 1
             self._stop.wait(self.config.beat_interval_s)
+
+    def _beat_file_loop(self) -> None:
+        """tpflex-run's beat file: touched by its own thread, so that it says only whether
+        the process runs (a frozen one stops touching it), not whether a controller is
+        reachable (the stream's reconnects must not look like a hang)."""
+        while not self._file_beats_end.is_set():
+            try:
+                with open(self.config.beat_file, "a"):
+                    os.utime(self.config.beat_file)
+            except OSError as exc:
+                log.warning("beat file not touched path=%s error=%s", self.config.beat_file, exc)
+            self._file_beats_end.wait(self.config.beat_interval_s)
+
+    def end_beats(self) -> None:
+        """Stop touching the beat file and remove it: this process ends on purpose (its
+        last seconds, flushing reports, must not look like a hang to tpflex-run)."""
+        self._file_beats_end.set()
+        for t in self._threads:  # its last touch is done before the file goes
+            if t.name == "tpflex-beat-file" and t.is_alive() and t is not threading.current_thread():
+                t.join(5.0)
+        if self.config.beat_file:
+            try:
+                os.unlink(self.config.beat_file)
+            except OSError:
+                pass
 
     def _beat_loop(self) -> None:
         backoff, attempt = self.config.backoff_initial_s, 0

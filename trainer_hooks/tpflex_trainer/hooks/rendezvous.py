@@ -110,13 +110,27 @@ def join_generation(
     # the default group's store namespace is named by torch's group counter, which a failed
     # init_process_group leaves raised: every member must start from the same count
     dist.distributed_c10d._world.group_count = 0
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore("pg/", prefixed),
-        rank=world[me],
-        world_size=len(world),
-        timeout=collective_timeout,
-    )
+    # a member may die after the round formed, before it connects: its peers then wait in
+    # init_process_group; a store that can give up (ControllerStore) ends that wait when
+    # the controller announces a newer round (the death raises the restart epoch)
+    can_give_up = hasattr(store, "give_up")
+    if can_give_up:
+        store.give_up = give_up
+    try:
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("pg/", prefixed),
+            rank=world[me],
+            world_size=len(world),
+            timeout=collective_timeout,
+        )
+    except dist.DistStoreError as exc:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise RendezvousAbandoned(f"generation {generation}: process group not formed: {exc}") from exc
+    finally:
+        if can_give_up:
+            store.give_up = None
     log.info("rendezvous complete job=%s generation=%s rank=%d world=%d", job, generation, world[me], len(world))
 
 

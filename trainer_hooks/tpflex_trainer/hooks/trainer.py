@@ -206,6 +206,7 @@ class TpflexHooks:
         return self._enter(plan, mode="join")
 
     def close(self) -> None:
+        self.client.end_beats()  # first: flushing may take seconds, which is no hang
         self.watchdog.stop()
         self.client.flush(2.0)
         self.client.close()
@@ -335,14 +336,36 @@ class TpflexHooks:
             if self.me not in members and mode != "transition":
                 return self._go_idle(plan, mode)
             world = self._world_for(members, mode)
+            failed, broken = "", False
             try:
                 return self._apply(plan, placements, members, world, mode)
             except RendezvousAbandoned as exc:
                 log.info("rendezvous abandoned job=%s rank=%d reason=%s", self.config.job, self.rank, exc)
-                newer = self.client.wait_for_round(plan_round(plan), self.config.plan_wait_s)
-                if newer is None:
-                    raise HooksError(str(exc)) from exc
-                plan = newer
+                failed = str(exc)
+            except (RuntimeError, dist.DistError) as exc:
+                if isinstance(exc, NtpError | HooksError):
+                    raise
+                # a member died while the plan was being applied (its reshard's collectives
+                # failed): this process keeps its state (nothing is replaced before a
+                # transfer completes) and joins the round its death brings
+                failed = f"{type(exc).__name__}: {str(exc)[:300]}"
+                log.warning("plan apply failed job=%s rank=%d generation=%d epoch=%d error=%s",
+                            self.config.job, self.rank, plan.generation, plan.restart.epoch, failed)
+                mode, broken = ("failure" if mode == "transition" else mode), True
+            plan = self._after_failed_round(plan, failed, broken)
+
+    def _after_failed_round(self, plan: types_pb2.Plan, failed: str, broken: bool) -> types_pb2.Plan:
+        """Outside the except block (its frames hold the groups): drop a broken round's
+        groups, wait for the controller's next round."""
+        if broken:
+            self.runtime.abort()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        newer = self.client.wait_for_round(plan_round(plan), self.config.plan_wait_s)
+        if newer is None:
+            raise HooksError(f"generation {plan.generation} epoch {plan.restart.epoch}: {failed}; no newer "
+                             f"plan within {self.config.plan_wait_s:.0f}s")
+        return newer
 
     def _world_for(self, members: list[Member], mode: str) -> dict[Member, int]:
         """Who takes part in the reshard: the plan's members, plus (on a planned transition)
