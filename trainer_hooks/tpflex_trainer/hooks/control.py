@@ -36,6 +36,7 @@ class ControlConfig:
     backoff_max_s: float = 2.0
     queue_size: int = 1024
     beat_interval_s: float = 0.0  # 0 = no heartbeats
+    resubscribe_s: float = 5.0  # a rank waiting this long for a newer round re-opens its plan stream
     incarnation: int = 0  # the process's restart count (TPFLEX_RESTART_COUNT)
     beat_file: str = ""  # touched at every beat (tpflex-run watches it)
     # TLS to the controller's Trainer service: trust tls_ca_file; present tls_cert_file /
@@ -195,10 +196,30 @@ class ControlClient:
         return self.wait_for_generation(generation + 1, timeout)
 
     def wait_for_round(self, applied: tuple[int, int], timeout: float) -> types_pb2.Plan | None:
-        """Block until a plan newer than ``applied`` (generation, restart epoch) arrived."""
-        with self._lock:
-            arrived = self._lock.wait_for(lambda: plan_round(self._latest) > applied, timeout)
-            return self._latest if arrived else None
+        """Block until a plan newer than ``applied`` (generation, restart epoch) arrived.
+        Every ``resubscribe_s`` without one, the plan stream is opened again on the next
+        endpoint (resuming after the last round seen): a replica whose feed stalled (its
+        etcd watch lost with an etcd member) must not keep a waiting rank from the round
+        every other replica already serves."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                left = deadline - time.monotonic()
+                arrived = self._lock.wait_for(lambda: plan_round(self._latest) > applied,
+                                              max(0.0, min(left, self.config.resubscribe_s)))
+                if arrived:
+                    return self._latest
+            if time.monotonic() >= deadline:
+                return None
+            log.info("plan stream resubscribing job=%s rank=%d waiting_for_newer_than=%s", self.config.job,
+                     self.config.rank, applied)
+            self.resubscribe()
+
+    def resubscribe(self) -> None:
+        """End the current plan stream; the stream thread opens it again on the next endpoint."""
+        call = self._stream_call
+        if call is not None:
+            call.cancel()
 
     def _offer(self, plan: types_pb2.Plan) -> None:
         with self._lock:
