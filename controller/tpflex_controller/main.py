@@ -193,6 +193,8 @@ class ControllerProcess:
             tls=_trainer_tls(s),
             min_step_seconds=s.trainer.min_step_seconds,
             rendezvous=s.rendezvous.limits(),
+            liveness=s.liveness.policy(),
+            on_liveness=self.metrics.liveness_outcome,
         )
         self.rest = _start_rest(s, self.etcd, self.registry, self.steps)
         self.grpc_server.start()

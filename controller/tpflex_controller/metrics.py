@@ -92,6 +92,14 @@ class ControllerMetrics:
             ["training_job"],
             registry=registry,
         )
+        self.rank_failures = Counter(
+            "tpflex_rank_failures_total",
+            "Rank failures that restarted a job's process groups, by kind: soft (a rank died or"
+            " stopped beating, GPU kept), hard (repeated soft failures of one GPU: drained), hang"
+            " (a rank's watchdog found a collective stuck)",
+            ["training_job", "kind"],
+            registry=registry,
+        )
         self.unplannable_jobs = Gauge(
             "tpflex_unplannable_jobs",
             "Jobs whose spec or overrides cannot be planned right now",
@@ -145,6 +153,11 @@ class ControllerMetrics:
 
     def phase(self, phase: str, seconds: float) -> None:
         self.reconfiguration_seconds.labels(phase=phase).observe(max(seconds, 0.0))
+
+    def liveness_outcome(self, job: str, outcome) -> None:
+        """A liveness decision that restarted the job's groups (``liveness.Outcome``)."""
+        if outcome.kind in ("soft", "hard", "hang"):
+            self.rank_failures.labels(job, outcome.kind).inc()
 
 
 def _remove(metric, *labels: str) -> None:

@@ -47,6 +47,7 @@ class PlanFeed:
         self._lock = threading.Lock()
         self._subs: dict[str, set[Subscription]] = {}
         self._watches: dict[str, Watch] = {}
+        self._live_watches: dict[str, Watch] = {}
 
     def subscribe(self, job: str) -> Subscription:
         sub = Subscription(job)
@@ -56,6 +57,11 @@ class PlanFeed:
                 _, rev = self.etcd.get_prefix(keys.job_plan(job))
                 self._watches[job] = self.etcd.watch_prefix(
                     keys.job_plan(job), lambda evs, j=job: self._deliver(j, evs), start_revision=rev + 1
+                )
+                _, rev = self.etcd.get_prefix(keys.liveness(job))
+                self._live_watches[job] = self.etcd.watch_prefix(
+                    keys.liveness(job), lambda evs, j=job: self._deliver_liveness(j, evs),
+                    start_revision=rev + 1,
                 )
         return sub
 
@@ -81,6 +87,9 @@ class PlanFeed:
                 if not subs:
                     del self._subs[sub.job]
                     watch = self._watches.pop(sub.job, None)
+                    live = self._live_watches.pop(sub.job, None)
+                    if live is not None:
+                        live.cancel()
         if watch is not None:
             watch.cancel()
 
@@ -101,3 +110,19 @@ class PlanFeed:
         for sub in subs:
             for plan in plans:
                 sub.offer(plan)
+
+    def _deliver_liveness(self, job: str, events: list[WatchEvent]) -> None:
+        """A new restart epoch of the job (``types.Liveness``) is offered to its streams."""
+        records = []
+        for ev in events:
+            if ev.key != keys.liveness(job) or ev.kind != "put":
+                continue
+            try:
+                records.append(codec.decode(types_pb2.Liveness, ev.value))
+            except codec.MalformedValue as exc:
+                log.warning("skipping malformed etcd value key=%s error=%s", ev.key, exc)
+        with self._lock:
+            subs = list(self._subs.get(job, ())) if records else []
+        for sub in subs:
+            for record in records:
+                sub.offer(record)

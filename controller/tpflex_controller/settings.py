@@ -102,6 +102,23 @@ class TrainerSection(config.ClientCaListener, _Listener):
     )
 
 
+class LivenessSection(config.Section):
+    """Rank liveness (docs/launch.md "On each kind of failure")."""
+
+    beat_timeout_s: float = Field(10.0, gt=0, le=3600,
+                                  description="a rank with no heartbeat this long had a soft failure")
+    window_s: float = Field(300.0, gt=0, le=86_400, description="soft failures of a GPU are counted within this")
+    max_soft_failures: int = Field(3, ge=1, le=1000,
+                                   description="this many soft failures of one GPU in the window drain it")
+
+    def policy(self):
+        from tpflex_controller.liveness import LivenessPolicy
+
+        return LivenessPolicy(beat_timeout_s=self.beat_timeout_s, window_s=self.window_s,
+                              max_soft_failures=self.max_soft_failures,
+                              max_recent=max(64, self.max_soft_failures))
+
+
 class RendezvousSection(config.Section):
     """The jobs' rendezvous store served on the trainer port (docs/launch.md)."""
 
@@ -157,6 +174,7 @@ class ControllerSettings(config.Section):
     rest: RestSection = Field(default_factory=RestSection)
     trainer: TrainerSection = Field(default_factory=TrainerSection)
     rendezvous: RendezvousSection = Field(default_factory=RendezvousSection)
+    liveness: LivenessSection = Field(default_factory=LivenessSection)
     agents: AgentsSection = Field(default_factory=AgentsSection)
     timeouts: TimeoutsSection = Field(default_factory=TimeoutsSection)
 

@@ -23,6 +23,8 @@ from tpflex_proto.etcd import Cmp, Etcd, EtcdError, EtcdUnavailable, Op
 from tpflex_proto.tls import ServerTls, bind_grpc
 
 from tpflex_controller.cache import decode_plan
+from tpflex_controller.liveness import LivenessPolicy, Outcome
+from tpflex_controller.liveness_service import LivenessRefused, LivenessService
 from tpflex_controller.planfeed import PlanFeed
 from tpflex_controller.planner.model import PlanningError
 from tpflex_controller.rendezvous import RendezvousLimits, add_rendezvous
@@ -126,9 +128,19 @@ class JobFactsCache:
         return facts
 
 
+def _with_restart(plan: types_pb2.Plan, restart: types_pb2.Restart) -> types_pb2.Plan:
+    """The plan as a stream sends it: with the job's current restart epoch."""
+    out = types_pb2.Plan()
+    out.CopyFrom(plan)
+    out.restart.CopyFrom(restart)
+    return out
+
+
 class TrainerServicer(controller_pb2_grpc.TrainerServicer):
     def __init__(self, etcd: Etcd, *, steps: StepStats, clock: Callable[[], float] = time.time,
-                 min_step_seconds: float = DEFAULT_MIN_STEP_SECONDS):
+                 min_step_seconds: float = DEFAULT_MIN_STEP_SECONDS,
+                 liveness: LivenessPolicy = LivenessPolicy(),
+                 on_liveness: Callable[[str, Outcome], None] = lambda job, out: None):
         self.etcd = etcd
         self.store = Store(etcd)
         self.steps = steps
@@ -136,13 +148,15 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
         self.min_step_seconds = min_step_seconds
         self.facts = JobFactsCache(self.store)
         self.feed = PlanFeed(etcd)
+        self.liveness = LivenessService(etcd, self.store, self.facts, policy=liveness, clock=clock,
+                                        on_outcome=on_liveness)
 
     # ---- helpers ----
 
     def _run(self, context, fn, *args):
         try:
             return fn(*args)
-        except _Abort as exc:
+        except (_Abort, LivenessRefused) as exc:
             context.abort(exc.code, exc.message)
         except EtcdUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
@@ -158,6 +172,11 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
         except codec.MalformedValue as exc:
             log.warning("skipping malformed etcd value key=%s error=%s", kv.key, exc)
             return None
+
+    def _current(self, job: str) -> types_pb2.Plan | None:
+        """The job's plan as the streams send it (with the restart epoch)."""
+        plan = self._plan(job)
+        return _with_restart(plan, self.liveness.restart(job)) if plan is not None else None
 
     def _require_facts(self, job: str, generation: int = 0) -> JobFacts:
         try:
@@ -189,7 +208,7 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
                                  f"job {spec.name} is registered with a different spec (differs in "
                                  f"{', '.join(diff)}); change it with PUT /v1/jobs/{spec.name}/spec "
                                  f"(admin) or delete it with DELETE /v1/jobs/{spec.name}")
-                return controller_pb2.RegisterJobResponse(plan=self._plan(spec.name))
+                return controller_pb2.RegisterJobResponse(plan=self._current(spec.name))
             try:
                 check_spec(spec, self.store.racks(), self.store.job_specs())
             except InputError as exc:
@@ -220,33 +239,49 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
         context.add_callback(sub.close)
         try:
-            last = request.after_generation
             try:
-                backlog = self._backlog(request.job, last)
+                restart = self.liveness.restart(request.job)
+                backlog = self._backlog(request.job, request.after_generation, request.after_epoch,
+                                        restart.epoch)
             except EtcdError as exc:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
+            last = (request.after_generation, request.after_epoch)
+            current = backlog[-1] if backlog else self._plan(request.job)
             for plan in backlog:
-                if plan.generation > last:
-                    last = plan.generation
-                    yield plan
+                if (plan.generation, restart.epoch) > last:
+                    last = (plan.generation, restart.epoch)
+                    yield _with_restart(plan, restart)
             while context.is_active() and not sub.closed:
-                plan = sub.get(timeout=1.0)
-                if plan is not None and plan.generation > last:
-                    last = plan.generation
-                    yield plan
+                item = sub.get(timeout=1.0)
+                if isinstance(item, types_pb2.Liveness):
+                    restart = item.restart if item.restart.epoch > restart.epoch else restart
+                elif item is not None:
+                    current = item
+                if current is not None and (current.generation, restart.epoch) > last:
+                    last = (current.generation, restart.epoch)
+                    yield _with_restart(current, restart)
         finally:
             self.feed.unsubscribe(sub)
 
-    def _backlog(self, job: str, after: int) -> list[types_pb2.Plan]:
-        """What a stream resuming after generation ``after`` missed, oldest first: every
-        committed generation in (after, current] from the job's plan history, or the
-        current plan alone when ``after`` is 0 or older than the history keeps."""
+    def _backlog(self, job: str, after: int, after_epoch: int = 0, epoch: int = 0) -> list[types_pb2.Plan]:
+        """What a stream resuming after generation ``after`` (restart epoch
+        ``after_epoch``) missed, oldest first: every committed generation in (after,
+        current] from the job's plan history, or the current plan alone when ``after`` is 0
+        or older than the history keeps, or when only the epoch moved."""
         current = self._plan(job)
+        if current is not None and current.generation == after and epoch > after_epoch:
+            return [current]
         if current is None or current.generation <= after:
             return []
         if after <= 0:
             return [current]
         return replay_plans(job, after, current, self.feed.history(job))
+
+    def Heartbeat(self, request_iterator, context):
+        return self._run(context, self.liveness.heartbeat, request_iterator, context)
+
+    def ReportRankExit(self, request, context):
+        return self._run(context, self.liveness.rank_exit, request)
 
     def AckPlan(self, request, context):
         return self._run(context, self._ack, request)
@@ -294,6 +329,8 @@ def create_grpc_server(
     tls: ServerTls | None = None,
     min_step_seconds: float = DEFAULT_MIN_STEP_SECONDS,
     rendezvous: RendezvousLimits | None = RendezvousLimits(),
+    liveness: LivenessPolicy = LivenessPolicy(),
+    on_liveness: Callable[[str, Outcome], None] = lambda job, out: None,
 ) -> tuple[grpc.Server, int]:
     """A started-not-yet ``grpc.Server`` serving ``Trainer`` (and the jobs' ``Rendezvous``
     store unless ``rendezvous`` is None), bound to ``bind``; returns it and the bound port
@@ -304,7 +341,9 @@ def create_grpc_server(
         options=[("grpc.max_send_message_length", 64 << 20)],
     )
     servicer = TrainerServicer(etcd, steps=steps or StepStats(), clock=clock,
-                               min_step_seconds=min_step_seconds)
+                               min_step_seconds=min_step_seconds, liveness=liveness,
+                               on_liveness=on_liveness)
+    servicer.liveness.start()
     controller_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
     if rendezvous is not None:  # parked calls hold worker threads: at most half of them
         parked = min(rendezvous.max_parked, max_workers // 2)

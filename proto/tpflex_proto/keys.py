@@ -28,6 +28,7 @@ EVENTS = PREFIX + "events/"
 SPEC_GUARD = PREFIX + "spec-guard"
 STEPS = PREFIX + "steps/"
 RENDEZVOUS = "/tpflex/rendezvous/v1/"
+LIVENESS = "/tpflex/liveness/v1/"
 
 # node, rack and controller names (one etcd key segment each)
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -125,3 +126,9 @@ def rendezvous_keys(job: str) -> str:
 def rendezvous_key(job: str, key: str) -> str:
     """One c10d store key of the job (any UTF-8 text; '/' only nests)."""
     return f"{RENDEZVOUS}{job}/kv/{key}"
+
+
+def liveness(job: str) -> str:
+    """The job's restart epoch and recent soft failures (``types.Liveness``); outside
+    ``/tpflex/v1/`` like the rendezvous store: the trainer service owns it."""
+    return f"{LIVENESS}{job}"

@@ -97,6 +97,37 @@ def test_timeouts_raise_dist_store_error_after_the_store_timeout(served):
         store.wait(["missing"], timedelta(seconds=0.2))
 
 
+def test_a_blocked_get_or_wait_gives_up_when_told_through_a_prefix_store(served):
+    # what init_process_group does while a member that died after the round formed never
+    # arrives: the hooks' give_up turns true when a newer round is announced
+    store = store_for(served, served.new_job(), timedelta(seconds=300))
+    told = threading.Event()
+    store.give_up = told.is_set
+    errors: dict = {}
+
+    def blocked(name, fn):
+        try:
+            fn()
+        except dist.DistStoreError as exc:
+            errors[name] = (str(exc), time.monotonic())
+
+    prefixed = dist.PrefixStore("pg/", store)
+    threads = [threading.Thread(target=blocked, args=("get", lambda: prefixed.get("never"))),
+               threading.Thread(target=blocked, args=("wait", lambda: prefixed.wait(["never"])))]
+    for t in threads:
+        t.start()
+    assert not told.wait(1.0) and errors == {}  # still blocked: the store's timeout is 300 s
+    told.set()
+    t_told = time.monotonic()
+    for t in threads:
+        t.join(30)
+    assert set(errors) == {"get", "wait"}
+    assert all("given up" in msg and at - t_told < 30 for msg, at in errors.values()), errors
+    store.give_up = None  # without it the store waits as c10d does (and sees a later write)
+    prefixed.set("late", b"v")
+    assert prefixed.get("late") == b"v"
+
+
 def test_prefix_store_and_clone_see_the_same_keys(served):
     store = store_for(served, served.new_job())
     prefixed = dist.PrefixStore("p/", store)

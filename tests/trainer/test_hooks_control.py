@@ -106,6 +106,60 @@ def test_calls_give_up_within_their_timeouts_when_no_controller_answers(tmp_path
         client.close()
 
 
+def test_a_rank_waiting_for_a_round_leaves_a_stalled_plan_stream(etcd, job_spec):
+    # a replica whose plan feed stalled (here: one that holds every WatchPlan open and never
+    # sends) must not keep a waiting rank from the round the other replica serves
+    import threading
+    from concurrent import futures
+
+    import grpc
+    from tpflex_proto import controller_pb2_grpc
+
+    class Stalled(controller_pb2_grpc.TrainerServicer):
+        def WatchPlan(self, request, context):
+            done = threading.Event()
+            context.add_callback(done.set)
+            done.wait(60)
+            return iter(())
+
+    stalled = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    controller_pb2_grpc.add_TrainerServicer_to_server(Stalled(), stalled)
+    stalled_port = stalled.add_insecure_port("127.0.0.1:0")
+    stalled.start()
+    server, port = _serve(etcd)
+    _commit(etcd, _plan(1))
+    client = ControlClient(ControlConfig(endpoints=(f"127.0.0.1:{stalled_port}", f"127.0.0.1:{port}"), job=JOB,
+                                         rank=0, backoff_initial_s=0.01, backoff_max_s=0.05,
+                                         resubscribe_s=0.5)).start()
+    try:
+        plan = client.wait_for_round((0, 0), 30)
+        assert plan is not None and plan.generation == 1
+    finally:
+        client.close()
+        stalled.stop(0).wait()
+        server.stop(0).wait()
+
+
+def test_the_beat_file_says_the_process_runs_even_with_no_controller(tmp_path):
+    # tpflex-run kills a rank whose beat file goes stale; a controller outage (the heartbeat
+    # stream reconnecting) is no hang, and a process that is closing must not look like one
+    beat = tmp_path / "rank-0.beat"
+    dead = f"127.0.0.1:{_unused_port()}"
+    client = ControlClient(ControlConfig(endpoints=(dead,), job=JOB, rank=0, call_timeout_s=0.2,
+                                         backoff_initial_s=0.5, backoff_max_s=2.0, beat_interval_s=0.05,
+                                         beat_file=str(beat))).start()
+    try:
+        from tests.support.wait import wait_until
+
+        first = wait_until(lambda: beat.exists() and beat.stat().st_mtime_ns, 30, "the first beat")
+        wait_until(lambda: beat.stat().st_mtime_ns > first, 30, "a later beat without a controller")
+        assert client.beats_sent == 0  # no stream ever carried one
+        client.end_beats()  # returns after the beat thread's last touch
+        assert not beat.exists()
+    finally:
+        client.close()
+
+
 def _unused_port() -> int:
     from tests.support.ports import free_port
 

@@ -22,6 +22,7 @@ ROOT_PASSWORD = "root-pw"
 SERVICE_PASSWORDS = {"tpflex-controller": "controller-pw", "tpflex-agent": "agent-pw"}
 TPFLEX_PREFIX = b"/tpflex/v1/"
 RENDEZVOUS_PREFIX = b"/tpflex/rendezvous/v1/"  # the jobs' rendezvous stores (controller only)
+LIVENESS_PREFIX = b"/tpflex/liveness/v1/"  # the jobs' restart epochs (controller only)
 
 
 class DevCertsError(RuntimeError):
@@ -69,8 +70,8 @@ def enable_etcd_auth(endpoint: str, certs: CertSet, *, root_password: str = ROOT
                      users: Mapping[str, str] = SERVICE_PASSWORDS, timeout_s: float = 5.0) -> None:
     """Root user, a ``tpflex`` role with read-write on /tpflex/v1/, ``users`` (name ->
     password) holding that role, a ``tpflex-rendezvous`` role with read-write on
-    /tpflex/rendezvous/v1/ for ``tpflex-controller``; then auth on (etcd's gRPC Auth API,
-    as etcdctl would)."""
+    /tpflex/rendezvous/v1/ and /tpflex/liveness/v1/ for ``tpflex-controller``; then auth on
+    (etcd's gRPC Auth API, as etcdctl would)."""
     from pyetcd import etcdrpc
 
     creds = channel_credentials(certs.ca, certs.cert("etcd"), certs.key("etcd"))
@@ -78,8 +79,10 @@ def enable_etcd_auth(endpoint: str, certs: CertSet, *, root_password: str = ROOT
         auth = etcdrpc.AuthStub(ch)
         auth.UserAdd(etcdrpc.AuthUserAddRequest(name="root", password=root_password), timeout=timeout_s)
         auth.UserGrantRole(etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=timeout_s)
-        for role, prefix in (("tpflex", TPFLEX_PREFIX), ("tpflex-rendezvous", RENDEZVOUS_PREFIX)):
+        for role in ("tpflex", "tpflex-rendezvous"):
             auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name=role), timeout=timeout_s)
+        for role, prefix in (("tpflex", TPFLEX_PREFIX), ("tpflex-rendezvous", RENDEZVOUS_PREFIX),
+                             ("tpflex-rendezvous", LIVENESS_PREFIX)):
             perm = etcdrpc.Permission(permType=etcdrpc.Permission.READWRITE, key=prefix,
                                       range_end=_prefix_end(prefix))
             auth.RoleGrantPermission(etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm),

@@ -1,8 +1,14 @@
 """One rank of the demo's training job: a plain training script using TpflexHooks.
 
-Run by the demo's launcher as ``python -m tpflex_trainer.demo.worker`` with the TPFLEX_*
-environment; writes one JSON line per completed step and per applied plan to
-``TPFLEX_DEMO_OUT`` so the demo can tell its story and check parity afterwards.
+Run by the demo's launcher (or tpflex-run) as ``python -m tpflex_trainer.demo.worker``
+with the TPFLEX_* environment; writes one JSON line per completed step and per applied
+plan (with the process id and its restart count) to ``TPFLEX_DEMO_OUT`` so the demo, the
+liveness tests and bench/soak.py can tell what happened and check parity afterwards.
+
+Optional: ``TPFLEX_DEMO_FINAL_DIR`` (write a checkpoint of the final state there: weights
+and Adam moments, for weight parity), ``TPFLEX_DEMO_STOP_FILE`` (a file that may name a
+step to stop at, read at every step: a soak ends every rank at the same step),
+``TPFLEX_DEMO_STEP_MIN_S`` (pace the steps, so that a test's fault lands mid-training).
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ def main() -> int:
     logging.basicConfig(level=os.environ.get("TPFLEX_LOG_LEVEL", "WARNING"),
                         format="%(asctime)s %(levelname)s rank-%(process)d %(name)s %(message)s")
     steps = int(os.environ.get("TPFLEX_DEMO_STEPS", "100"))
+    pace = float(os.environ.get("TPFLEX_DEMO_STEP_MIN_S", "0") or 0)
+    stop_file = os.environ.get("TPFLEX_DEMO_STOP_FILE", "")
+    incarnation = int(os.environ.get("TPFLEX_RESTART_COUNT", "0") or 0)
     out = open(os.environ["TPFLEX_DEMO_OUT"], "a", buffering=1)
     try:
         model = demo_model(os.environ.get("TPFLEX_DEMO_MODEL") or None)
@@ -36,7 +45,8 @@ def main() -> int:
     seen = 0
 
     def record(kind: str, **fields) -> None:
-        out.write(json.dumps({"kind": kind, "rank": hooks.rank, "t": time.time(), **fields}) + "\n")
+        out.write(json.dumps({"kind": kind, "rank": hooks.rank, "t": time.time(), "pid": os.getpid(),
+                              "incarnation": incarnation, **fields}) + "\n")
 
     def flush_history() -> None:
         nonlocal seen
@@ -44,12 +54,12 @@ def main() -> int:
             record("applied", generation=a.generation, tp=a.tp_degree, world=a.world_size,
                    source=a.source, step=a.step, reshard_s=a.reshard_s, bytes_moved=a.bytes_moved,
                    peer_units=a.peer_units, after_failure=a.after_failure, at=a.applied_at,
-                   bytes_sent=a.bytes_sent)
+                   bytes_sent=a.bytes_sent, epoch=hooks.epoch)
         seen = len(hooks.history)
 
     hooks.start()
     flush_history()
-    while hooks.step < steps:
+    while hooks.step < _stop_step(steps, stop_file):
         t0 = time.perf_counter()
         step = hooks.step
         loss = hooks.train_step(model.batch)
@@ -60,8 +70,23 @@ def main() -> int:
         record("step", step=hooks.step - 1, loss=loss, generation=hooks.generation, tp=hooks.tp_degree,
                global_batch=layout.global_batch, seconds=time.perf_counter() - t0,
                degrees=degrees(hooks.runtime), started_at=step)
+        time.sleep(max(0.0, pace - (time.perf_counter() - t0)))
+    if os.environ.get("TPFLEX_DEMO_FINAL_DIR") and hooks.active:
+        hooks.runtime.save_checkpoint(os.environ["TPFLEX_DEMO_FINAL_DIR"])
+    record("done", step=hooks.step, watchdog_fired=hooks.watchdog.fired)
     hooks.close()
     return 0
+
+
+def _stop_step(steps: int, stop_file: str) -> int:
+    """``steps``, or the step the stop file names (the soak writes it once, ahead of every
+    rank's current step)."""
+    if stop_file:
+        try:
+            return min(steps, int(open(stop_file).read().strip()))
+        except (OSError, ValueError):
+            pass
+    return steps
 
 
 if __name__ == "__main__":

@@ -30,6 +30,13 @@ class HooksConfig:
     checkpoint_every: int = 0  # steps; 0 = never
     collective_timeout_s: float = 60.0  # above the controller's reaction bound
     plan_wait_s: float = 30.0  # how long to wait for a plan after a failure / at start
+    # liveness: a beat to the controller every beat_interval_s (and to tpflex-run's beat
+    # file); a step's collectives stuck longer than watchdog_s (0 = half the collective
+    # timeout) abort the process groups and are reported as a hang
+    beat_interval_s: float = 1.0
+    watchdog_s: float = 0.0
+    incarnation: int = 0  # TPFLEX_RESTART_COUNT
+    beat_file: str = ""
     # TLS on the plan stream: trust tls_ca_file; tls_cert_file/tls_key_file = this rank's
     # client certificate (mTLS); tls_server_name overrides the name checked in the
     # controller's certificate
@@ -38,6 +45,12 @@ class HooksConfig:
     tls_key_file: str = ""
     tls_server_name: str = ""
     extra: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def watchdog_after_s(self) -> float:
+        """The watchdog's limit: shorter than the collective timeout, always."""
+        half = self.collective_timeout_s / 2
+        return min(self.watchdog_s, half) if self.watchdog_s > 0 else half
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> HooksConfig:
@@ -75,6 +88,10 @@ class HooksConfig:
             checkpoint_every=int(number("TPFLEX_CHECKPOINT_EVERY", 0, int)),
             collective_timeout_s=number("TPFLEX_COLLECTIVE_TIMEOUT_S", 60.0),
             plan_wait_s=number("TPFLEX_PLAN_WAIT_S", 30.0),
+            beat_interval_s=number("TPFLEX_BEAT_INTERVAL_S", 1.0) or 1.0,
+            watchdog_s=number("TPFLEX_WATCHDOG_S", 0.0),
+            incarnation=int(number("TPFLEX_RESTART_COUNT", 0, int)),
+            beat_file=env.get("TPFLEX_BEAT_FILE", "").strip(),
             **_tls_from_env(env),
         )
 

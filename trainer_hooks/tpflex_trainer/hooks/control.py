@@ -1,8 +1,11 @@
-"""The trainer's side of the control plane: plan stream, acks, step reports.
+"""The trainer's side of the control plane: plan stream, heartbeats, acks, step reports.
 
 ``ControlClient`` streams a job's plans from any of the configured controller endpoints
 on a background thread, reconnecting with backoff and resuming after the last generation
-seen. Acks and step reports are queued and sent by a sender thread with per-call
+(and restart epoch) seen; a plan with a newer restart epoch is passed to ``on_restart``
+(the hooks abort their process groups). A second thread keeps one ``Heartbeat`` stream
+open on the same channel and sends a beat every ``beat_interval_s`` (when
+``beat_interval_s`` > 0). Acks and step reports are queued and sent by a sender thread with per-call
 timeouts and bounded retries, so nothing here blocks a training step: if the controller
 is unreachable, training goes on with the last plan.
 """
@@ -10,6 +13,7 @@ is unreachable, training goes on with the last plan.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -31,6 +35,10 @@ class ControlConfig:
     backoff_initial_s: float = 0.05
     backoff_max_s: float = 2.0
     queue_size: int = 1024
+    beat_interval_s: float = 0.0  # 0 = no heartbeats
+    resubscribe_s: float = 5.0  # a rank waiting this long for a newer round re-opens its plan stream
+    incarnation: int = 0  # the process's restart count (TPFLEX_RESTART_COUNT)
+    beat_file: str = ""  # touched at every beat (tpflex-run watches it)
     # TLS to the controller's Trainer service: trust tls_ca_file; present tls_cert_file /
     # tls_key_file when the controller requires client certificates (trainer.client_ca_file);
     # tls_server_name overrides the name checked in the controller's certificate.
@@ -79,14 +87,25 @@ def check_plan(plan: types_pb2.Plan, job: str, applied_generation: int) -> None:
         )
 
 
+def plan_round(plan: types_pb2.Plan | None) -> tuple[int, int]:
+    """(generation, restart epoch): what the ranks apply, in order."""
+    return (plan.generation, plan.restart.epoch) if plan is not None else (0, 0)
+
+
+BeatState = Callable[[], tuple[int, int, int, float]]  # generation, epoch, step, hung_s
+
+
 class ControlClient:
-    def __init__(self, config: ControlConfig) -> None:
+    def __init__(self, config: ControlConfig, *, on_restart: Callable[[types_pb2.Plan], None] = lambda p: None,
+                 beat_state: BeatState = lambda: (0, 0, 0, 0.0)) -> None:
         if not config.endpoints:
             raise ValueError("at least one controller endpoint is required")
         self.config = config
         self._lock = threading.Condition()
         self._latest: types_pb2.Plan | None = None
-        self._seen_generation = 0
+        self._seen = (0, 0)
+        self.on_restart, self.beat_state = on_restart, beat_state
+        self.beats_sent = 0
         self._stop = threading.Event()
         self._outbox: queue.Queue = queue.Queue(maxsize=config.queue_size)
         self._channels: dict[str, grpc.Channel] = {}
@@ -97,6 +116,12 @@ class ControlClient:
             threading.Thread(target=self._watch_loop, name="tpflex-plan-stream", daemon=True),
             threading.Thread(target=self._send_loop, name="tpflex-control-sender", daemon=True),
         ]
+        self._file_beats_end = threading.Event()
+        if config.beat_interval_s > 0:
+            self._threads.append(threading.Thread(target=self._beat_loop, name="tpflex-heartbeat", daemon=True))
+            if config.beat_file:
+                self._threads.append(threading.Thread(target=self._beat_file_loop, name="tpflex-beat-file",
+                                                      daemon=True))
 
     # ---- lifecycle ----
 
@@ -106,6 +131,7 @@ class ControlClient:
         return self
 
     def close(self) -> None:
+        self.end_beats()  # beats stop on purpose: tpflex-run must not take it for a hang
         self._stop.set()
         call = self._stream_call
         if call is not None:
@@ -169,16 +195,47 @@ class ControlClient:
     def wait_for_newer(self, generation: int, timeout: float) -> types_pb2.Plan | None:
         return self.wait_for_generation(generation + 1, timeout)
 
+    def wait_for_round(self, applied: tuple[int, int], timeout: float) -> types_pb2.Plan | None:
+        """Block until a plan newer than ``applied`` (generation, restart epoch) arrived.
+        Every ``resubscribe_s`` without one, the plan stream is opened again on the next
+        endpoint (resuming after the last round seen): a replica whose feed stalled (its
+        etcd watch lost with an etcd member) must not keep a waiting rank from the round
+        every other replica already serves."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                left = deadline - time.monotonic()
+                arrived = self._lock.wait_for(lambda: plan_round(self._latest) > applied,
+                                              max(0.0, min(left, self.config.resubscribe_s)))
+                if arrived:
+                    return self._latest
+            if time.monotonic() >= deadline:
+                return None
+            log.info("plan stream resubscribing job=%s rank=%d waiting_for_newer_than=%s", self.config.job,
+                     self.config.rank, applied)
+            self.resubscribe()
+
+    def resubscribe(self) -> None:
+        """End the current plan stream; the stream thread opens it again on the next endpoint."""
+        call = self._stream_call
+        if call is not None:
+            call.cancel()
+
     def _offer(self, plan: types_pb2.Plan) -> None:
         with self._lock:
             if plan.job != self.config.job:
                 log.warning("plan refused job=%s plan_job=%s", self.config.job, plan.job)
                 return
-            if plan.generation <= self._seen_generation:
+            if plan_round(plan) <= self._seen:
                 return
-            self._seen_generation = plan.generation
+            restarted = plan.restart.epoch > self._seen[1]
+            self._seen = plan_round(plan)
             self._latest = plan
             self._lock.notify_all()
+        if restarted:
+            log.warning("restart epoch job=%s rank=%d generation=%d epoch=%d reason=%s", self.config.job,
+                        self.config.rank, plan.generation, plan.restart.epoch, plan.restart.reason)
+            self.on_restart(plan)
 
     def _watch_loop(self) -> None:
         backoff = self.config.backoff_initial_s
@@ -187,7 +244,8 @@ class ControlClient:
             endpoint = self.config.endpoints[attempt % len(self.config.endpoints)]
             attempt += 1
             req = controller_pb2.WatchPlanRequest(
-                job=self.config.job, after_generation=self._seen_generation, rank=self.config.rank
+                job=self.config.job, after_generation=self._seen[0], rank=self.config.rank,
+                after_epoch=self._seen[1],
             )
             try:
                 self._stream_call = self._stub(endpoint).WatchPlan(req)
@@ -205,6 +263,59 @@ class ControlClient:
                     endpoint, exc.code().name, backoff,
                 )
             self.connected.clear()
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, self.config.backoff_max_s)
+
+    # ---- heartbeats: one stream on the plan stream's channel ----
+
+    def _beats(self):
+        while not self._stop.is_set():
+            generation, epoch, step, hung_s = self.beat_state()
+            yield controller_pb2.Beat(job=self.config.job, rank=self.config.rank,
+                                      incarnation=self.config.incarnation, generation=generation,
+                                      epoch=epoch, step=step, hung_s=hung_s)
+            self.beats_sent += 1
+            self._stop.wait(self.config.beat_interval_s)
+
+    def _beat_file_loop(self) -> None:
+        """tpflex-run's beat file: touched by its own thread, so that it says only whether
+        the process runs (a frozen one stops touching it), not whether a controller is
+        reachable (the stream's reconnects must not look like a hang)."""
+        while not self._file_beats_end.is_set():
+            try:
+                with open(self.config.beat_file, "a"):
+                    os.utime(self.config.beat_file)
+            except OSError as exc:
+                log.warning("beat file not touched path=%s error=%s", self.config.beat_file, exc)
+            self._file_beats_end.wait(self.config.beat_interval_s)
+
+    def end_beats(self) -> None:
+        """Stop touching the beat file and remove it: this process ends on purpose (its
+        last seconds, flushing reports, must not look like a hang to tpflex-run)."""
+        self._file_beats_end.set()
+        for t in self._threads:  # its last touch is done before the file goes
+            if t.name == "tpflex-beat-file" and t.is_alive() and t is not threading.current_thread():
+                t.join(5.0)
+        if self.config.beat_file:
+            try:
+                os.unlink(self.config.beat_file)
+            except OSError:
+                pass
+
+    def _beat_loop(self) -> None:
+        backoff, attempt = self.config.backoff_initial_s, 0
+        while not self._stop.is_set():
+            endpoint = self.config.endpoints[attempt % len(self.config.endpoints)]
+            attempt += 1
+            try:
+                self._stub(endpoint).Heartbeat(self._beats())
+                return  # closed by close(): the iterator ended, a clean goodbye
+            except grpc.RpcError as exc:
+                if self._stop.is_set():
+                    return
+                level = logging.INFO if exc.code() == grpc.StatusCode.UNAVAILABLE else logging.WARNING
+                log.log(level, "heartbeat stream interrupted endpoint=%s code=%s detail=%s retry_in=%.2fs",
+                        endpoint, exc.code().name, exc.details(), backoff)
             self._stop.wait(backoff)
             backoff = min(backoff * 2, self.config.backoff_max_s)
 

@@ -58,7 +58,8 @@ def connect_store(address: str, timeout_s: float = 30.0, *,
 
 
 def _member_key(m: Member) -> str:
-    return f"member/{m.replica}/{m.slot}"
+    """One key per member: with pipeline stages, (replica, slot) repeats across stages."""
+    return f"member/{m.replica}/{m.slot}/{m.stage}"
 
 
 def join_generation(
@@ -77,30 +78,72 @@ def join_generation(
     ``generation``'s ``world``. Raises RendezvousAbandoned if ``give_up()`` turns true or
     the deadline passes before all members arrived."""
     prefixed = dist.PrefixStore(f"tpflex/{job}/g{generation}/", store)
+    if prefixed.check([_member_key(me)]):
+        # a previous process of this rank joined this round (it died since): its peers'
+        # addresses here are stale for us; the controller's next round (the restart epoch
+        # its death raises) is the one to join
+        raise RendezvousAbandoned(f"generation {generation}: member {tuple(me)} was here before "
+                                  "(a previous process of this rank)")
     prefixed.set(_member_key(me), "1")
     keys = [_member_key(m) for m in world]
     deadline = time.monotonic() + deadline_s
     pause = 0.002
-    while not prefixed.check(keys):  # polled: store.wait() logs a warning per time-out
-        if give_up():
-            raise RendezvousAbandoned(f"generation {generation}: a newer plan arrived")
-        if time.monotonic() > deadline:
+    while True:  # polled: store.wait() logs a warning per time-out
+        why = ""
+        if prefixed.check(keys):
+            if _settle(prefixed, _GO) == _GO:
+                break
+            why = "another member abandoned it"
+        elif give_up():
+            why = "a newer plan arrived"
+        elif time.monotonic() > deadline:
             missing = [k for k in keys if not prefixed.check([k])]
-            raise RendezvousAbandoned(
-                f"generation {generation}: members {missing} did not arrive in {deadline_s:.0f}s"
-            )
+            why = f"members {missing} did not arrive in {deadline_s:.0f}s"
+        if why and _settle(prefixed, _ABANDONED) == _ABANDONED:
+            raise RendezvousAbandoned(f"generation {generation}: {why}")
+        if why:
+            break  # the others already formed it (our key counted): join them
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group(
-        backend,
-        store=dist.PrefixStore("pg/", prefixed),
-        rank=world[me],
-        world_size=len(world),
-        timeout=collective_timeout,
-    )
-    log.info("rendezvous complete job=%s generation=%d rank=%d world=%d", job, generation, world[me], len(world))
+    # the default group's store namespace is named by torch's group counter, which a failed
+    # init_process_group leaves raised: every member must start from the same count
+    dist.distributed_c10d._world.group_count = 0
+    # a member may die after the round formed, before it connects: its peers then wait in
+    # init_process_group; a store that can give up (ControllerStore) ends that wait when
+    # the controller announces a newer round (the death raises the restart epoch)
+    can_give_up = hasattr(store, "give_up")
+    if can_give_up:
+        store.give_up = give_up
+    try:
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("pg/", prefixed),
+            rank=world[me],
+            world_size=len(world),
+            timeout=collective_timeout,
+        )
+    except dist.DistStoreError as exc:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise RendezvousAbandoned(f"generation {generation}: process group not formed: {exc}") from exc
+    finally:
+        if can_give_up:
+            store.give_up = None
+    log.info("rendezvous complete job=%s generation=%s rank=%d world=%d", job, generation, world[me], len(world))
+
+
+_GO, _ABANDONED = b"go", b"abandoned"
+
+
+def _settle(prefixed: dist.Store, outcome: bytes) -> bytes:
+    """A round is formed or abandoned once, for every member alike: the first member to
+    see everyone arrive (go) or to give up (abandoned) decides it by compare-and-set, and
+    a member that finds it decided the other way follows that decision. Without this, a
+    member could give up after the others counted its key and formed the group without
+    it, leaving them blocked in ``init_process_group`` until the store's timeout."""
+    return bytes(prefixed.compare_set("state", "", outcome))
 
 
 def forget_generation(store: dist.Store, job: str, generation: int) -> None:
@@ -116,6 +159,6 @@ def forget_generation(store: dist.Store, job: str, generation: int) -> None:
             for suffix in ("", "a"):
                 drop(f"tpflex/{job}/g{generation}{suffix}/")
         except (RuntimeError, TimeoutError) as exc:
-            log.warning("rendezvous namespace not dropped job=%s generation=%d error=%s", job, generation, exc)
+            log.warning("rendezvous namespace not dropped job=%s generation=%s error=%s", job, generation, exc)
 
     threading.Thread(target=run, name="tpflex-store-gc", daemon=True).start()

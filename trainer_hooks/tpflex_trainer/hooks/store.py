@@ -8,12 +8,17 @@ passes (then ``DistStoreError``), ``add`` keeps decimal counters, ``compare_set`
 like TCPStore. Usable with ``init_process_group(store=...)`` on gloo and NCCL.
 
     store = ControllerStore(ControlConfig(endpoints=..., job=..., rank=...))
+
+Beyond c10d: while ``give_up`` (a callable, None by default) returns true, a blocking
+``get``/``wait`` ends early with ``DistStoreError``: the hooks set it while a process group
+is being initialised, so a member that died after the round formed blocks the others only
+until the controller announces a newer round, not for the store's whole timeout.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -31,6 +36,7 @@ class ControllerStore(dist.Store):
         super().__init__()
         self.config = config
         self.client = RendezvousClient(config)
+        self.give_up: Callable[[], bool] | None = None
         self.set_timeout(timeout)
 
     def _deadline(self, timeout: timedelta | None = None) -> float:
@@ -49,9 +55,9 @@ class ControllerStore(dist.Store):
         self._op(self.client.set, key, _bytes(value), self._deadline())
 
     def get(self, key: str) -> bytes:
-        value = self._op(self.client.get, key, self._deadline())
+        value = self._op(self.client.get, key, self._deadline(), self.give_up)
         if value is None:
-            raise dist.DistStoreError(f"timed out after {self.timeout} waiting for key {key!r} (job {self.client.job})")
+            raise dist.DistStoreError(f"{self._why(self.timeout)} waiting for key {key!r} (job {self.client.job})")
         return value
 
     def add(self, key: str, value: int) -> int:
@@ -61,9 +67,12 @@ class ControllerStore(dist.Store):
         return self._op(self.client.check, list(keys), self._deadline())
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
-        if not self._op(self.client.wait, list(keys), self._deadline(timeout)):
+        if not self._op(self.client.wait, list(keys), self._deadline(timeout), self.give_up):
             waited = timeout if timeout is not None else self.timeout
-            raise dist.DistStoreError(f"timed out after {waited} waiting for keys {list(keys)!r} (job {self.client.job})")
+            raise dist.DistStoreError(f"{self._why(waited)} waiting for keys {list(keys)!r} (job {self.client.job})")
+
+    def _why(self, waited: timedelta) -> str:
+        return "given up (a newer round)" if self.give_up is not None and self.give_up() else f"timed out after {waited}"
 
     def compare_set(self, key: str, expected_value, desired_value) -> bytes:
         return self._op(self.client.compare_set, key, _bytes(expected_value), _bytes(desired_value), self._deadline())
@@ -75,7 +84,9 @@ class ControllerStore(dist.Store):
         return self._op(self.client.num_keys, self._deadline())
 
     def clone(self) -> ControllerStore:
-        return ControllerStore(self.config, self.timeout)
+        twin = ControllerStore(self.config, self.timeout)
+        twin.give_up = self.give_up
+        return twin
 
     # ---- beyond c10d ----
 

@@ -13,7 +13,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 from tpflex_proto import rendezvous_pb2 as pb
@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 STORE_SCHEME = "tpflex://"  # TPFLEX_STORE=tpflex://[HOST:PORT,...]: this service
 _RETRY = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED}
 WAIT_SLICE_S = 5.0  # one parked Get/Wait call (the server caps it too)
+STOPPABLE_SLICE_S = 0.5  # the same, while the caller may give up (a rendezvous a newer plan ends)
 
 
 class StoreRefused(RuntimeError):
@@ -110,11 +111,14 @@ class RendezvousClient:
     def set(self, key: str, value: bytes, deadline: float) -> None:
         self.call("Set", pb.StoreSetRequest(job=self.job, key=key, value=value), deadline)
 
-    def get(self, key: str, deadline: float) -> bytes | None:
-        """The value, or None when it did not appear before ``deadline``."""
+    def get(self, key: str, deadline: float, stop: Callable[[], bool] | None = None) -> bytes | None:
+        """The value, or None when it did not appear before ``deadline`` (or ``stop()``
+        turned true: checked between shorter parked calls)."""
         pause = self.config.backoff_initial_s
         while True:
-            wait_s = max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic()))
+            if stop is not None and stop():
+                return None
+            wait_s = max(0.0, min(STOPPABLE_SLICE_S if stop else WAIT_SLICE_S, deadline - time.monotonic()))
             r = self.call("Get", pb.StoreGetRequest(job=self.job, key=key, wait_ms=int(wait_s * 1000)),
                           deadline + self.config.call_timeout_s, extra_s=wait_s)
             if r.found:
@@ -125,10 +129,12 @@ class RendezvousClient:
                 time.sleep(random.uniform(pause / 2, pause))
                 pause = min(pause * 2, self.config.backoff_max_s)
 
-    def wait(self, keys: Sequence[str], deadline: float) -> bool:
+    def wait(self, keys: Sequence[str], deadline: float, stop: Callable[[], bool] | None = None) -> bool:
         pause = self.config.backoff_initial_s
         while True:
-            wait_s = max(0.0, min(WAIT_SLICE_S, deadline - time.monotonic()))
+            if stop is not None and stop():
+                return False
+            wait_s = max(0.0, min(STOPPABLE_SLICE_S if stop else WAIT_SLICE_S, deadline - time.monotonic()))
             r = self.call("Wait", pb.StoreWaitRequest(job=self.job, keys=list(keys), wait_ms=int(wait_s * 1000)),
                           deadline + self.config.call_timeout_s, extra_s=wait_s)
             if r.all_present:

@@ -33,13 +33,20 @@ import torch.distributed as dist
 from tpflex_proto import controller_pb2, types_pb2
 
 from tpflex_trainer.hooks.config import HooksConfig, load_spec
-from tpflex_trainer.hooks.control import ControlClient, ControlConfig, PlanRejected, check_plan
+from tpflex_trainer.hooks.control import (
+    ControlClient,
+    ControlConfig,
+    PlanRejected,
+    check_plan,
+    plan_round,
+)
 from tpflex_trainer.hooks.rendezvous import (
     RendezvousAbandoned,
     connect_store,
     forget_generation,
     join_generation,
 )
+from tpflex_trainer.hooks.watchdog import Watchdog, abort_groups
 from tpflex_trainer.ntp.config import GPTConfig
 from tpflex_trainer.ntp.errors import NtpError
 from tpflex_trainer.ntp.layout import Member, ReplicaPlacement, validate_request
@@ -108,6 +115,11 @@ def plan_placements(plan: types_pb2.Plan, spec: types_pb2.JobSpec, job: str,
     return placements
 
 
+def _round_name(plan: types_pb2.Plan) -> str:
+    """The rendezvous namespace of a plan in a restart epoch (``g<generation>[e<epoch>]``)."""
+    return f"{plan.generation}e{plan.restart.epoch}" if plan.restart.epoch else str(plan.generation)
+
+
 class TpflexHooks:
     def __init__(
         self,
@@ -139,10 +151,14 @@ class TpflexHooks:
             tls_cert_file=config.tls_cert_file or None,
             tls_key_file=config.tls_key_file or None,
             tls_server_name=config.tls_server_name or None,
-        ))
+            beat_interval_s=config.beat_interval_s, incarnation=config.incarnation,
+            beat_file=config.beat_file,
+        ), on_restart=self._on_restart, beat_state=self._beat_state)
+        self.watchdog = Watchdog(config.watchdog_after_s, self._on_hang)
         self.backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.store: dist.Store | None = None
         self.generation = 0
+        self.epoch = 0  # the restart epoch applied (Plan.restart.epoch)
         self.plan: types_pb2.Plan | None = None
         self.world: dict[Member, int] = {}
         self.history: list[AppliedPlan] = []
@@ -174,7 +190,10 @@ class TpflexHooks:
         """Register the job, wait for its plan, join the job's current layout."""
         if self.config.cuda_device >= 0 and torch.cuda.is_available():
             torch.cuda.set_device(self.config.cuda_device)  # TPFLEX_CUDA_DEVICE from tpflex-run
+        # an NCCL error (or an abort) cleans the communicator up without ending the process
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
         self.client.start()
+        self.watchdog.start()
         self.store = connect_store(self.config.store, self.config.plan_wait_s, control=self.client.config)
         try:
             self.client.register_job(self.spec)
@@ -187,6 +206,8 @@ class TpflexHooks:
         return self._enter(plan, mode="join")
 
     def close(self) -> None:
+        self.client.end_beats()  # first: flushing may take seconds, which is no hang
+        self.watchdog.stop()
         self.client.flush(2.0)
         self.client.close()
         self.runtime.close()
@@ -208,7 +229,8 @@ class TpflexHooks:
                 self._maybe_checkpoint()  # at the step boundary: a failure here loses no step
                 if self._follow_newer_plan():
                     continue  # a new layout: agree again (newcomers start with the agreement)
-                return self._run_step(batch)
+                with self.watchdog.guard():  # the step's collectives (a re-plan has its own deadline)
+                    return self._run_step(batch)
             except (RuntimeError, dist.DistError) as exc:
                 if isinstance(exc, NtpError | HooksError):
                     raise
@@ -243,18 +265,20 @@ class TpflexHooks:
     def _follow_newer_plan(self) -> bool:
         """Step boundary: the active ranks agree on the newest generation any has seen and
         apply it together; returns whether a plan was applied."""
-        latest = self.client.latest_plan()
-        seen = latest.generation if latest is not None else self.generation
+        seen = max(plan_round(self.client.latest_plan()), (self.generation, self.epoch))
         from tpflex_trainer.ntp.groups import device_for_backend
 
-        t = torch.tensor([seen], dtype=torch.int64, device=device_for_backend())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        newest = int(t.item())
-        if newest <= max(self.generation, self._refused_generation):
+        t = torch.tensor(list(seen), dtype=torch.int64, device=device_for_backend())
+        with self.watchdog.guard():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        newest = (int(t[0].item()), int(t[1].item()))
+        if newest[0] <= max(self.generation, self._refused_generation) and newest[1] <= self.epoch:
             return False
-        plan = self.client.wait_for_generation(newest, self.config.plan_wait_s)
+        plan = self.client.wait_for_round((newest[0] - 1, 1 << 62) if newest[0] > self.generation
+                                          else (self.generation, newest[1] - 1), self.config.plan_wait_s)
         if plan is None:
-            raise HooksError(f"peers have plan generation {newest}, this rank did not receive it")
+            raise HooksError(f"peers have plan generation {newest[0]} epoch {newest[1]}, this rank did "
+                             "not receive it")
         try:  # every rank decides alike: same plan, same spec
             self._placements(plan)
         except (PlanRejected, NtpError) as exc:
@@ -266,11 +290,14 @@ class TpflexHooks:
         return True
 
     def _placements(self, plan: types_pb2.Plan) -> tuple[ReplicaPlacement, ...]:
-        return plan_placements(plan, self.spec, self.config.job, self.generation,
+        applied = self.generation
+        if plan.generation == applied and plan.restart.epoch > self.epoch:
+            applied -= 1  # the same plan again, in a newer restart epoch: re-form the groups
+        return plan_placements(plan, self.spec, self.config.job, applied,
                                [a.unit_counts for a in self.runtime.stage_adapters])
 
     def _wait_until_used(self) -> bool:
-        plan = self.client.wait_for_newer(self.generation, self.config.plan_wait_s)
+        plan = self.client.wait_for_round((self.generation, self.epoch), self.config.plan_wait_s)
         if plan is None:
             return False
         self._enter(plan, mode="join")
@@ -284,7 +311,7 @@ class TpflexHooks:
         self.runtime.abort()
         if dist.is_initialized():
             dist.destroy_process_group()
-        plan = self.client.wait_for_newer(self.generation, self.config.plan_wait_s)
+        plan = self.client.wait_for_round((self.generation, self.epoch), self.config.plan_wait_s)
         if plan is None:
             raise HooksError(
                 f"a peer failed at generation {self.generation} and no new plan arrived within "
@@ -300,7 +327,7 @@ class TpflexHooks:
             except (PlanRejected, NtpError) as exc:
                 log.warning("plan refused job=%s rank=%d generation=%d reason=%s",
                             self.config.job, self.rank, plan.generation, exc)
-                newer = self.client.wait_for_newer(plan.generation, self.config.plan_wait_s)
+                newer = self.client.wait_for_round(plan_round(plan), self.config.plan_wait_s)
                 if newer is None:
                     raise HooksError(f"plan generation {plan.generation} refused: {exc}") from exc
                 plan = newer
@@ -309,14 +336,36 @@ class TpflexHooks:
             if self.me not in members and mode != "transition":
                 return self._go_idle(plan, mode)
             world = self._world_for(members, mode)
+            failed, broken = "", False
             try:
                 return self._apply(plan, placements, members, world, mode)
             except RendezvousAbandoned as exc:
                 log.info("rendezvous abandoned job=%s rank=%d reason=%s", self.config.job, self.rank, exc)
-                newer = self.client.wait_for_newer(plan.generation, self.config.plan_wait_s)
-                if newer is None:
-                    raise HooksError(str(exc)) from exc
-                plan = newer
+                failed = str(exc)
+            except (RuntimeError, dist.DistError) as exc:
+                if isinstance(exc, NtpError | HooksError):
+                    raise
+                # a member died while the plan was being applied (its reshard's collectives
+                # failed): this process keeps its state (nothing is replaced before a
+                # transfer completes) and joins the round its death brings
+                failed = f"{type(exc).__name__}: {str(exc)[:300]}"
+                log.warning("plan apply failed job=%s rank=%d generation=%d epoch=%d error=%s",
+                            self.config.job, self.rank, plan.generation, plan.restart.epoch, failed)
+                mode, broken = ("failure" if mode == "transition" else mode), True
+            plan = self._after_failed_round(plan, failed, broken)
+
+    def _after_failed_round(self, plan: types_pb2.Plan, failed: str, broken: bool) -> types_pb2.Plan:
+        """Outside the except block (its frames hold the groups): drop a broken round's
+        groups, wait for the controller's next round."""
+        if broken:
+            self.runtime.abort()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        newer = self.client.wait_for_round(plan_round(plan), self.config.plan_wait_s)
+        if newer is None:
+            raise HooksError(f"generation {plan.generation} epoch {plan.restart.epoch}: {failed}; no newer "
+                             f"plan within {self.config.plan_wait_s:.0f}s")
+        return newer
 
     def _world_for(self, members: list[Member], mode: str) -> dict[Member, int]:
         """Who takes part in the reshard: the plan's members, plus (on a planned transition)
@@ -329,8 +378,8 @@ class TpflexHooks:
         return {m: i for i, m in enumerate(sorted(everyone))}
 
     def _apply(self, plan, placements, members, world, mode) -> AppliedPlan:
-        newer = lambda: (p := self.client.latest_plan()) is not None and p.generation > plan.generation  # noqa: E731
-        self._rendezvous(plan.generation, "", world, newer)
+        newer = lambda: plan_round(self.client.latest_plan()) > plan_round(plan)  # noqa: E731
+        self._rendezvous(plan, "", world, newer)
         t0 = time.perf_counter()
         if self.runtime.layout is None:
             report = self.runtime.start(placements, world, self._latest_checkpoint())
@@ -339,30 +388,30 @@ class TpflexHooks:
         if set(world) != set(members):  # leaving ranks are done: shrink to the plan's members
             if self.me not in members:
                 return self._go_idle(plan, mode, report)
-            self._rendezvous(plan.generation, "a", {m: i for i, m in enumerate(members)}, newer)
+            self._rendezvous(plan, "a", {m: i for i, m in enumerate(members)}, newer)
             self.world = {m: i for i, m in enumerate(members)}
         else:
             self.world = world
         return self._applied(plan, report, mode, time.perf_counter() - t0)
 
-    def _rendezvous(self, generation: int, suffix: str, world, give_up) -> None:
+    def _rendezvous(self, plan: types_pb2.Plan, suffix: str, world, give_up) -> None:
         join_generation(
-            self.store, self.config.job, generation if not suffix else f"{generation}{suffix}",
+            self.store, self.config.job, f"{_round_name(plan)}{suffix}",
             world, self.me, backend=self.backend,
             collective_timeout=timedelta(seconds=self.config.collective_timeout_s),
             give_up=give_up, deadline_s=self.config.plan_wait_s,
         )
 
     def _applied(self, plan, report: ReshardReport, mode: str, seconds: float) -> AppliedPlan:
-        previous = self.generation
-        self.generation, self.plan = plan.generation, plan
+        previous = _round_name(self.plan) if self.plan is not None else ""
+        self.generation, self.epoch, self.plan = plan.generation, plan.restart.epoch, plan
         # every member of the new layout (newcomers too) skips the checkpoint of the step it
         # resumes from, so all of them take the same checkpoints from here on
         self._checkpointed_step = report.step
         if self.world and self.world.get(self.me) == 0:
             self.store.set(f"tpflex/{self.config.job}/world",
                            json.dumps({"generation": plan.generation, "members": [list(m) for m in self.world]}))
-            if previous and previous != plan.generation:  # every member has left it
+            if previous and previous != _round_name(plan):  # every member has left it
                 forget_generation(self.store, self.config.job, previous)
         applied = AppliedPlan(
             generation=plan.generation, tp_degree=self.tp_degree, world_size=len(self.world),
@@ -382,7 +431,7 @@ class TpflexHooks:
         self.runtime.abort()
         if dist.is_initialized():
             dist.destroy_process_group()
-        self.generation, self.plan, self.world = plan.generation, plan, {}
+        self.generation, self.epoch, self.plan, self.world = plan.generation, plan.restart.epoch, plan, {}
         applied = AppliedPlan(plan.generation, 0, 0, "idle", report.step if report else self.step,
                               0.0, 0, 0, mode == "failure", time.time())
         self.history.append(applied)
@@ -396,6 +445,23 @@ class TpflexHooks:
             return []
         data = json.loads(self.store.get(key))
         return [Member(*m) for m in data["members"]]
+
+    # ------------------------------------------------------------------ liveness
+    def _beat_state(self) -> tuple[int, int, int, float]:
+        return self.generation, self.epoch, self.step, self.watchdog.hung_s()
+
+    def _on_restart(self, plan: types_pb2.Plan) -> None:
+        """Plan-stream thread: a newer restart epoch (a rank died or hung): abort this
+        process's groups so a collective blocked on the lost rank ends now (NCCL; gloo's
+        end when the dead peer's sockets close). The main thread then re-forms them."""
+        if plan.restart.epoch > self.epoch and self.active:
+            abort_groups(self.runtime.group_cache.groups.values(), f"restart epoch {plan.restart.epoch}: {plan.restart.reason}")
+
+    def _on_hang(self, stuck_s: float) -> None:
+        """Watchdog thread: this rank's step has been stuck in collectives too long."""
+        log.error("collective hang job=%s rank=%d generation=%d epoch=%d step=%d stuck_s=%.1f",
+                  self.config.job, self.rank, self.generation, self.epoch, self.step, stuck_s)
+        abort_groups(self.runtime.group_cache.groups.values(), f"watchdog: stuck {stuck_s:.1f}s")
 
     # ------------------------------------------------------------------ checkpoints
     def _latest_checkpoint(self) -> str | None:

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -91,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backoff-max-s", type=_seconds, default=30.0, help="longest restart delay (30)")
     p.add_argument("--grace-period-s", type=_seconds, default=30.0,
                    help="after SIGTERM/SIGINT, SIGKILL ranks still running after this long (30)")
+    p.add_argument("--beat-timeout-s", type=_seconds, default=10.0,
+                   help="kill (and restart) a rank whose heartbeat file is older than this; 0 = off (10)")
     p.add_argument("--log-dir", help="write <node>-rank-<local rank>.log files here (may be shared by "
                                      "nodes; default: inherit stdout/stderr)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -148,7 +151,8 @@ def _setting(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[RankSettin
 
 def main(argv: list[str] | None = None) -> int:
     from tpflex_trainer.launch.keepalive import StoreKeepAlive
-    from tpflex_trainer.launch.supervisor import Supervisor
+    from tpflex_trainer.launch.report import ControllerEvents
+    from tpflex_trainer.launch.supervisor import LogEvents, Supervisor
 
     own, command = _split(list(sys.argv[1:] if argv is None else argv))
     parser = _parser()
@@ -173,10 +177,15 @@ def main(argv: list[str] | None = None) -> int:
         endpoints = endpoints_from(setting.store[len(STORE_SCHEME):]) or setting.controller
         keepalive = StoreKeepAlive(_control(setting, endpoints)).start()
     policy = RestartPolicy(ns.max_restarts, ns.restart_window_s, ns.backoff_s, ns.backoff_max_s)
+    reports = ControllerEvents(_control(setting, setting.controller), setting.node).start()
+    beat_dir = Path(tempfile.mkdtemp(prefix="tpflex-run-beats-"))
     try:
         return Supervisor(command, gpus, setting, policy=policy, grace_s=ns.grace_period_s,
-                          log_dir=log_dir).run()
+                          log_dir=log_dir, events=[LogEvents(setting.node), reports],
+                          beat_dir=beat_dir, beat_timeout_s=ns.beat_timeout_s).run()
     finally:
+        reports.stop()
+        shutil.rmtree(beat_dir, ignore_errors=True)
         if keepalive is not None:
             keepalive.stop()
 

@@ -48,6 +48,9 @@ def rank_env(base: Mapping[str, str], s: RankSetting, gpu: LocalGpu, local_rank:
         env["TPFLEX_CUDA_DEVICE"] = str(cuda_device_for(gpu, base.get("CUDA_VISIBLE_DEVICES")))
     env.update({k: v for k, v in s.tls.items() if v})
     env.setdefault("OMP_NUM_THREADS", "1")
+    # an NCCL error or an abort cleans the communicator up without ending the process: the
+    # hooks re-form the groups in-process (docs/launch.md "On each kind of failure")
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     return env
 
 

@@ -47,6 +47,8 @@ class Rank:
     restart_due: float | None = None
     last_code: int | None = None
     final: int | None = None  # set once the rank is done (finished, given up, drained)
+    beat_file: Path | None = None  # the rank's heartbeat file (TPFLEX_BEAT_FILE)
+    kill_reason: str = ""  # why tpflex-run killed it ("heartbeat"), reported as the exit reason
 
     @property
     def running(self) -> bool:
@@ -90,7 +92,8 @@ class Supervisor:
     def __init__(self, command: Sequence[str], gpus: Sequence[LocalGpu], setting: RankSetting, *,
                  policy: RestartPolicy = RestartPolicy(), grace_s: float = 30.0,
                  log_dir: Path | None = None, events: Sequence[RankEvents] = (),
-                 base_env: Mapping[str, str] | None = None,
+                 base_env: Mapping[str, str] | None = None, beat_dir: Path | None = None,
+                 beat_timeout_s: float = 0.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.command, self.setting, self.policy = list(command), setting, policy
         self.grace_s, self.log_dir, self._clock = grace_s, log_dir, clock
@@ -99,6 +102,9 @@ class Supervisor:
         self.ranks = [Rank(i, g) for i, g in enumerate(gpus)]
         self._stop_signal = 0
         self._kill_at: float | None = None
+        # a rank whose heartbeat file is older than beat_timeout_s (its process frozen or
+        # wedged: SIGSTOP, D state) is killed and restarted like a rank that died
+        self.beat_dir, self.beat_timeout_s = beat_dir, beat_timeout_s
 
     # ---- the loop ----
 
@@ -116,6 +122,7 @@ class Supervisor:
                 self._reap()
                 self._start_due()
                 self._enforce_grace()
+                self._check_beats()
             status = launcher_status([r.final for r in self.ranks])
             log.info("all ranks done node=%s status=%d", self.setting.node, status)
             return status
@@ -132,7 +139,8 @@ class Supervisor:
         due = [r.restart_due for r in self.ranks if r.restart_due is not None]
         if self._kill_at is not None:
             due.append(self._kill_at)
-        timeout = min([_MAX_IDLE_S, *(max(0.0, d - now) for d in due)])
+        idle = min(_MAX_IDLE_S, self.beat_timeout_s / 4) if self.beat_timeout_s > 0 else _MAX_IDLE_S
+        timeout = min([idle, *(max(0.0, d - now) for d in due)])
         ready, _, _ = select.select([wake_r], [], [], timeout)
         if not ready:
             return
@@ -168,6 +176,11 @@ class Supervisor:
     def _start(self, rank: Rank) -> None:
         env = rank_env(self.base_env, self.setting, rank.gpu, rank.local_rank, len(self.ranks),
                        len(rank.restarted_at))
+        rank.kill_reason = ""
+        if self.beat_dir is not None:
+            rank.beat_file = self.beat_dir / f"rank-{rank.local_rank}.beat"
+            rank.beat_file.unlink(missing_ok=True)  # watched from the new process's first beat
+            env["TPFLEX_BEAT_FILE"] = str(rank.beat_file)
         out = None
         if self.log_dir is not None:
             out = open(self.log_dir / f"{self.setting.node}-rank-{rank.local_rank}.log", "ab")  # noqa: SIM115
@@ -226,6 +239,24 @@ class Supervisor:
                 rank.restart_due = None
                 rank.restarted_at.append(now)
                 self._start(rank)
+
+    def _check_beats(self) -> None:
+        if self.beat_timeout_s <= 0 or self._stop_signal:
+            return
+        now = time.time()  # file times are wall-clock
+        for rank in self.ranks:
+            if not rank.running or rank.beat_file is None or rank.kill_reason:
+                continue
+            try:
+                age = now - rank.beat_file.stat().st_mtime
+            except FileNotFoundError:
+                continue  # no beat yet: still starting
+            if age > self.beat_timeout_s:
+                log.warning("rank stopped beating; killing it node=%s local_rank=%d gpu=%d pid=%d "
+                            "silent_s=%.1f", self.setting.node, rank.local_rank, rank.gpu.index,
+                            rank.proc.pid, age)
+                rank.kill_reason = "heartbeat"
+                _signal_group(rank.proc.pid, signal.SIGKILL)
 
     def _kill_all(self, sig: signal.Signals) -> None:
         for rank in self.ranks:

@@ -103,3 +103,16 @@ class CheckpointReader:
             return self._load()[_key(family, unit)]
         except KeyError:
             raise CheckpointError(f"checkpoint {self.path} lacks unit {unit} of {family!r}") from None
+
+
+def read_full_state(path: str | os.PathLike, adapter) -> tuple[int, dict[str, dict[str, torch.Tensor]]]:
+    """A checkpoint as whole tensors in the canonical (unsharded) layout: (step,
+    {kind: {parameter name: tensor}}) for the kinds of ``state.KINDS`` (weights and Adam
+    moments), e.g. to compare a job's final state with the single-process reference."""
+    from tpflex_trainer.ntp.state import build_state
+
+    reader = CheckpointReader(path, adapter.fingerprint())
+    units = {f: tuple(range(n)) for f, n in adapter.all_unit_counts().items()}
+    units[REPLICATED] = (0,)
+    state = build_state(list(adapter.specs), units, reader.step, torch.device("cpu"), reader.payload)
+    return reader.step, state.tensors

@@ -63,3 +63,35 @@ def reference_losses(
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+def reference_state(
+    cfg: GPTConfig,
+    seed: int,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> tuple[list[float], dict[str, dict[str, torch.Tensor]]]:
+    """Like ``reference_losses``, plus the final state as ``read_full_state`` gives a
+    job's: {"param"/"exp_avg"/"exp_avg_sq": {name: tensor}}."""
+    params = reference_params(cfg, seed)
+    opt = torch.optim.Adam(params.values(), lr=lr, betas=betas, eps=eps, foreach=False)
+    losses = []
+    for tokens, targets in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = reference_loss(cfg, params, tokens, targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    state = {"param": {n: p.detach().clone() for n, p in params.items()}}
+    for kind in ("exp_avg", "exp_avg_sq"):
+        state[kind] = {n: opt.state[p][kind].detach().clone() for n, p in params.items()}
+    return losses, state
+
+
+def state_rel_l2(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """||a - b|| / ||b|| over every tensor of ``b`` (the whole model), in float64."""
+    diff = sum(float((a[n].double() - t.double()).pow(2).sum()) for n, t in b.items())
+    norm = sum(float(t.double().pow(2).sum()) for t in b.values())
+    return math.sqrt(diff / max(norm, 1e-300))

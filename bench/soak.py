@@ -1,0 +1,453 @@
+"""Chaos soak: a job of 8 ranks (2 ``tpflex-run`` nodes x 4) trained for ``--minutes`` (10)
+against a real control plane (a 3-member etcd cluster, two controllers, one simulated
+agent per node) while random faults hit it, one at a time, each followed by the job's
+return to full health:
+
+- ``rank_sigkill``: a training rank is SIGKILLed (tpflex-run restarts it; a soft failure);
+- ``rank_hang``: a training rank is frozen (SIGSTOP) while its peers wait for it in a
+  collective; tpflex-run finds its beats stopped and kills it, then restarts it;
+- ``xid79``: a GPU falls off the bus through its agent's fault injection, its rank dies
+  with it; the GPU is repaired a few seconds later;
+- ``agent_freeze``: a node's agent is frozen (SIGSTOP) for 0.5-1.5 s, within its 2 s lease
+  (a longer freeze loses the node: the job drops that replica and trains on a smaller
+  global batch, no longer the baseline's data);
+- ``controller_leader_kill``: the leading controller is SIGKILLed (the standby takes over)
+  and restarted;
+- ``etcd_member_kill``: one etcd member is SIGKILLed and restarted.
+
+Repeated soft failures of one GPU are the soak's doing, so its controllers never drain a
+GPU for them (``[liveness] max_soft_failures`` 1000; tests/controller cover the drain).
+
+Then every rank stops at the same step N, and the same job runs N steps uninterrupted on a
+fresh cluster: the baseline. Its arithmetic is the chaos run's exactly when the faults
+left the layout and the data alone (a rank death, a hang, the controller or etcd faults
+recover bit for bit: ``weights_rel_l2`` is then 0). An XID 79 is different by design: NTP
+runs the degraded replica at TP 3 on fewer samples (``local_batch x`` its throughput), so
+the job no longer sees the baseline's data and ``weights_rel_l2`` measures that. stderr
+then also gives each run against the single-process reference on its own per-step batches
+(the same data), the chaos run and the fault-free baseline side by side, with ``--reference``. Prints one JSON line: ``faults_injected``, ``faults_by_kind``,
+``lost_steps`` (completed steps that had to be run again), ``weights_rel_l2`` (final
+weights vs the baseline's, relative L2 over the whole model), ``max_pause_s`` and
+``p50_pause_s`` (per fault: the gap in the job's progress around it), ``checkpoint_restarts``
+(rounds that loaded a checkpoint). Details to stderr; ``--keep`` keeps the work directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, types_pb2
+from tpflex_proto.devtools.etcd_server import EtcdCluster
+from tpflex_proto.devtools.ports import free_ports
+from tpflex_proto.etcd import Etcd
+from tpflex_trainer.demo.cluster import DemoCluster, DemoPorts, RackLayout, check_ports_free
+from tpflex_trainer.demo.data import global_batch
+from tpflex_trainer.demo.launcher import demo_job_spec
+from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_MODEL, DEMO_SEED
+from tpflex_trainer.hooks.config import write_spec
+from tpflex_trainer.ntp.adapter import as_adapter
+from tpflex_trainer.ntp.checkpoint import read_full_state
+from tpflex_trainer.ntp.reference import reference_state, state_rel_l2
+
+JOB, LOCAL_BATCH = "soak", 4
+RACKS = (RackLayout("rack-0", "node-0", 4), RackLayout("rack-1", "node-1", 4))
+ALL_GPUS = {(r.node, i) for r in RACKS for i in range(r.gpus)}
+KINDS = ("rank_sigkill", "rank_hang", "xid79", "agent_freeze", "controller_leader_kill", "etcd_member_kill")
+SETTLE_S = 4.0  # after a fault: > the agents' lease (2 s) and tpflex-run's beat timeout (3 s)
+STARTED = re.compile(r"rank started node=(\S+) local_rank=\d+ gpu=(\d+) pid=(\d+)")
+
+
+def log(msg: str) -> None:
+    print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def free_demo_ports(tries: int = 50) -> DemoPorts:
+    rng = random.Random()
+    for _ in range(tries):
+        ports = DemoPorts(rng.randrange(20000, 32000, 20))
+        try:
+            check_ports_free(ports.all(len(RACKS)))
+            return ports
+        except OSError:
+            continue
+    raise RuntimeError("no free port range for the soak cluster")
+
+
+class SoakCluster(DemoCluster):
+    """The demo's cluster with a 3-member etcd and a second controller; remembers how each
+    service was started so a killed one can be started again."""
+
+    def _start_etcd(self) -> None:
+        self.etcd_server = EtcdCluster(3, self.workdir / "etcd").start()
+
+    @property
+    def etcd_endpoint(self) -> str:
+        return ",".join(self.etcd_server.endpoints)
+
+    def _etcd_client(self) -> Etcd:
+        return Etcd(self.etcd_server.endpoints, timeout=2.0)
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+        if name.startswith("controller"):  # the soak's faults land on the same GPU at will: no drains
+            env = {**(env or {}), "TPFLEX_LIVENESS__MAX_SOFT_FAILURES": "1000"}
+        self.__dict__.setdefault("argv", {})[name] = (argv, env)
+        super()._spawn(name, argv, env)
+
+    def start(self) -> None:
+        super().start()
+        argv, env = self.argv["controller"]
+        rest, trainer = free_ports(2)
+        self.trainer2 = trainer
+        swap = {f"127.0.0.1:{self.ports.rest}": f"127.0.0.1:{rest}",
+                f"127.0.0.1:{self.ports.trainer}": f"127.0.0.1:{trainer}", "demo-controller": "controller-2"}
+        self._spawn("controller-2", [swap.get(a, a) for a in argv], env)
+
+    @property
+    def trainer_endpoint(self) -> str:
+        return f"127.0.0.1:{self.ports.trainer},127.0.0.1:{self.trainer2}"
+
+    def respawn(self, name: str) -> None:
+        argv, env = self.argv[name]
+        self._spawn(name, argv, env)
+
+    def leader(self) -> str:
+        kv = self.etcd.get(keys.LEADER)
+        ident = codec.decode(types_pb2.LeaderRecord, kv.value).id if kv is not None else ""
+        return "controller-2" if "controller-2" in ident else "controller"
+
+    def plan(self) -> tuple[int, set[tuple[str, int]]]:
+        """The job's plan generation and the GPUs it uses."""
+        kv = self.etcd.get(keys.job_plan(JOB))
+        if kv is None:
+            return 0, set()
+        plan = codec.decode(types_pb2.Plan, kv.value)
+        return plan.generation, {(g.node, g.index) for rep in plan.replicas if rep.tp_degree
+                                 for st in rep.stages for g in st.gpus}
+
+    def plan_gpus(self) -> set[tuple[str, int]]:
+        return self.plan()[1]
+
+    def inject(self, node: str, index: int, kind: str) -> None:
+        with self.agent_channel(node) as ch:
+            agent_pb2_grpc.AgentStub(ch).InjectFault(agent_pb2.InjectFaultRequest(index=index, kind=kind), timeout=5)
+
+
+class Records:
+    """The workers' JSON lines, read incrementally."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.offset, self.all = path, 0, []
+
+    def poll(self) -> list[dict]:
+        if self.path.exists():
+            with open(self.path) as f:
+                f.seek(self.offset)
+                chunk = f.read()
+            end = chunk.rfind("\n") + 1
+            self.offset += len(chunk[:end].encode())
+            self.all.extend(json.loads(line) for line in chunk[:end].splitlines() if line)
+        return self.all
+
+    def progress(self) -> int:
+        """The highest step any rank completed (-1 before the first)."""
+        return max((r["step"] for r in self.poll() if r["kind"] == "step"), default=-1)
+
+
+def wait(cond, timeout: float, what: str, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(interval)
+    raise TimeoutError(f"soak: {what} not within {timeout:.0f}s")
+
+
+def run_job(cluster: DemoCluster, work: Path, steps: int, *, stop_file: Path | None, checkpoints: bool,
+            pace_s: float = 0.0):
+    spec = demo_job_spec(JOB, [(r.name, r.node, r.gpus) for r in RACKS], LOCAL_BATCH, DEMO_MODEL.unit_counts())
+    write_spec(spec, work / "job.json")
+    env = {**os.environ, "TPFLEX_DEMO_OUT": str(work / "steps.jsonl"), "TPFLEX_DEMO_STEPS": str(steps),
+           "TPFLEX_DEMO_FINAL_DIR": str(work / "final"), "GLOO_SOCKET_IFNAME": "lo",
+           "TPFLEX_LOG_LEVEL": os.environ.get("TPFLEX_LOG_LEVEL", "WARNING"), "TPFLEX_COLLECTIVE_TIMEOUT_S": "60", "TPFLEX_PLAN_WAIT_S": "60"}
+    if stop_file is not None:
+        env["TPFLEX_DEMO_STOP_FILE"] = str(stop_file)
+    if pace_s > 0:
+        env["TPFLEX_DEMO_STEP_MIN_S"] = str(pace_s)
+    if checkpoints:
+        env.update(TPFLEX_CHECKPOINT_DIR=str(work / "ckpt"), TPFLEX_CHECKPOINT_EVERY="200")
+    for var in ("CUDA_VISIBLE_DEVICES", "TPFLEX_CONTROLLER", "TPFLEX_JOB", "TPFLEX_JOB_SPEC", "TPFLEX_STORE"):
+        env.pop(var, None)
+    procs = []
+    for r in RACKS:
+        procs.append(subprocess.Popen(
+            [str(Path(sys.executable).parent / "tpflex-run"), "--controller", cluster.trainer_endpoint,
+             "--job-spec", str(work / "job.json"), "--node", r.node, "--log-dir", str(work / "ranks"),
+             "--backoff-s", "0.5", "--max-restarts", "1000", "--beat-timeout-s", "3", "--",
+             sys.executable, "-m", "tpflex_trainer.demo.worker"],
+            env=env, stdout=subprocess.DEVNULL, stderr=open(work / f"{r.node}.log", "wb"), start_new_session=True))
+    return spec, procs
+
+
+class Chaos:
+    def __init__(self, cluster: SoakCluster, work: Path, records: Records, rng: random.Random,
+                 kinds: tuple[str, ...] = KINDS) -> None:
+        self.cluster, self.work, self.records, self.rng, self.kinds = cluster, work, records, rng, kinds
+        self.faults: list[dict] = []
+        self.due: list[str] = []  # this round's kinds, in a random order
+
+    def next_kind(self) -> str:
+        """Every kind once per round, each round in a random order: a short soak still
+        injects every kind."""
+        if not self.due:
+            self.due = self.rng.sample(self.kinds, len(self.kinds))
+        return self.due.pop()
+
+    def rank_pids(self) -> dict[tuple[str, int], int]:
+        """The newest process of each GPU's rank, from the launchers' logs."""
+        pids: dict[tuple[str, int], int] = {}
+        for r in RACKS:
+            for m in STARTED.finditer((self.work / f"{r.node}.log").read_text(errors="replace")):
+                pids[(m.group(1), int(m.group(2)))] = int(m.group(3))
+        return pids
+
+    def training_rank(self) -> tuple[tuple[str, int], int]:
+        active = {r["pid"] for r in self.records.poll()[-400:] if r["kind"] == "step"}
+        choices = [(gpu, pid) for gpu, pid in self.rank_pids().items() if pid in active]
+        return self.rng.choice(sorted(choices))
+
+    def healthy(self, after: float) -> bool:
+        """Every GPU in the plan, and 3 steps completed under that plan generation by all 8
+        ranks since ``after`` (a fault's end plus a settling time: the agents' lease, the
+        launchers' beat timeout)."""
+        if time.time() < after:
+            return False
+        generation, gpus = self.cluster.plan()
+        if gpus != ALL_GPUS:
+            return False
+        done: dict[int, set[int]] = {}
+        for r in self.records.poll()[-400:]:
+            if r["kind"] == "step" and r["generation"] == generation and r["t"] > after:
+                done.setdefault(r["step"], set()).add(r["rank"])
+        return sum(1 for ranks in done.values() if len(ranks) == 8) >= 3
+
+    def inject(self) -> dict:
+        kind = self.next_kind()
+        fault = {"kind": kind, "at": time.time()}
+        getattr(self, kind)(fault)
+        fault["done_at"] = time.time()
+        self.faults.append(fault)
+        log(f"fault {len(self.faults)} {kind} {fault.get('what', '')}")
+        return fault
+
+    def rank_sigkill(self, fault: dict) -> None:
+        gpu, pid = self.training_rank()
+        fault["what"] = f"{gpu} pid {pid}"
+        os.kill(pid, signal.SIGKILL)
+
+    def rank_hang(self, fault: dict) -> None:
+        gpu, pid = self.training_rank()
+        fault["what"] = f"{gpu} pid {pid} frozen"
+        os.kill(pid, signal.SIGSTOP)  # tpflex-run kills it after --beat-timeout-s
+
+    def xid79(self, fault: dict) -> None:
+        (node, index), pid = self.training_rank()
+        fault["what"] = f"{node}:{index}"
+        self.cluster.inject(node, index, "xid79")
+        os.kill(pid, signal.SIGKILL)  # its rank dies with it (a CUDA error, at once)
+        wait(lambda: (node, index) not in self.cluster.plan_gpus(), 30, "the re-plan without the failed GPU")
+        time.sleep(self.rng.uniform(2, 6))  # the GPU stays out of the job this long
+        self.cluster.inject(node, index, "recover")
+
+    def agent_freeze(self, fault: dict) -> None:
+        node = self.rng.choice([r.node for r in RACKS])
+        proc = self.cluster.procs[f"agent-{node}"]
+        hold = self.rng.uniform(0.5, 1.5)  # within its lease: the node stays in the job
+        fault["what"] = f"{node} {hold:.1f}s"
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(hold)
+        os.kill(proc.pid, signal.SIGCONT)
+
+    def controller_leader_kill(self, fault: dict) -> None:
+        name = self.cluster.leader()
+        fault["what"] = name
+        proc = self.cluster.procs[name]
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        wait(lambda: self.cluster.leader() != name or self.cluster.etcd.get(keys.LEADER) is None, 30,
+             "the old leader's key to go")
+        time.sleep(1.0)
+        self.cluster.respawn(name)
+
+    def etcd_member_kill(self, fault: dict) -> None:
+        i = self.rng.randrange(3)
+        fault["what"] = f"member m{i}"
+        self.cluster.etcd_server.members[i].kill()
+        time.sleep(self.rng.uniform(1, 4))
+        self.cluster.etcd_server.restart_member(i)
+
+
+def pauses(records: list[dict], faults: list[dict]) -> list[float]:
+    """Per fault: the gap between the job's last progress before it and its first after."""
+    firsts: dict[int, float] = {}
+    for r in records:
+        if r["kind"] == "step":
+            firsts[r["step"]] = min(firsts.get(r["step"], r["t"]), r["t"])
+    timeline = sorted((t, s) for s, t in firsts.items())
+    out = []
+    for f in faults:
+        before = max((t for t, _ in timeline if t <= f["at"]), default=None)
+        after = min((t for t, _ in timeline if t > f["at"]), default=None)
+        if before is not None and after is not None:
+            out.append(after - before)
+    return out
+
+
+def lost_steps(records: list[dict]) -> tuple[int, int]:
+    """(completed steps run again, rounds that loaded a checkpoint): each round a rank
+    applied after start resumes at step s; steps the job had completed beyond s-1 were lost."""
+    lost, restarts, seen = 0, 0, set()
+    done_at = sorted((r["t"], r["step"]) for r in records if r["kind"] == "step")
+    for r in sorted((r for r in records if r["kind"] == "applied"), key=lambda r: r["t"]):
+        key = (r["generation"], r.get("epoch", 0))
+        if key in seen or r["source"] in ("init", "idle"):
+            continue
+        seen.add(key)
+        done = max((s for t, s in done_at if t < r["t"]), default=-1)
+        lost += max(0, done + 1 - r["step"])
+        restarts += r["source"] == "checkpoint"
+    return lost, restarts
+
+
+def vs_reference(records: list[dict], state: dict) -> float:
+    """Relative L2 of a run's final weights against the single-process reference trained
+    on the run's own per-step global batches (the same data)."""
+    batch = {r["step"]: r["global_batch"] for r in records if r["kind"] == "step"}
+    batches = [global_batch(DEMO_MODEL, s, batch[s]) for s in range(len(batch))]
+    _, ref = reference_state(DEMO_MODEL, DEMO_SEED, batches, lr=DEMO_ADAM.lr, betas=DEMO_ADAM.betas,
+                             eps=DEMO_ADAM.eps)
+    return state_rel_l2(state["param"], ref["param"])
+
+
+def chaos_run(work: Path, minutes: float, rng: random.Random, kinds: tuple[str, ...], max_faults: int = 0,
+              pace_s: float = 0.0) -> dict:
+    cluster = SoakCluster(free_demo_ports(), RACKS, work / "cluster")
+    stop_file = work / "stop-at"
+    procs = []
+    try:
+        cluster.start()
+        spec, procs = run_job(cluster, work, 10**9, stop_file=stop_file, checkpoints=True, pace_s=pace_s)
+        records = Records(work / "steps.jsonl")
+        chaos = Chaos(cluster, work, records, rng, kinds)
+        wait(lambda: records.progress() >= 5, 240, "the job's first steps")
+        t_end = time.monotonic() + minutes * 60
+        while time.monotonic() < t_end and not 0 < max_faults <= len(chaos.faults):
+            fault = chaos.inject()
+            wait(lambda f=fault: chaos.healthy(f["done_at"] + SETTLE_S), 180, f"recovery from {fault['kind']}")
+            time.sleep(rng.uniform(0.2, 1.0))
+        stop_at = records.progress() + 10  # ahead of every rank: all of them are healthy now
+        stop_file.write_text(str(stop_at))
+        log(f"faults over; every rank stops at step {stop_at}")
+        statuses = [p.wait(timeout=300) for p in procs]
+        if statuses != [0, 0]:
+            raise RuntimeError(f"launchers exited {statuses}; logs in {work}")
+        return dict(spec=spec, steps=stop_at, faults=chaos.faults, records=records.poll())
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        cluster.stop()
+
+
+def baseline_run(work: Path, steps: int) -> None:
+    cluster = DemoCluster(free_demo_ports(), RACKS, work / "cluster")
+    procs = []
+    try:
+        cluster.start()
+        _, procs = run_job(cluster, work, steps, stop_file=None, checkpoints=False)
+        statuses = [p.wait(timeout=3600) for p in procs]
+        if statuses != [0, 0]:
+            raise RuntimeError(f"baseline launchers exited {statuses}; logs in {work}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        cluster.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=10.0, help="how long faults hit the job (10)")
+    ap.add_argument("--seed", type=int, default=None, help="fault schedule seed (random)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"fault kinds, comma-separated ({','.join(KINDS)})")
+    ap.add_argument("--faults", type=int, default=0,
+                    help="stop after this many faults, before --minutes if sooner (0: no limit)")
+    ap.add_argument("--step-min-s", type=float, default=0.0,
+                    help="pace the chaos run's steps (fewer steps for the baseline to replay; 0: unpaced)")
+    ap.add_argument("--reference", action="store_true",
+                    help="also compare each run with the single-process reference on its own batches "
+                         "(stderr; minutes for thousands of steps)")
+    args = ap.parse_args(argv)
+    if not args.minutes > 0:
+        ap.error("--minutes: must be > 0")
+    if args.faults < 0:
+        ap.error("--faults: must be >= 0")
+    if not 0 <= args.step_min_s <= 10:
+        ap.error("--step-min-s: must be within [0, 10]")
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    if not kinds or set(kinds) - set(KINDS):
+        ap.error(f"--kinds: choose from {', '.join(KINDS)}, got {args.kinds!r}")
+    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    work = Path(tempfile.mkdtemp(prefix="tpflex-soak-"))
+    log(f"work={work} seed={seed} minutes={args.minutes}")
+    t0 = time.monotonic()
+    chaos = chaos_run(work / "chaos", args.minutes, random.Random(seed), kinds, args.faults, args.step_min_s)
+    t1 = time.monotonic()
+    (work / "baseline").mkdir()
+    baseline_run(work / "baseline", chaos["steps"])
+    adapter = as_adapter(DEMO_MODEL, chaos["spec"].base_tp)
+    step_c, state_c = read_full_state(work / "chaos" / "final", adapter)
+    step_b, state_b = read_full_state(work / "baseline" / "final", adapter)
+    if step_c != step_b:
+        raise RuntimeError(f"the runs ended at steps {step_c} and {step_b}")
+    lost, restarts = lost_steps(chaos["records"])
+    gaps = pauses(chaos["records"], chaos["faults"])
+    log(f"steps={chaos['steps']} chaos_s={t1 - t0:.0f} baseline_s={time.monotonic() - t1:.0f} "
+        f"pauses={[round(g, 2) for g in gaps]}")
+    if args.reference:  # e.g. after XID 79 faults (the data differed): how far each run is
+        log(f"vs the single-process reference on each run's own batches: chaos "
+            f"{vs_reference(chaos['records'], state_c):.3g} baseline "
+            f"{vs_reference(Records(work / 'baseline' / 'steps.jsonl').poll(), state_b):.3g}")
+    print(json.dumps({
+        "faults_injected": len(chaos["faults"]),
+        "faults_by_kind": dict(sorted(Counter(f["kind"] for f in chaos["faults"]).items())),
+        "lost_steps": lost,
+        "weights_rel_l2": state_rel_l2(state_c["param"], state_b["param"]),
+        "max_pause_s": round(max(gaps), 3) if gaps else 0.0,
+        "p50_pause_s": round(statistics.median(gaps), 3) if gaps else 0.0,
+        "checkpoint_restarts": restarts,
+    }))
+    if not args.keep:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
