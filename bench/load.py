@@ -37,10 +37,9 @@ from pathlib import Path
 
 import httpx
 from tpflex_controller import convert, synthetic
-from tpflex_controller.cache import decode_plan
 from tpflex_controller.planner import plan as planner_plan
 from tpflex_controller.planner.model import ClusterState, GpuStatus
-from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto import codec, keys, planstore, types_pb2
 from tpflex_proto.etcd import Etcd, Op, etcdrpc
 
 from tests.support.etcd_server import EtcdCluster
@@ -144,6 +143,7 @@ class PlanLog:
         self.plans: dict[str, list[tuple[int, float, types_pb2.Plan]]] = {}
         self.last_arrival = time.monotonic()
         self._lock = threading.Lock()
+        self._folders: dict[str, planstore.JobPlans] = {}
         self._watch = etcd.watch_prefix(keys.JOBS, self._on_events)
         self._watch.established.wait(10)
 
@@ -151,9 +151,13 @@ class PlanLog:
         now = time.monotonic()
         for ev in events:
             split = keys.split_job_key(ev.key)
-            if ev.kind == "put" and split is not None and split[1] == "plan":
+            if split is None:
+                continue
+            folder = self._folders.setdefault(split[0], planstore.JobPlans(split[0]))
+            plan = folder.fold(ev.key, ev.value, ev.kind == "delete")  # headers and parts
+            if plan is not None:
                 with self._lock:
-                    self.plans.setdefault(split[0], []).append((ev.mod_revision, now, decode_plan(ev.value, ev.key)))
+                    self.plans.setdefault(split[0], []).append((ev.mod_revision, now, plan))
                     self.last_arrival = now
 
     def count(self) -> int:

@@ -13,9 +13,9 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto import codec, keys, planstore, types_pb2
 from tpflex_proto.etcd import KeyValue
 
 from tpflex_controller import convert
@@ -29,7 +29,13 @@ from tpflex_controller.planner.model import (
     PlanResult,
     RackInfo,
 )
-from tpflex_controller.store import Snapshot, apply_kv, decode_or_skip
+from tpflex_controller.store import (
+    ASSEMBLER,
+    Snapshot,
+    apply_kv,
+    decode_or_skip,
+    fold_plan_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +54,9 @@ class PlanRecord:
     generation: int
     mod_revision: int
     proto: types_pb2.Plan | None
-    raw: bytes
+    raw: bytes  # the stored header (tpflex_proto.planstore)
     result: PlanResult | None = None  # converted lazily (or kept from our own commit)
+    parts: list[bytes] = field(default_factory=list)  # the stored part of each replica
 
     def decision(self) -> PlanResult:
         if self.result is None:
@@ -90,6 +97,10 @@ class ClusterView:
         # older than what was read; folding them would move the view back in time
         self._key_revs: dict[str, int] = {}
         self.damper_clock: Callable[[], float] = time.monotonic
+
+    @property
+    def plan_parts(self) -> dict[str, planstore.PartIndex]:
+        return self.snap.plan_parts
 
     # ---- queries ----
 
@@ -137,8 +148,16 @@ class ClusterView:
         it wrote are marked as folded at ``rev``, so that the watch's late delivery of an
         earlier commit cannot move the view back (a stale plan revision would make the
         next commit lose its compare-and-swap)."""
-        self.plans[p.job] = PlanRecord(commit.generation, rev, None, commit.plan_bytes, p.result)
+        self.plans[p.job] = PlanRecord(commit.generation, rev, None, commit.header, p.result, commit.all_parts)
         self._key_revs[keys.job_plan(p.job)] = rev
+        index = self.plan_parts.setdefault(p.job, planstore.PartIndex())
+        for gen in commit.clear_generations:
+            for pos in [pos for pos, gens in index.gens.items() if gen in gens]:
+                index.remove(gen, pos)
+        for pos, part in commit.parts.items():
+            index.add(commit.generation, pos, part)
+        for gen, pos in commit.trim_parts:
+            index.remove(gen, pos)
         self.snap.plans.pop(p.job, None)  # decoded lazily by readers that need the proto
         for node, np in power.items():
             self.power[node] = (np, rev)
@@ -152,6 +171,7 @@ class ClusterView:
         """Fold the removal of a deleted job's plan this process made at ``rev``."""
         self.plans.pop(job, None)
         self.snap.plans.pop(job, None)
+        self.snap.plan_parts.pop(job, None)
         self.acks.pop(job, None)
         self._key_revs[keys.job_plan(job)] = rev
         for node, np in power.items():
@@ -162,6 +182,10 @@ class ClusterView:
 
     def fold(self, kind: str, key: str, value: bytes, mod_revision: int) -> Dirty:
         """Fold one watch event (or one key of a full read) into the view."""
+        part = planstore.parse_key(key) if key.startswith(keys.JOBS) else None
+        if part is not None and part.kind == "part":  # written once, never moves back
+            fold_plan_key(self.snap, part, self._kv(key, value, mod_revision), kind == "delete")
+            return []
         if mod_revision and not key.startswith(keys.EVENTS):
             if mod_revision < self._key_revs.get(key, 0):
                 return []
@@ -380,17 +404,23 @@ class ClusterView:
         if deleted:
             self.plans.pop(job, None)
             self.snap.plans.pop(job, None)
+            self.snap.plan_parts.pop(job, None)
             return [(job, "resync")]
         known = self.plans.get(job)
         if known is not None and known.raw == value:
             known.mod_revision = rev  # our own commit, seen again through the watch
             return []
         try:
-            proto = decode_plan(value, key)
-        except codec.MalformedValue as exc:
+            header = decode_plan(value, key)
+            parts = []
+            if header.split:
+                index = self.plan_parts.get(job) or planstore.PartIndex()
+                parts = index.select(header.generation, header.stored_replicas, key)
+            proto = planstore.decode_plan(ASSEMBLER.whole(value, parts), key) if header.split else header
+        except (codec.MalformedValue, ValueError) as exc:
             log.warning("skipping malformed etcd value key=%s error=%s", key, exc)
             return []
-        self.plans[job] = PlanRecord(proto.generation, rev, proto, value)
+        self.plans[job] = PlanRecord(proto.generation, rev, proto, value, parts=parts)
         self.snap.plans[job] = proto
         return [(job, "resync")]
 
@@ -408,19 +438,7 @@ class ClusterView:
         return []
 
 
-def decode_plan(value: bytes, key: str) -> types_pb2.Plan:
-    """Decode a plan with a top-level schema check only (a plan can hold 70k GPU refs)."""
-    from google.protobuf import unknown_fields
-    from google.protobuf.message import DecodeError
-
-    plan = types_pb2.Plan()
-    try:
-        plan.ParseFromString(value)
-    except (DecodeError, RuntimeError, ValueError) as exc:
-        raise codec.MalformedValue(key, "Plan", str(exc)) from exc
-    if len(unknown_fields.UnknownFieldSet(plan)):
-        raise codec.MalformedValue(key, "Plan", "unknown fields")
-    return plan
+decode_plan = planstore.decode_plan
 
 
 def node_of_key(key: str) -> str | None:

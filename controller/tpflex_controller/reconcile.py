@@ -38,6 +38,7 @@ from tpflex_controller.planning import (
     build_commit,
     build_retire,
     changed_degrees,
+    commit_plan,
     pin_events,
 )
 from tpflex_controller.rollout import Phase, Rollout, RolloutTracker
@@ -363,7 +364,7 @@ class Reconciler:
         commit, power, event = build_commit(
             self.view, p, history_size=self._history_size, encoder=self._encoder
         )
-        rev = session.commit_plan(commit)
+        rev = commit_plan(session, commit)
         committed_at = self._clock()
         self.view.record_commit(p, commit, power, rev)
         for node, np in power.items():

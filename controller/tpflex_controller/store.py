@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from google.protobuf.message import Message
-from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto import codec, keys, planstore, types_pb2
 from tpflex_proto.etcd import Cmp, Etcd, KeyValue, Op
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,9 @@ class Snapshot:
     nodes: dict[str, types_pb2.Node] = field(default_factory=dict)
     health: dict[str, types_pb2.NodeHealth] = field(default_factory=dict)
     jobs: dict[str, types_pb2.JobSpec] = field(default_factory=dict)
-    plans: dict[str, types_pb2.Plan] = field(default_factory=dict)
+    plans: dict[str, types_pb2.Plan] = field(default_factory=dict)  # whole plans
+    # the stored replica parts of the plans (tpflex_proto.planstore), by job
+    plan_parts: dict[str, planstore.PartIndex] = field(default_factory=dict)
     gpu_overrides: dict[tuple[str, int], types_pb2.GpuOverride] = field(default_factory=dict)
     job_overrides: dict[str, types_pb2.JobOverride] = field(default_factory=dict)
 
@@ -133,12 +135,17 @@ class Store:
         return self.etcd.txn(compare, ops).succeeded
 
     def plan(self, job: str) -> types_pb2.Plan | None:
-        return self._get(types_pb2.Plan, keys.job_plan(job))
+        return self._plans(job)[0]
 
     def plan_history(self, job: str) -> list[types_pb2.Plan]:
-        prefix = keys.job_plan_history(job, 0)[: -12]
-        kvs, _ = self.etcd.get_prefix(prefix)
-        return list(_decode_all(types_pb2.Plan, kvs, prefix).values())
+        return self._plans(job)[1]
+
+    def _plans(self, job: str) -> tuple[types_pb2.Plan | None, list[types_pb2.Plan]]:
+        try:
+            return planstore.read_job(self.etcd, job)
+        except codec.MalformedValue as exc:
+            log.warning("skipping malformed etcd value key=%s error=%s", exc.key, exc)
+            return None, []
 
     def acks(self, job: str) -> dict[int, types_pb2.Ack]:
         prefix = keys.job_acks(job)
@@ -233,9 +240,35 @@ def apply_kv(snap: Snapshot, kv: KeyValue, deleted: bool = False) -> bool:
         job, rest = split
         if rest == "spec":
             return _fold(snap.jobs, job, types_pb2.JobSpec, kv, deleted)
-        if rest == "plan":
-            return _fold(snap.plans, job, types_pb2.Plan, kv, deleted)
+        pk = planstore.parse_key(key)
+        if pk is not None and pk.kind != "history":
+            return fold_plan_key(snap, pk, kv, deleted)
     return False
+
+
+ASSEMBLER = planstore.Assembler()  # one per process: it only remembers caps' GPUs
+
+
+def fold_plan_key(snap: Snapshot, pk: planstore.PlanKey, kv: KeyValue, deleted: bool) -> bool:
+    """A plan header or part: parts are indexed, a header becomes the job's whole plan
+    (its parts came before it, tpflex_proto.planstore)."""
+    if pk.kind == "part":
+        index = snap.plan_parts.get(pk.job)
+        if deleted:
+            if index is not None:
+                index.remove(pk.generation, pk.position)
+        else:
+            snap.plan_parts.setdefault(pk.job, planstore.PartIndex()).add(pk.generation, pk.position, kv.value)
+        return True
+    if deleted:
+        snap.plan_parts.pop(pk.job, None)
+        return snap.plans.pop(pk.job, None) is not None
+    try:
+        snap.plans[pk.job] = planstore.whole(kv.value, snap.plan_parts.get(pk.job), ASSEMBLER, kv.key)
+    except codec.MalformedValue as exc:
+        log.warning("skipping malformed etcd value key=%s error=%s", kv.key, exc)
+        return False
+    return True
 
 
 def _fold(table: dict, name, cls, kv: KeyValue, deleted: bool) -> bool:

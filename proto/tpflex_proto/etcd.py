@@ -114,6 +114,13 @@ class Cmp:
     def value(key: str, op: str, value: bytes) -> etcdrpc.Compare:
         return Cmp._make(key, etcdrpc.Compare.VALUE, _RESULTS[op], value=value)
 
+    @staticmethod
+    def prefix_absent(prefix: str) -> etcdrpc.Compare:
+        """No key starts with ``prefix`` (an empty range compares as one absent key)."""
+        p = _b(prefix)
+        return etcdrpc.Compare(key=p, range_end=_prefix_end(p), target=etcdrpc.Compare.CREATE,
+                               result=etcdrpc.Compare.EQUAL, create_revision=0)
+
 
 _RESULTS = {
     "==": etcdrpc.Compare.EQUAL,

@@ -76,6 +76,26 @@ def job_plan_history(job: str, generation: int) -> str:
     return f"{JOBS}{job}/history/{generation:012d}"
 
 
+def job_plan_histories(job: str) -> str:
+    """Every kept generation's plan header (``history/<generation>``)."""
+    return f"{JOBS}{job}/history/"
+
+
+def job_assigns(job: str) -> str:
+    """The replica parts of the job's plans (tpflex_proto.planstore); sorts before
+    ``plan`` so that a prefix read hands out a generation's parts before its header."""
+    return f"{JOBS}{job}/assign/"
+
+
+def job_assigns_of(job: str, generation: int) -> str:
+    return f"{JOBS}{job}/assign/{generation:012d}/"
+
+
+def job_assign(job: str, generation: int, position: int) -> str:
+    """The replica at ``position`` of the job's plan as generation ``generation`` wrote it."""
+    return f"{JOBS}{job}/assign/{generation:012d}/{position:06d}"
+
+
 def job_acks(job: str) -> str:
     return f"{JOBS}{job}/acks/"
 
