@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.backoff import Backoff
 from tpflex_proto.etcd import Cmp, Etcd, EtcdError, Op, TxnResult, WatchEvent
 
 log = logging.getLogger(__name__)
@@ -193,15 +194,14 @@ class Elector:
     # ---- campaign ----
 
     def _run(self) -> None:
-        backoff = 0.1
+        backoff = Backoff(0.1, 1.0)
         while not self._stop.is_set():
             try:
                 session = self._campaign_once()
-                backoff = 0.1
+                backoff.reset()
             except EtcdError as exc:
                 log.info("leader campaign failed id=%s error=%s", self.identity, exc)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 1.0)
+                self._stop.wait(backoff.next())
                 continue
             if session is None:
                 self._wake.wait(max(self.ttl / 3, 0.2))

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import grpc
 from tpflex_proto import keys, types_pb2
+from tpflex_proto.backoff import Backoff
 from tpflex_proto.etcd import Etcd, EtcdError, WatchEvent
 
 from tpflex_controller import convert, planning
@@ -120,16 +121,15 @@ class Reconciler:
     # ---- the loop ----
 
     def _run(self) -> None:
-        backoff = 0.05
+        backoff = Backoff(0.05, 2.0)
         while not self._stop.is_set():
             if self._need_load:
                 try:
                     self._load()
-                    backoff = 0.05
+                    backoff.reset()
                 except EtcdError as exc:
                     log.warning("controller state read failed error=%s", exc)
-                    self._drain(backoff)
-                    backoff = min(backoff * 2, 2.0)
+                    self._drain(backoff.next())
                     continue
             self._drain(self._wait_time())
             self._release_held()
