@@ -22,15 +22,6 @@ from tests.reliability.fleet import SIM_TDP_W, Fleet, agent_metric, record
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-@pytest.fixture
-def fleet(etcd_server, tmp_path):
-    f = Fleet(etcd_server.endpoints, tmp_path, agent_ttl=10)
-    try:
-        yield f
-    finally:
-        f.close()
-
-
 def _node_caps(fleet: Fleet, node: str) -> dict[int, float]:
     return {i: w for (n, i), w in fleet.applied_caps().items() if n == node}
 

@@ -22,15 +22,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 GPU = ("rack0-n00", 1)
 
 
-@pytest.fixture
-def fleet(etcd_server, tmp_path):
-    f = Fleet(etcd_server.endpoints, tmp_path, agent_ttl=10)
-    try:
-        yield f
-    finally:
-        f.close()
-
-
 def _call(url: str, action: str) -> tuple[str, bool]:
     body = {"reason": "storm"} if action == "drain" else None
     r = httpx.post(f"{url}/v1/nodes/{GPU[0]}/gpus/{GPU[1]}/{action}", json=body, headers=ADMIN,

@@ -12,18 +12,9 @@ import pytest
 from tpflex_controller import cli
 
 from tests.agent.support import wait_until
-from tests.reliability.fleet import ADMIN, Fleet, record
+from tests.reliability.fleet import ADMIN, record
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-
-@pytest.fixture
-def fleet(etcd_server, tmp_path):
-    f = Fleet(etcd_server.endpoints, tmp_path, agent_ttl=10)
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 def _used(plan) -> set[tuple[str, int]]:

@@ -25,15 +25,6 @@ from tests.reliability.fleet import ADMIN, SIM_TDP_W, Fleet, record
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-@pytest.fixture
-def fleet(etcd_server, tmp_path):
-    f = Fleet(etcd_server.endpoints, tmp_path, agent_ttl=10)
-    try:
-        yield f
-    finally:
-        f.close()
-
-
 def _refused(call, request) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as info:
         call(request, timeout=5)

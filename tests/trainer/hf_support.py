@@ -24,11 +24,12 @@ SEQ = 16
 
 
 def make_model_dir(path: Path, family: str, *, heads: int = 8, kv: int = 4, tied: bool = False,
-                   weights: bool = True, shard_bytes: int | None = None, seed: int = 0) -> Path:
+                   weights: bool = True, shard_bytes: int | None = None, seed: int = 0,
+                   layers: int = 2) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(
-        family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv, head_dim=32 // heads,
         tie_word_embeddings=tied, max_position_embeddings=64)
     path.mkdir(parents=True, exist_ok=True)

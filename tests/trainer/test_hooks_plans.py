@@ -55,7 +55,7 @@ def test_a_plan_of_another_job_is_refused():
 
 def test_a_gpu_outside_the_replicas_spec_stage_is_refused():
     foreign = plan(gpus=[("node-1", 0), ("node-0", 1)])  # a GPU of the other rack
-    with pytest.raises(PlanError, match=r"replica 1 uses GPU \('node-0', 1\) outside its spec stage"):
+    with pytest.raises(PlanError, match=r"replica 1 stage 0 uses GPU \('node-0', 1\) outside its spec stage"):
         plan_placements(foreign, SPEC, "job-a", 1, UNITS)
     unknown = plan(gpus=[("node-7", 0)])
     with pytest.raises(PlanError, match="node-7"):
@@ -70,7 +70,7 @@ def test_a_replica_or_stage_missing_from_the_spec_is_refused():
         plan_placements(extra, SPEC, "job-a", 1, UNITS)
     bad_stage = plan()
     bad_stage.replicas[1].stages[0].spec_stage = 3
-    with pytest.raises(PlanError, match="replica 1 refers to missing spec stage 3"):
+    with pytest.raises(PlanError, match=r"replica 1 plans stages \[3\]; its spec has 1"):
         plan_placements(bad_stage, SPEC, "job-a", 1, UNITS)
 
 
@@ -82,3 +82,31 @@ def test_a_layout_the_runtime_cannot_build_is_refused():
     no_replicas.replicas[0].tp_degree = 0
     with pytest.raises(LayoutError, match="at least one replica"):
         plan_placements(no_replicas, SPEC, "job-a", 1, UNITS)
+
+
+def test_a_pipeline_plan_places_every_stage_at_its_own_degree():
+    """2 replicas x 2 stages x TP 2 (one rack per stage): each plan stage becomes a
+    placement of its spec stage; every stage of a replica has the replica's batch."""
+    from tpflex_trainer.ntp.stages import split_stages
+
+    racks = [("rack-0", "node-0", 2), ("rack-1", "node-1", 2), ("rack-2", "node-2", 2), ("rack-3", "node-3", 2)]
+    spec = demo_job_spec("job-p", racks, 4, UNITS, stages=2)
+    assert [[st.rack for st in rep.stages] for rep in spec.replicas] == [["rack-0", "rack-1"], ["rack-2", "rack-3"]]
+    p = types_pb2.Plan(job="job-p", generation=2, policy="ntp")
+    used = {(0, 0): [0, 1], (0, 1): [0, 1], (1, 0): [1], (1, 1): [0, 1]}  # stage 0 of replica 1 lost GPU 0
+    for r in range(2):
+        rep = p.replicas.add(index=r, tp_degree=min(len(used[r, k]) for k in range(2)), local_batch=4 - 2 * r)
+        for k in (1, 0):  # any order
+            node = f"node-{2 * r + k}"
+            rep.stages.add(rack=f"rack-{2 * r + k}", tp_degree=len(used[r, k]), spec_stage=k,
+                           gpus=[types_pb2.GpuRef(node=node, index=i) for i in used[r, k]])
+    placed = plan_placements(p, spec, "job-p", 1, [UNITS, UNITS])
+    assert sorted(placed, key=lambda x: (x.replica, x.stage)) == [
+        ReplicaPlacement(0, (0, 1), 4, 0), ReplicaPlacement(0, (0, 1), 4, 1),
+        ReplicaPlacement(1, (1,), 2, 0), ReplicaPlacement(1, (0, 1), 2, 1)]
+    assert [len(s) for s in split_stages(placed, 2)] == [2, 2]
+    missing = types_pb2.Plan()
+    missing.CopyFrom(p)
+    del missing.replicas[1].stages[0]
+    with pytest.raises(PlanError, match=r"replica 1 plans stages \[0\]; its spec has 2"):
+        plan_placements(missing, spec, "job-p", 1, [UNITS, UNITS])

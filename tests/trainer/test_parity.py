@@ -67,7 +67,7 @@ def test_live_transition_4_4_to_4_3_and_back():
     )
     results = run_workers(run_scenario, len(sc.members), (sc,))
     assert_parity(results, reference(20, lambda s: 4), 20)
-    drained_member = next(r for r in results.values() if r["member"] == (1, 3))
+    drained_member = next(r for r in results.values() if r["member"] == (1, 3, 0))  # (replica, slot, stage)
     assert set(drained_member["losses"]) == set(range(8)) | set(range(14, 20))
     to_43, back = results[0]["reports"][1:]
     assert to_43["source"] == back["source"] == "live"

@@ -27,14 +27,17 @@ GpuKey = tuple[str, int]
 
 
 def demo_job_spec(name: str, racks: Sequence[tuple[str, str, int]], local_batch: int,
-                  units: dict[str, int], policy: str = "ntp-pw") -> types_pb2.JobSpec:
-    """One replica per rack (PP 1), ranks = the rack's GPUs in order."""
+                  units: dict[str, int], policy: str = "ntp-pw", stages: int = 1) -> types_pb2.JobSpec:
+    """One rack per stage, ``stages`` consecutive racks per replica; ranks = the rack's
+    GPUs in order."""
     base_tp = racks[0][2]
+    replicas = len(racks) // stages
     spec = types_pb2.JobSpec(name=name, base_tp=base_tp, min_tp=1, policy=policy,
-                             local_batch=local_batch, global_batch=local_batch * len(racks))
-    for rack, node, gpus in racks:
+                             local_batch=local_batch, global_batch=local_batch * replicas)
+    for r in range(replicas):
         rep = spec.replicas.add()
-        rep.stages.add(rack=rack, ranks=[types_pb2.GpuRef(node=node, index=i) for i in range(gpus)])
+        for rack, node, gpus in racks[r * stages:(r + 1) * stages]:
+            rep.stages.add(rack=rack, ranks=[types_pb2.GpuRef(node=node, index=i) for i in range(gpus)])
     for family, count in units.items():
         spec.units.add(name=family, count=count)
     return spec
@@ -55,7 +58,7 @@ class JobLauncher:
         self.procs: dict[GpuKey, subprocess.Popen] = {}
 
     def gpus(self) -> list[GpuKey]:
-        return [(g.node, g.index) for rep in self.spec.replicas for g in rep.stages[0].ranks]
+        return [(g.node, g.index) for rep in self.spec.replicas for st in rep.stages for g in st.ranks]
 
     def start_rank(self, gpu: GpuKey) -> None:
         node, index = gpu

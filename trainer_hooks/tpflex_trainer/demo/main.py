@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", type=Path, metavar="DIR",
                    help="a Hugging Face model directory (config.json [+ safetensors]) to train "
                         "instead of the built-in GPT; small models keep the demo quick on CPU")
+    p.add_argument("--pp", type=int, default=1, choices=(1, 2),
+                   help="pipeline stages per replica: 1 (2 racks x 4 GPUs, 2 replicas x TP 4) or 2 "
+                        "(4 racks x 2 GPUs, 2 replicas x PP 2 x TP 2; a GPU of one stage fails)")
     p.add_argument("--tls", action="store_true",
                    help="secure everything: development certificates in the workdir, etcd with "
                         "TLS and auth, mTLS between services and on the plan stream, REST over "
@@ -48,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("need 0 < --fail-at < --repair-at < --steps")
     if not 1024 <= a.base_port <= 65000:
         p.error("--base-port must be within 1024..65000")
+    if a.pp > 1 and a.model is not None:
+        p.error("--pp 2 trains the built-in GPT; --model needs --pp 1")
     model = None
     if a.model is not None:
         from tpflex_trainer.demo.model import demo_model
@@ -65,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
 
     story = Story(StoryConfig(workdir=workdir, base_port=a.base_port, steps=a.steps,
                               fail_at_step=a.fail_at, repair_at_step=a.repair_at, tls=a.tls,
-                              model_dir=str(a.model) if a.model else None), say)
+                              model_dir=str(a.model) if a.model else None, pp=a.pp), say)
     try:
         story.start()
     except PortsTaken as exc:

@@ -2,6 +2,10 @@
 share: train at TP 4+4; a GPU of rack 1 fails (XID 79 through its agent, and its rank's
 process dies with it); the controller re-plans (4+3, rack 1 boosted); the job reshards
 in-process and keeps training; the GPU is repaired and the job returns to 4+4.
+
+With pipeline stages (``pp=2``): 4 racks x 2 GPUs, 2 replicas x PP 2 x TP 2; a GPU of
+stage 1 of replica 1 fails, only that stage drops to TP 1 (the other stage of the replica
+and the other replica keep their layouts), and returns to TP 2 after the repair.
 """
 
 from __future__ import annotations
@@ -22,6 +26,37 @@ from tpflex_trainer.demo.model import LOCAL_BATCH, demo_model
 JOB = "demo-gpt"
 RACKS = (RackLayout("rack-0", "node-0", 4), RackLayout("rack-1", "node-1", 4))
 FAILED_GPU = ("node-1", 2)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The demo cluster and job: racks (one per stage of each replica, in replica then
+    stage order), stages per replica, and the GPU that fails."""
+
+    racks: tuple[RackLayout, ...]
+    stages: int
+    failed_gpu: tuple[str, int]
+
+    @property
+    def failed_rack(self) -> str:
+        return next(r.name for r in self.racks if r.node == self.failed_gpu[0])
+
+    def describe(self) -> str:
+        tp = self.racks[0].gpus
+        n = len(self.racks)
+        pp = f" x PP {self.stages}" if self.stages > 1 else ""
+        return f"{n // self.stages} replicas{pp} x TP {tp} = {n * tp} gloo processes"
+
+
+TOPOLOGIES = {
+    1: Topology(RACKS, 1, FAILED_GPU),
+    2: Topology(tuple(RackLayout(f"rack-{i}", f"node-{i}", 2) for i in range(4)), 2, ("node-3", 1)),
+}
+
+
+def format_degrees(degrees: list) -> str:
+    """4+3, or with stages each replica's stage degrees: 2/2+2/1."""
+    return "+".join("/".join(map(str, d)) if isinstance(d, list) else str(d) for d in degrees)
 
 Progress = Callable[[str], None]
 
@@ -45,6 +80,7 @@ class StoryConfig:
     tls: bool = False
     # a Hugging Face model directory instead of the built-in GPT
     model_dir: str | None = None
+    pp: int = 1  # pipeline stages per replica (see TOPOLOGIES)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -67,6 +103,7 @@ class StoryRun:
     ntp_ratio_degraded: float = 0.0
     started_after_repair: list[tuple[str, int]] = field(default_factory=list)
     workdir: Path | None = None
+    failed_rack: str = "rack-1"
 
 
 class Story:
@@ -74,18 +111,22 @@ class Story:
         self.config = config
         self.progress = progress
         self.ports = DemoPorts(config.base_port)
-        self.cluster = DemoCluster(self.ports, RACKS, config.workdir / "cluster", tls=config.tls)
+        self.topo = TOPOLOGIES[config.pp]
+        self.cluster = DemoCluster(self.ports, self.topo.racks, config.workdir / "cluster", tls=config.tls)
         self.launcher: JobLauncher | None = None
-        self.run = StoryRun(workdir=config.workdir)
+        self.run = StoryRun(workdir=config.workdir, failed_rack=self.topo.failed_rack)
 
     # ------------------------------------------------------------------ phases
     def start(self) -> None:
-        check_ports_free(self.ports.all(len(RACKS)))
+        racks = self.topo.racks
+        check_ports_free(self.ports.all(len(racks)))
         secured = " with TLS/mTLS, etcd auth and REST tokens" if self.config.tls else ""
-        self.progress(f"starting etcd, tpflex-controller and 2 simulated agents (2 racks x 4 GPUs){secured}")
+        self.progress(f"starting etcd, tpflex-controller and {len(racks)} simulated agents "
+                      f"({len(racks)} racks x {racks[0].gpus} GPUs){secured}")
         self.cluster.start()
-        spec = demo_job_spec(JOB, [(r.name, r.node, r.gpus) for r in RACKS], LOCAL_BATCH,
-                             demo_model(self.config.model_dir).units, policy=self.config.policy)
+        spec = demo_job_spec(JOB, [(r.name, r.node, r.gpus) for r in racks], LOCAL_BATCH,
+                             demo_model(self.config.model_dir).units, policy=self.config.policy,
+                             stages=self.topo.stages)
         env = {**self.cluster.trainer_env(), **self.config.worker_env}
         if self.config.model_dir:
             env["TPFLEX_DEMO_MODEL"] = str(self.config.model_dir)
@@ -95,24 +136,25 @@ class Story:
                    "TPFLEX_CHECKPOINT_EVERY": str(self.config.checkpoint_every), **env}
         self.launcher = JobLauncher(spec, self.config.workdir, self.ports.store,
                                     self.cluster.trainer_endpoint, self.config.steps, env=env)
-        self.progress("starting the training job: 2 replicas x TP 4 = 8 gloo processes")
+        self.progress(f"starting the training job: {self.topo.describe()}")
         self.launcher.start_all()
 
     def play(self) -> StoryRun:
         c = self.config
-        self.wait_step(c.fail_at_step, "training at TP 4+4")
+        node = self.topo.failed_gpu[0]
+        self.wait_step(c.fail_at_step, "training at full TP")
         self.fail_gpu()
         self.wait_plan(2)
         self.wait_generation_training(2)
-        self.run.caps_degraded = self.applied_caps("node-1")
+        self.run.caps_degraded = self.applied_caps(node)
         self.run.dp_drop_ratio = self.dry_run_ratio("dp-drop")
         self.run.ntp_ratio_degraded = self.run.plans[2].expected_throughput_ratio
-        self.wait_step(c.repair_at_step, "training at TP 4+3")
+        self.wait_step(c.repair_at_step, "training at reduced TP")
         self.repair_gpu()
         plan3 = self.wait_plan(3)
         self.run.started_after_repair = self.launcher.start_missing(plan3)
         self.wait_generation_training(3)
-        self.run.caps_repaired = self.applied_caps("node-1")
+        self.run.caps_repaired = self.applied_caps(node)
         self.wait_done()
         self.collect()
         return self.run
@@ -124,14 +166,14 @@ class Story:
 
     # ------------------------------------------------------------------ actions
     def fail_gpu(self) -> None:
-        node, index = FAILED_GPU
+        node, index = self.topo.failed_gpu
         self.progress(f"FAILURE: GPU {node}:{index} falls off the bus (XID 79); its rank dies with it")
         self.run.t_fail = time.time()
-        self.launcher.kill_rank(FAILED_GPU)
+        self.launcher.kill_rank(self.topo.failed_gpu)
         self.inject(node, index, "xid79")
 
     def repair_gpu(self) -> None:
-        node, index = FAILED_GPU
+        node, index = self.topo.failed_gpu
         self.progress(f"REPAIR: GPU {node}:{index} is back; the launcher starts a process for it")
         self.run.t_repair = time.time()
         self.inject(node, index, "recover")
@@ -181,7 +223,7 @@ class Story:
         rate = 0.0
         if len(recent) > 1 and recent[-1]["t"] > recent[0]["t"]:
             rate = sum(r["global_batch"] for r in recent[1:]) / (recent[-1]["t"] - recent[0]["t"])
-        degrees = "+".join(map(str, last["degrees"]))
+        degrees = format_degrees(last["degrees"])
         return (f"  step {last['step']:4d}  TP {degrees:<5}  generation {last['generation']}  "
                 f"loss {last['loss']:.4f}  {rate:6.1f} samples/s")
 
@@ -202,7 +244,9 @@ class Story:
 
         self._until(committed, f"plan generation {generation}")
         plan = self.run.plans[max(self.run.plans)]
-        degrees = "+".join(str(r.tp_degree) for r in plan.replicas)
+        degrees = format_degrees([
+            [st.tp_degree for st in sorted(r.stages, key=lambda st: st.spec_stage)] if len(r.stages) > 1
+            else r.tp_degree for r in sorted(plan.replicas, key=lambda r: r.index)])
         caps = ", ".join(f"{c.gpu.node}:{c.gpu.index}={c.cap_w:.0f}W" for c in plan.power_caps) or "nominal"
         self.progress(f"controller committed plan generation {plan.generation}: TP {degrees}, caps {caps}")
         for reason in plan.reasons:

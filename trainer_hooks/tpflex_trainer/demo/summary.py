@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpflex_trainer.demo.model import DemoModel, demo_model
-from tpflex_trainer.demo.story import StoryRun
+from tpflex_trainer.demo.story import StoryRun, format_degrees
 
 # Bounds each phase must stay within on this class of machine (2 CPU cores); the e2e test
 # checks them. Failure -> ... is measured from the XID injection.
@@ -27,7 +27,7 @@ class Summary:
     steps: int
     parity_max_rel_diff: float
     generations: list[int]
-    degrees_by_generation: dict[int, list[int]]
+    degrees_by_generation: dict[int, list]  # per replica its degree (or its stages' degrees)
     dp_drop_ratio: float
     ntp_pw_ratio: float
 
@@ -128,11 +128,11 @@ def render(s: Summary, run: StoryRun) -> str:
     t = s.throughput
     lines.append(f"  measured              {t['before']:9.1f} {t['during']:9.1f} {t['after']:9.1f}")
     lines += ["", "TP degrees per generation: " + ", ".join(
-        f"g{g}: {'+'.join(map(str, d))}" for g, d in s.degrees_by_generation.items())]
+        f"g{g}: {format_degrees(d)}" for g, d in s.degrees_by_generation.items())]
     caps = ", ".join(f"gpu{i}={w:.0f}W" for i, w in sorted(run.caps_degraded.items()))
-    lines.append(f"rack-1 power caps while degraded: {caps}")
+    lines.append(f"{run.failed_rack} power caps while degraded: {caps}")
     caps = ", ".join(f"gpu{i}={w:.0f}W" for i, w in sorted(run.caps_repaired.items()))
-    lines.append(f"rack-1 power caps after repair:   {caps}")
+    lines.append(f"{run.failed_rack} power caps after repair:   {caps}")
     lines += ["", f"loss parity vs a single-process reference over {s.steps} steps: "
                   f"max relative difference {s.parity_max_rel_diff:.2e}",
               f"expected throughput while degraded: ntp-pw {s.ntp_pw_ratio:.3f} of failure-free; "

@@ -18,6 +18,7 @@ import torch
 from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_SEED, demo_model
 from tpflex_trainer.hooks.config import HooksConfigError
 from tpflex_trainer.hooks.trainer import HooksError, TpflexHooks
+from tpflex_trainer.train.worker import degrees
 
 
 def main() -> int:
@@ -42,7 +43,8 @@ def main() -> int:
         for a in hooks.history[seen:]:
             record("applied", generation=a.generation, tp=a.tp_degree, world=a.world_size,
                    source=a.source, step=a.step, reshard_s=a.reshard_s, bytes_moved=a.bytes_moved,
-                   peer_units=a.peer_units, after_failure=a.after_failure, at=a.applied_at)
+                   peer_units=a.peer_units, after_failure=a.after_failure, at=a.applied_at,
+                   bytes_sent=a.bytes_sent)
         seen = len(hooks.history)
 
     hooks.start()
@@ -57,7 +59,7 @@ def main() -> int:
         layout = hooks.runtime.layout
         record("step", step=hooks.step - 1, loss=loss, generation=hooks.generation, tp=hooks.tp_degree,
                global_batch=layout.global_batch, seconds=time.perf_counter() - t0,
-               degrees=[r.degree for r in layout.replicas], started_at=step)
+               degrees=degrees(hooks.runtime), started_at=step)
     hooks.close()
     return 0
 

@@ -46,6 +46,7 @@ from tpflex_trainer.ntp.layout import Member, ReplicaPlacement, validate_request
 from tpflex_trainer.ntp.optim import AdamSettings, TrainSettings
 from tpflex_trainer.ntp.plan_adapter import placements_from_plan
 from tpflex_trainer.ntp.runtime import NtpRuntime, ReshardReport
+from tpflex_trainer.ntp.stages import split_stages
 
 log = logging.getLogger(__name__)
 
@@ -70,26 +71,40 @@ class AppliedPlan:
     peer_units: int
     after_failure: bool
     applied_at: float
+    bytes_sent: int = 0  # by this rank in the reshard (0: it was not a source)
+
+
+def spec_stages(spec: types_pb2.JobSpec) -> int:
+    """Pipeline stages per replica (every replica of the spec has the same count)."""
+    counts = {len(rep.stages) for rep in spec.replicas}
+    if len(counts) != 1 or 0 in counts:
+        raise HooksError(f"job spec replicas have {sorted(counts)} stages: every replica needs the same "
+                         "number of stages (at least one)")
+    return counts.pop()
 
 
 def _spec_ranks(spec: types_pb2.JobSpec) -> list[tuple[Member, tuple[str, int]]]:
+    spec_stages(spec)
     out = []
     for r, rep in enumerate(spec.replicas):
-        if len(rep.stages) != 1:
-            raise HooksError(f"replica {r} has {len(rep.stages)} stages; the NTP runtime supports 1")
-        for slot, g in enumerate(rep.stages[0].ranks):
-            out.append((Member(r, slot), (g.node, g.index)))
+        for k, stage in enumerate(rep.stages):
+            for slot, g in enumerate(stage.ranks):
+                out.append((Member(r, slot, k), (g.node, g.index)))
     return out
 
 
 def plan_placements(plan: types_pb2.Plan, spec: types_pb2.JobSpec, job: str,
-                    applied_generation: int, unit_counts: dict[str, int]) -> tuple[ReplicaPlacement, ...]:
+                    applied_generation: int,
+                    unit_counts: dict[str, int] | list[dict[str, int]]) -> tuple[ReplicaPlacement, ...]:
     """The placements of a plan this job can apply; PlanRejected (another job, not newer
-    than the applied generation) or an NtpError (a GPU outside the job spec, an invalid
-    layout) naming why not. Pure."""
+    than the applied generation) or an NtpError (a GPU outside the job spec, a stage
+    missing, an invalid layout of a stage) naming why not. ``unit_counts``: per stage
+    (or one dict without stages). Pure."""
     check_plan(plan, job, applied_generation)
     placements = placements_from_plan(plan, spec)
-    validate_request(unit_counts, placements, spec.base_tp)
+    per_stage = [unit_counts] if isinstance(unit_counts, dict) else list(unit_counts)
+    for counts, placed in zip(per_stage, split_stages(placements, len(per_stage)), strict=True):
+        validate_request(counts, placed, spec.base_tp)
     return placements
 
 
@@ -116,7 +131,7 @@ class TpflexHooks:
         self.model_config = model
         self.runtime = NtpRuntime(
             model, self.spec.base_tp, self.me, adam=adam, seed=seed, train=train,
-            timeout=timedelta(seconds=config.collective_timeout_s),
+            timeout=timedelta(seconds=config.collective_timeout_s), stages=spec_stages(self.spec),
         )
         self.client = ControlClient(ControlConfig(
             endpoints=config.controller, job=config.job, rank=self.rank,
@@ -252,7 +267,7 @@ class TpflexHooks:
 
     def _placements(self, plan: types_pb2.Plan) -> tuple[ReplicaPlacement, ...]:
         return plan_placements(plan, self.spec, self.config.job, self.generation,
-                               self.runtime.adapter.unit_counts)
+                               [a.unit_counts for a in self.runtime.stage_adapters])
 
     def _wait_until_used(self) -> bool:
         plan = self.client.wait_for_newer(self.generation, self.config.plan_wait_s)
@@ -290,7 +305,7 @@ class TpflexHooks:
                     raise HooksError(f"plan generation {plan.generation} refused: {exc}") from exc
                 plan = newer
                 continue
-            members = sorted(Member(p.replica, s) for p in placements for s in p.slots)
+            members = sorted(Member(p.replica, s, p.stage) for p in placements for s in p.slots)
             if self.me not in members and mode != "transition":
                 return self._go_idle(plan, mode)
             world = self._world_for(members, mode)
@@ -353,6 +368,7 @@ class TpflexHooks:
             generation=plan.generation, tp_degree=self.tp_degree, world_size=len(self.world),
             source=report.source, step=report.step, reshard_s=seconds, bytes_moved=report.bytes_moved,
             peer_units=report.peer_units, after_failure=mode == "failure", applied_at=time.time(),
+            bytes_sent=report.bytes_sent,
         )
         self.history.append(applied)
         self.client.ack(plan.generation, seconds)

@@ -33,6 +33,21 @@ class ModelAdapter:
     unit_counts: dict[str, int]  # primary families, placed by the layout
     derived: Mapping[str, Derived] = {}
     vocab: int = 0
+    n_layers: int = 1  # decoder layers, for pipeline stages
+    hidden: int = 0  # width of the activations between stages
+    tied: bool = False  # input and output embeddings share one tensor
+
+    def place_of(self, name: str) -> int | str:
+        """Where parameter ``name`` lives for pipeline stages: its decoder layer index,
+        ``stages.FIRST`` (embedding) or ``stages.LAST`` (final norm, output layer)."""
+        raise NotImplementedError
+
+    def build_stage(self, units: Mapping[str, tuple[int, ...]], tensors: Mapping[str, torch.Tensor],
+                    group: Group, stage: int, n_stages: int) -> nn.Module:
+        """The module of one pipeline stage over the stage's tensors: ``forward_stage(x)``
+        (tokens on the first stage, the previous stage's hidden states otherwise) and,
+        on the last stage, ``stage_loss(x, targets)``."""
+        raise NotImplementedError
 
     def fingerprint(self) -> dict[str, Any]:
         """Fields a checkpoint must match (compared field by field)."""
@@ -73,6 +88,8 @@ class GPTAdapter(ModelAdapter):
         self.unit_counts = cfg.unit_counts()
         self.derived = {}
         self.vocab = cfg.vocab
+        self.n_layers = cfg.n_layers
+        self.hidden = cfg.hidden
 
     def fingerprint(self) -> dict[str, Any]:
         return self.cfg.to_dict()
@@ -81,6 +98,23 @@ class GPTAdapter(ModelAdapter):
         from tpflex_trainer.ntp.model import ShardedGPT
 
         return ShardedGPT(self.cfg, units, tensors, group)
+
+    def place_of(self, name: str) -> int | str:
+        from tpflex_trainer.ntp.stages import FIRST, LAST
+
+        if name.startswith(("embed.", "pos.")):
+            return FIRST
+        if name.startswith(("lnf.", "head.")):
+            return LAST
+        return int(name.split(".", 1)[0][1:])  # "h<i>."
+
+    def build_stage(self, units, tensors, group, stage, n_stages) -> nn.Module:
+        from tpflex_trainer.ntp.model import ShardedGPT
+        from tpflex_trainer.ntp.stages import layer_ranges
+
+        layers = layer_ranges(self.cfg.n_layers, n_stages)[stage]
+        return ShardedGPT(self.cfg, units, tensors, group, layers=layers, first=stage == 0,
+                          last=stage == n_stages - 1)
 
 
 def as_adapter(model: Any, base_tp: int) -> ModelAdapter:

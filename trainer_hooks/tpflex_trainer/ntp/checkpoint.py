@@ -24,15 +24,19 @@ def _key(family: str, unit: int) -> str:
 
 
 def member_file(member: MemberLayout) -> str:
-    return f"units-r{member.member.replica}-s{member.member.slot}.pt"
+    m = member.member
+    stage = f"-k{m.stage}" if m.stage else ""
+    return f"units-r{m.replica}{stage}-s{m.slot}.pt"
 
 
-def write_member_units(path: Path, member: MemberLayout, state: LocalState, specs) -> str:
+def write_member_units(path: Path, member: MemberLayout, state: LocalState, specs, family_key=None) -> str:
     """Write the payloads of every unit ``member`` holds (replicated ones only on TP rank
-    0); returns the file name."""
+    0); returns the file name. ``family_key(family)``: the family's name in the
+    checkpoint (pipeline stages qualify it with the stage)."""
     path.mkdir(parents=True, exist_ok=True)
+    name_of = family_key or (lambda fam: fam)
     payloads = {
-        _key(fam, u): unit_payload(state, specs, fam, u).cpu()
+        _key(name_of(fam), u): unit_payload(state, specs, fam, u).cpu()
         for fam, units in state.units.items()
         if fam != REPLICATED or member.tp_rank == 0
         for u in units
@@ -75,6 +79,10 @@ class CheckpointReader:
         for field, expected in fingerprint.items():
             if found.get(field) != expected:
                 raise CheckpointMismatchError(field, expected, found.get(field))
+        # stages qualify the unit names: a one-stage model (no such field) needs 1 too
+        stages = (fingerprint.get("pipeline_stages", 1), found.get("pipeline_stages", 1))
+        if stages[0] != stages[1]:
+            raise CheckpointMismatchError("pipeline_stages", *stages)
         self.step = int(meta["step"])
         self._files = list(meta["files"])
         self._index: dict[str, torch.Tensor] | None = None

@@ -273,15 +273,22 @@ class GradSync:
     def grad_norm(self) -> float:
         """The global 2-norm of the synced gradients, the same float on every active
         member: every element counted once in the job, one all-reduce of the parts."""
+        return self.norm_and_sum(0.0)[0]
+
+    def norm_and_sum(self, carry: float) -> tuple[float, float]:
+        """``grad_norm()`` and, in the same all-reduce, the sum of ``carry`` over every
+        active member of every stage (the loss, which only the last stage knows). With
+        pipeline stages the group is the active members of all stages, so each stage's
+        part of the norm is counted once."""
         parts = [self._sumsq(b.flat, b.routes.count_idx) for b in self.buckets]
         if self.repl_counted:
             parts.append(self._sumsq(self.repl.flat[:-1], None))
         total = torch.stack(parts).sum() if parts else torch.zeros((), device=self.device)
-        total = total.reshape(1).to(torch.float32)
-        group = self.groups.active if self.multi else self.groups.tp
+        total = torch.stack([total.to(torch.float32), torch.tensor(carry, dtype=torch.float32, device=self.device)])
+        group = self.groups.active if self.groups.active is not None else self.groups.tp
         if group is not None:
             all_reduce(total, group)
-        return float(total.sqrt())
+        return float(total[0].sqrt()), float(total[1])
 
     @staticmethod
     def _sumsq(flat: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:

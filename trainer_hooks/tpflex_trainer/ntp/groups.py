@@ -6,7 +6,7 @@ process calls it with the same layout. Groups whose members did not change are r
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -53,24 +53,36 @@ def check_world(
         raise PlanError(f"member {tuple(me)} is rank {my_rank} but the world map says {world.get(me)}")
     for p in placements:
         for s in p.slots:
-            if Member(p.replica, s) not in world:
-                raise PlanError(f"member {(p.replica, s)} of the plan is not in the world map")
+            if Member(p.replica, s, p.stage) not in world:
+                raise PlanError(f"member {tuple(Member(p.replica, s, p.stage))} of the plan is not in the world map")
 
 
-def wanted_groups(layout: JobLayout, world: Mapping[Member, int]) -> list[GroupKey]:
-    """Every multi-member group of ``layout``, in the order all processes create them. A
-    single replica needs no core or active group (no gradient sync across replicas)."""
+def _stages(layouts: JobLayout | Sequence[JobLayout]) -> tuple[JobLayout, ...]:
+    return (layouts,) if isinstance(layouts, JobLayout) else tuple(layouts)
+
+
+def wanted_groups(layouts: JobLayout | Sequence[JobLayout], world: Mapping[Member, int]) -> list[GroupKey]:
+    """Every multi-member group of the stages' layouts, in the order all processes create
+    them: per stage and replica its TP groups, per stage its core groups across replicas,
+    and one group of every active member of every stage (global gradient norm and loss).
+    A single one-stage replica needs no core or active group."""
+    stages = _stages(layouts)
     keys: list[GroupKey] = []
-    for rep in layout.replicas:
-        ranks = tuple(sorted(world[m.member] for m in rep.members))
-        keys.append(("tp", ranks))
-        keys.append(("tp_grad", ranks))  # gradient moves (extras, replicated KV units)
-    if len(layout.replicas) == 1:
-        return [k for k in keys if len(k[1]) > 1]
-    for p in range(layout.t_min):
-        keys.append(("core", tuple(sorted(world[rep.members[p].member] for rep in layout.replicas))))
-    keys.append(("active", tuple(sorted(world[m.member] for m in layout.members()))))
+    for layout in stages:
+        for rep in layout.replicas:
+            ranks = tuple(sorted(world[m.member] for m in rep.members))
+            keys.append(("tp", ranks))
+            keys.append(("tp_grad", ranks))  # gradient moves (extras, replicated KV units)
+        if len(layout.replicas) > 1:
+            for p in range(layout.t_min):
+                keys.append(("core", tuple(sorted(world[rep.members[p].member] for rep in layout.replicas))))
+    if len(stages) > 1 or len(stages[0].replicas) > 1:
+        keys.append(("active", _active_ranks(stages, world)))
     return [k for k in keys if len(k[1]) > 1]
+
+
+def _active_ranks(stages: Sequence[JobLayout], world: Mapping[Member, int]) -> tuple[int, ...]:
+    return tuple(sorted(world[m.member] for layout in stages for m in layout.members()))
 
 
 class GroupCache:
@@ -84,22 +96,23 @@ class GroupCache:
         group (reuse is only safe when every process does)."""
         return self.world_group is dist.group.WORLD
 
-    def build(self, layout: JobLayout, world: Mapping[Member, int], me: Member) -> NtpGroups:
+    def build(self, layouts: JobLayout | Sequence[JobLayout], world: Mapping[Member, int], me: Member) -> NtpGroups:
         if self.world_group is not dist.group.WORLD:
             self.forget()  # the default group was re-initialised: old groups are gone
             self.world_group = dist.group.WORLD
-        wanted = wanted_groups(layout, world)
+        wanted = wanted_groups(layouts, world)
         for key in [k for k in self.groups if k not in wanted]:
             self._destroy(self.groups.pop(key))
         for key in wanted:
             if key not in self.groups:
                 group = dist.new_group(ranks=list(key[1]), timeout=self.timeout)
                 self.groups[key] = None if group == dist.GroupMember.NON_GROUP_MEMBER else group
-        return self._mine(layout, world, me)
+        return self._mine(_stages(layouts), world, me)
 
-    def _mine(self, layout: JobLayout, world: Mapping[Member, int], me: Member) -> NtpGroups:
+    def _mine(self, stages: tuple[JobLayout, ...], world: Mapping[Member, int], me: Member) -> NtpGroups:
         out = NtpGroups()
-        mine = layout.member(me)
+        layout = next((lay for lay in stages if lay.stage == me.stage), None)
+        mine = layout.member(me) if layout is not None else None
         if mine is None:
             return out
         rep = layout.replica(me.replica)
@@ -109,7 +122,7 @@ class GroupCache:
         if mine.core:
             core = tuple(sorted(world[r.members[mine.tp_rank].member] for r in layout.replicas))
             out.core = self.groups.get(("core", core))
-        out.active = self.groups.get(("active", tuple(sorted(world[m.member] for m in layout.members()))))
+        out.active = self.groups.get(("active", _active_ranks(stages, world)))
         return out
 
     @staticmethod

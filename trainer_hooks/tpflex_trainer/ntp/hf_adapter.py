@@ -52,21 +52,30 @@ def build_meta_model(config) -> nn.Module:
 
 
 class HfShard(nn.Module):
-    """One member's slice of the user's model; ``loss`` runs HF's base model (embedding,
-    decoder layers, final norm) and the vocab-parallel output layer + cross-entropy."""
+    """One member's slice of the user's model (of one pipeline stage: its decoder layers,
+    the embedding on the first stage, the final norm and output layer on the last).
+    ``forward_stage`` runs HF's base model over the stage's layers (token ids in on the
+    first stage, the previous stage's hidden states as ``inputs_embeds`` otherwise);
+    ``stage_loss`` adds the vocab-parallel output layer + cross-entropy."""
 
-    def __init__(self, lm: nn.Module, head: VocabParallelOutput, params: dict[str, nn.Parameter],
-                 specs: list[ParamSpec]) -> None:
+    def __init__(self, lm: nn.Module, head: VocabParallelOutput | None, params: dict[str, nn.Parameter],
+                 specs: list[ParamSpec], first: bool = True) -> None:
         super().__init__()
-        self.lm, self.head, self.specs, self.by_name = lm, head, specs, params
+        self.lm, self.head, self.specs, self.by_name, self.first = lm, head, specs, params, first
 
     def params_in_spec_order(self) -> list[tuple[ParamSpec, nn.Parameter]]:
         return [(s, self.by_name[s.name]) for s in self.specs]
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward_stage(self, x: torch.Tensor) -> torch.Tensor:
         base = getattr(self.lm, self.lm.base_model_prefix)
-        hidden = base(input_ids=tokens, use_cache=False).last_hidden_state
-        return self.head.loss(hidden, targets)
+        given = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        return base(**given, use_cache=False).last_hidden_state
+
+    def stage_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.head.loss(self.forward_stage(x), targets)
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.stage_loss(tokens, targets)
 
 
 class HfAdapter(ModelAdapter):
@@ -79,6 +88,10 @@ class HfAdapter(ModelAdapter):
         self.unit_counts = {f: n for f, n in self.plan.unit_counts.items()}
         self.derived = dict(self.plan.derived)
         self.vocab = int(config.vocab_size)
+        self.n_layers = int(config.num_hidden_layers)
+        self.hidden = int(config.hidden_size)
+        self.tied = bool(self.plan.tied)
+        self.prefix = self.plan.prefix
         self._reader = None
 
     @classmethod
@@ -114,11 +127,38 @@ class HfAdapter(ModelAdapter):
 
     def build(self, units: Mapping[str, tuple[int, ...]], tensors: Mapping[str, torch.Tensor],
               group: Group) -> nn.Module:
+        return self.build_stage(units, tensors, group, 0, 1)
+
+    def place_of(self, name: str) -> int | str:
+        from tpflex_trainer.ntp.stages import FIRST, LAST
+
+        p = self.prefix
+        if name.startswith(f"{p}.embed_tokens."):
+            return FIRST
+        if name.startswith((f"{p}.norm.", "lm_head.")):
+            return LAST
+        if name.startswith(f"{p}.layers."):
+            return int(name[len(p) + 8:].split(".", 1)[0])
+        raise UnsupportedModelError(f"parameter {name} is neither in a decoder layer, the embedding, "
+                                    "the final norm nor the output layer: no pipeline stage for it")
+
+    def build_stage(self, units: Mapping[str, tuple[int, ...]], tensors: Mapping[str, torch.Tensor],
+                    group: Group, stage: int, n_stages: int) -> nn.Module:
+        from tpflex_trainer.ntp.stages import layer_ranges
+
         self._reader = None  # done loading: close the files
+        layers = layer_ranges(self.n_layers, n_stages)[stage]
+        first, last = stage == 0, stage == n_stages - 1
         lm = build_meta_model(self.config)
+        base = getattr(lm, lm.base_model_prefix)
         modules = dict(lm.named_modules())
-        params = {s.name: nn.Parameter(tensors[s.name]) for s in self.specs}
+        specs = [s for s in self.specs if s.name in tensors]
+        params = {s.name: nn.Parameter(tensors[s.name]) for s in specs}
+        in_stage = {f"{self.prefix}.layers.{i}" for i in layers}
+        mine = lambda path: any(path == q or path.startswith(q + ".") for q in in_stage)  # noqa: E731
         for path, role in self.plan.roles.items():
+            if not mine(path):
+                continue
             module = modules[path]
             if role.kind == "partial":
                 self._set_params(module, path, params)
@@ -134,24 +174,34 @@ class HfAdapter(ModelAdapter):
             parent, leaf = path.rsplit(".", 1)
             setattr(modules[parent], leaf, new)
         for path, kind in self.plan.blocks.items():
+            if not mine(path):
+                continue
             block = modules[path]
             if kind == ATTN and self.plan.head_units:
                 block.num_key_value_groups = 1  # one (gathered) KV head per local query head
             copy_to_tp_at_input(block, group)
-        prefix = lm.base_model_prefix
-        embed_name = f"{prefix}.embed_tokens.weight"
-        embed = VocabParallelEmbedding(params[embed_name], units[VOCAB], self.plan.vocab_block, self.vocab, group)
-        getattr(lm, prefix).embed_tokens = embed
-        head_w = params[embed_name] if self.plan.tied else params["lm_head.weight"]
-        head = VocabParallelOutput(head_w, units[VOCAB], self.plan.vocab_block, self.vocab, group)
+        base.layers = nn.ModuleList([base.layers[i] for i in layers])
+        head = None
+        embed_name = f"{self.prefix}.embed_tokens.weight"
+        if first:
+            base.embed_tokens = VocabParallelEmbedding(params[embed_name], units[VOCAB], self.plan.vocab_block,
+                                                       self.vocab, group)
+        else:
+            base.embed_tokens = nn.Identity()  # the stage gets hidden states (inputs_embeds)
+        if last:
+            head_w = params[embed_name] if self.plan.tied else params["lm_head.weight"]
+            head = VocabParallelOutput(head_w, units[VOCAB], self.plan.vocab_block, self.vocab, group)
+        else:
+            base.norm = nn.Identity()  # the final norm runs on the last stage
         lm.lm_head = nn.Identity()
-        for s in self.specs:
-            if s.family == REPLICATED and s.name.rsplit(".", 1)[0] not in self.plan.roles:
-                self._set_params(modules[s.name.rsplit(".", 1)[0]], s.name.rsplit(".", 1)[0], params, s.name)
+        for s in specs:
+            owner = s.name.rsplit(".", 1)[0]
+            if s.family == REPLICATED and owner not in self.plan.roles:
+                self._set_params(modules[owner], owner, params, s.name)
         left = [n for n, p in lm.named_parameters() if p.device.type == "meta"]
         if left:
             raise UnsupportedModelError(f"parameters without a unit layout: {left[:5]}")
-        return HfShard(lm, head, params, self.specs)
+        return HfShard(lm, head, params, specs, first)
 
     @staticmethod
     def _set_params(module: nn.Module, path: str, params: Mapping[str, nn.Parameter], only: str | None = None) -> None:

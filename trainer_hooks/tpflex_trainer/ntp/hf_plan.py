@@ -60,6 +60,7 @@ class HfPlan:
     head_dim: int
     vocab_block: int
     tied: bool
+    prefix: str = "model"  # the base model's attribute (``base_model_prefix``)
 
 
 def choose_units(n: int, base_tp: int) -> int:
@@ -144,7 +145,7 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
     specs = _specs(model, roles, blocks, prefix, counts, n_heads, n_kv, head_dim, head_units, config)
     derived = {KV: Derived(ATTN, n_heads // n_kv)} if head_units else {}
     return HfPlan(specs, counts, derived, roles, blocks, head_units, n_heads, n_kv, head_dim,
-                  vocab // counts[VOCAB], tied)
+                  vocab // counts[VOCAB], tied, prefix)
 
 
 def _block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, head_dim) -> dict[str, Role]:

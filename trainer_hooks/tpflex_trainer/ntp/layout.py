@@ -35,19 +35,24 @@ class Derived(NamedTuple):
 
 
 class Member(NamedTuple):
-    """One process slot of the job: replica index and base-TP slot (GPU) in its domain."""
+    """One process slot of the job: replica index, base-TP slot (GPU) in its domain, and
+    the pipeline stage whose domain that is (0 without pipeline parallelism; last so that
+    ``Member(replica, slot)`` keeps meaning what it meant before stages)."""
 
     replica: int
     slot: int
+    stage: int = 0
 
 
 @dataclass(frozen=True)
 class ReplicaPlacement:
-    """What a plan says about one replica: the slots it uses and its local batch."""
+    """What a plan says about one stage of one replica: the slots it uses and the
+    replica's local batch (the same on every stage of the replica)."""
 
     replica: int
     slots: tuple[int, ...]
     local_batch: int = 1
+    stage: int = 0
 
     @property
     def degree(self) -> int:
@@ -80,6 +85,7 @@ class JobLayout:
     t_min: int
     partitions: Mapping[str, tuple[tuple[int, ...], ...]]  # family -> core partitions
     replicas: tuple[ReplicaLayout, ...]
+    stage: int = 0  # the pipeline stage this layout places (its own families and degrees)
 
     def member(self, member: Member) -> MemberLayout | None:
         for rep in self.replicas:
@@ -108,7 +114,7 @@ class JobLayout:
 
     def placements(self) -> tuple[ReplicaPlacement, ...]:
         return tuple(
-            ReplicaPlacement(rep.replica, tuple(m.member.slot for m in rep.members), rep.local_batch)
+            ReplicaPlacement(rep.replica, tuple(m.member.slot for m in rep.members), rep.local_batch, self.stage)
             for rep in self.replicas
         )
 
@@ -170,6 +176,9 @@ def validate_request(
     for fam, n in families:
         if n < 1:
             raise LayoutError(f"family {fam!r} has {n} units; needs >= 1", code="more_ranks_than_units")
+    stages = {p.stage for p in placements}
+    if len(stages) != 1:
+        raise LayoutError(f"one layout places one stage; got stages {sorted(stages)}", code="mixed_stages")
     seen: set[int] = set()
     for p in placements:
         _validate_placement(p, families, base_tp, seen)
@@ -254,7 +263,8 @@ def plan_layout(
         else:
             cores, extras = _match_cores(members, partitions, held)
         replicas.append(_replica_layout(p, cores, extras, families, partitions, held))
-    return with_derived(JobLayout(base_tp, families, t_min, partitions, tuple(replicas)), derived or {})
+    layout = JobLayout(base_tp, families, t_min, partitions, tuple(replicas), placements[0].stage)
+    return with_derived(layout, derived or {})
 
 
 def derived_units(source_units: Iterable[int], per_unit: int) -> tuple[int, ...]:
@@ -287,7 +297,7 @@ def with_derived(layout: JobLayout, derived: Mapping[str, Derived]) -> JobLayout
         ))
         for rep in layout.replicas
     )
-    return JobLayout(layout.base_tp, tuple(families), layout.t_min, partitions, replicas)
+    return JobLayout(layout.base_tp, tuple(families), layout.t_min, partitions, replicas, layout.stage)
 
 
 def _held_units(previous: JobLayout | None, holders: Iterable[Member] | None) -> Held:
@@ -302,7 +312,7 @@ def _held_units(previous: JobLayout | None, holders: Iterable[Member] | None) ->
 
 
 def _held_total(p: ReplicaPlacement, held: Held) -> int:
-    return sum(len(u) for s in p.slots for u in held.get(Member(p.replica, s), {}).values())
+    return sum(len(u) for s in p.slots for u in held.get(Member(p.replica, s, p.stage), {}).values())
 
 
 def _pick_anchor(placements: Sequence[ReplicaPlacement], t_min: int, held: Held) -> ReplicaPlacement:
@@ -312,7 +322,7 @@ def _pick_anchor(placements: Sequence[ReplicaPlacement], t_min: int, held: Held)
 
 
 def _ordered_members(p: ReplicaPlacement, prev_rank: Mapping[Member, int]) -> list[Member]:
-    members = [Member(p.replica, s) for s in p.slots]
+    members = [Member(p.replica, s, p.stage) for s in p.slots]
     return sorted(members, key=lambda m: (prev_rank.get(m, len(members) + 1_000), p.slots.index(m.slot)))
 
 

@@ -50,16 +50,23 @@ class ShardedGPT(nn.Module):
         units: Mapping[str, tuple[int, ...]],
         tensors: Mapping[str, torch.Tensor],
         group: Group,
+        layers: range | None = None,
+        first: bool = True,
+        last: bool = True,
     ) -> None:
+        """``layers``/``first``/``last``: one pipeline stage (its layers; the embedding on
+        the first stage, the final norm and output layer on the last)."""
         super().__init__()
-        self.cfg = cfg
-        self.specs: list[ParamSpec] = param_specs(cfg)
+        self.cfg, self.first, self.last = cfg, first, last
+        layers = range(cfg.n_layers) if layers is None else layers
+        self.specs: list[ParamSpec] = [s for s in param_specs(cfg) if s.name in tensors]
         self.by_name = {s.name: nn.Parameter(tensors[s.name]) for s in self.specs}
         p = self.by_name
-        self.embed = VocabParallelEmbedding(p["embed.weight"], units["vocab"], cfg.vocab_block, cfg.vocab, group)
-        self.pos = p["pos.weight"]
+        if first:
+            self.embed = VocabParallelEmbedding(p["embed.weight"], units["vocab"], cfg.vocab_block, cfg.vocab, group)
+            self.pos = p["pos.weight"]
         blocks = []
-        for i in range(cfg.n_layers):
+        for i in layers:
             n = f"h{i}."
             attn = ParallelAttention(
                 ColumnParallelLinear(p[n + "attn.qkv.weight"], units["kv_groups"], group),
@@ -75,15 +82,25 @@ class ShardedGPT(nn.Module):
             ln2 = _LayerNorm(p[n + "ln2.weight"], p[n + "ln2.bias"])
             blocks.append(_Block(ln1, attn, ln2, mlp))
         self.blocks = nn.ModuleList(blocks)
-        self.lnf = _LayerNorm(p["lnf.weight"], p["lnf.bias"])
-        self.head = VocabParallelOutput(p["head.weight"], units["vocab"], cfg.vocab_block, cfg.vocab, group)
+        if last:
+            self.lnf = _LayerNorm(p["lnf.weight"], p["lnf.bias"])
+            self.head = VocabParallelOutput(p["head.weight"], units["vocab"], cfg.vocab_block, cfg.vocab, group)
 
     def params_in_spec_order(self) -> list[tuple[ParamSpec, nn.Parameter]]:
         return [(s, self.by_name[s.name]) for s in self.specs]
 
-    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy over the local batch ([B, S] token ids)."""
-        x = self.embed(tokens) + self.pos[: tokens.shape[1]]
+    def forward_stage(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (first stage) or hidden states -> hidden states after the stage's layers."""
+        if self.first:
+            x = self.embed(x) + self.pos[: x.shape[1]]
         for block in self.blocks:
             x = block(x)
-        return self.head.loss(self.lnf(x), targets)
+        return x
+
+    def stage_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage: its layers, the final norm, the output layer and the loss."""
+        return self.head.loss(self.lnf(self.forward_stage(x)), targets)
+
+    def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over the local batch ([B, S] token ids)."""
+        return self.stage_loss(tokens, targets)

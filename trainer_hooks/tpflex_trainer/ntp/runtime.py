@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from tpflex_trainer.ntp import checkpoint as ckpt
-from tpflex_trainer.ntp.adapter import ModelAdapter, as_adapter
+from tpflex_trainer.ntp import persist
+from tpflex_trainer.ntp.adapter import as_adapter
 from tpflex_trainer.ntp.config import REPLICATED
 from tpflex_trainer.ntp.errors import PlanError, UnitsUnavailableError
 from tpflex_trainer.ntp.grad_sync import DEFAULT_BUCKET_BYTES, GradSync
@@ -35,12 +36,15 @@ from tpflex_trainer.ntp.layout import (
     MemberLayout,
     ReplicaLayout,
     ReplicaPlacement,
-    plan_layout,
     validate_request,
 )
 from tpflex_trainer.ntp.optim import AdamSettings, TrainSettings, adam_step
+from tpflex_trainer.ntp.persist import stage_key as _stage_key
+from tpflex_trainer.ntp.pipeline import PipelineStep, stage_links
 from tpflex_trainer.ntp.reshard import execute_plan
 from tpflex_trainer.ntp.reshard_plan import lower_bound_units, plan_reshard
+from tpflex_trainer.ntp.stage_adapter import stage_view
+from tpflex_trainer.ntp.stages import plan_stages, split_stages
 from tpflex_trainer.ntp.state import (
     LocalState,
     build_state,
@@ -75,25 +79,36 @@ def _phase(phases: dict[str, float], name: str) -> Iterator[None]:
         phases[name] = time.perf_counter() - t0
 
 
-def _choose_source(plan, holders: list[Member], reader, allow_init: bool, adapter: ModelAdapter) -> str:
+def _choose_source(missing: Mapping[str, Sequence[int]], holders: list[Member], reader, allow_init: bool,
+                   all_units: Mapping[str, int]) -> str:
     """live (reshard + peer recovery), checkpoint (nothing live, or units lost on every
-    replica: the whole job rolls back) or init (a new job); else UnitsUnavailableError."""
+    replica, in any stage: the whole job rolls back) or init (a new job); else
+    UnitsUnavailableError."""
     if not holders:
         if reader is not None:
             return "checkpoint"
         if allow_init:
             return "init"
-        raise UnitsUnavailableError({f: list(range(n)) for f, n in adapter.all_unit_counts().items()})
-    if plan.missing:
+        raise UnitsUnavailableError({f: list(range(n)) for f, n in all_units.items()})
+    if missing:
         if reader is None:
-            raise UnitsUnavailableError({f: list(u) for f, u in plan.missing.items()})
+            raise UnitsUnavailableError({f: list(u) for f, u in missing.items()})
         return "checkpoint"
     return "live"
+
+
+
 
 
 # Test hook: every sharded gradient is multiplied by this after the sync (a deliberately
 # broken run, which the parity checks must catch). Unset in real runs.
 GRAD_SCALE_ENV = "TPFLEX_TEST_SHARDED_GRAD_SCALE"
+
+
+def _stage(layouts: tuple[JobLayout, ...] | None, stage: int) -> JobLayout | None:
+    if layouts is None:
+        return None
+    return next((lay for lay in layouts if lay.stage == stage), None)
 
 
 class NtpRuntime:
@@ -103,25 +118,37 @@ class NtpRuntime:
         self,
         model,
         base_tp: int,
-        me: Member | tuple[int, int],
+        me: Member | tuple[int, ...],
         *,
         adam: AdamSettings = AdamSettings(),
         seed: int = 0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout: timedelta = timedelta(seconds=60),
         train: TrainSettings = TrainSettings(),
+        stages: int = 1,
     ) -> None:
         self.cfg, self.base_tp, self.me = model, base_tp, Member(*me)
-        self.adapter = as_adapter(model, base_tp)
+        if stages < 1 or not 0 <= self.me.stage < stages:
+            raise PlanError(f"member {tuple(self.me)} is not in a stage of a {stages}-stage pipeline")
+        self.model_adapter = as_adapter(model, base_tp)
+        self.n_stages = stages
+        # one adapter per stage (the model itself with one stage); this member's is its stage's
+        self.stage_adapters = [stage_view(self.model_adapter, k, stages) for k in range(stages)]
+        self.adapter = self.stage_adapters[self.me.stage]
         self.adam, self.seed, self.bucket_bytes, self.timeout = adam, seed, bucket_bytes, timeout
         self.train = train
         self.specs = self.adapter.specs
         self.decay = {s.name: s.decay for s in self.specs}
-        families = [*self.adapter.all_unit_counts(), REPLICATED]
-        self.unit_bytes = {f: 4 * payload_numel(self.specs, f) for f in families}
+        self.stage_unit_bytes = [
+            {f: 4 * payload_numel(a.specs, f) for f in [*a.all_unit_counts(), REPLICATED]}
+            for a in self.stage_adapters
+        ]
+        self.unit_bytes = self.stage_unit_bytes[self.me.stage]
         self.grad_scale = float(os.environ.get(GRAD_SCALE_ENV, "1") or 1)
         self.last_grad_norm = 0.0
-        self.layout: JobLayout | None = None
+        self.layout: JobLayout | None = None  # this member's stage
+        self.stage_layouts: tuple[JobLayout, ...] = ()  # every stage, in stage order
+        self.pipe: PipelineStep | None = None
         self.world: dict[Member, int] = {}
         self.state: LocalState | None = None
         self.groups = NtpGroups()
@@ -156,43 +183,59 @@ class NtpRuntime:
         phases: dict[str, float] = {}
         placements = tuple(placements)
         world = {Member(*m): r for m, r in world.items()}
-        validate_request(self.adapter.unit_counts, placements, self.base_tp)
+        self._validate(placements)
         check_world(placements, world, self.me, dist.get_world_size(), dist.get_rank())
         reader = ckpt.CheckpointReader(checkpoint, self.adapter.fingerprint()) if checkpoint is not None else None
         with _phase(phases, "agree_s"):
             previous, holders, step = self._agree()
-        new = plan_layout(self.adapter.unit_counts, placements, self.base_tp, previous, holders,
-                          derived=self.adapter.derived)
-        plan = plan_reshard(previous, new, holders)
-        source = _choose_source(plan, holders, reader, allow_init, self.adapter)
+        new = plan_stages([a.unit_counts for a in self.stage_adapters], placements, self.base_tp, previous,
+                          holders, [a.derived for a in self.stage_adapters])
+        plans = [plan_reshard(_stage(previous, k), lay, holders) for k, lay in enumerate(new)]
+        missing = {_stage_key(k, self.n_stages, f): u for k, p in enumerate(plans) for f, u in p.missing.items()}
+        all_units = {_stage_key(k, self.n_stages, f): n for k, a in enumerate(self.stage_adapters)
+                     for f, n in a.all_unit_counts().items()}
+        source = _choose_source(missing, holders, reader, allow_init, all_units)
         with _phase(phases, "groups_s"):
             self._teardown()
             self.groups = self.group_cache.build(new, world, self.me)
         with _phase(phases, "transfer_s"):
-            step, sent = self._load_state(source, plan, new, world, step, reader)
+            step, sent = self._load_state(source, plans[self.me.stage], new[self.me.stage], world, step, reader)
         with _phase(phases, "rebuild_s"):
-            self.layout, self.world = new, world
+            self.layout, self.stage_layouts, self.world = new[self.me.stage], new, world
             if self.state is not None:
                 self._build_training()
-        live = source == "live"
-        lower = lower_bound_units(previous, new, holders) if live else lower_bound_units(None, new, [])
-        report = ReshardReport(
-            source=source,
-            step=step,
-            units_moved=len(plan.transfers) if live else 0,
-            peer_units=plan.peer_units() if live else 0,
-            bytes_moved=plan.bytes_moved(self.unit_bytes) if live else 0,
-            lower_bound_bytes=sum(self.unit_bytes[f] * n for f, n in lower.items()),
-            bytes_sent=sent,
-            seconds=time.perf_counter() - t0,
-            phases=phases,
-            layout=new,
-        )
+        report = self._report(source, step, sent, previous, new, plans, holders, t0, phases)
         log.info(
             "ntp plan applied member=%s source=%s step=%d units_moved=%d peer_units=%d bytes_moved=%d seconds=%.3f",
             tuple(self.me), source, step, report.units_moved, report.peer_units, report.bytes_moved, report.seconds,
         )
         return report
+
+    def _validate(self, placements: tuple[ReplicaPlacement, ...]) -> None:
+        """Typed errors before any collective: every replica places every stage once,
+        each stage's placements fit the stage's families."""
+        for k, ps in enumerate(split_stages(placements, self.n_stages)):
+            validate_request(self.stage_adapters[k].unit_counts, ps, self.base_tp)
+
+    def _report(self, source, step, sent, previous, new, plans, holders, t0, phases) -> ReshardReport:
+        """Whole job, every stage: what moved against the lower bound."""
+        live = source == "live"
+        lower = 0
+        for k, lay in enumerate(new):
+            units = lower_bound_units(_stage(previous, k), lay, holders) if live else lower_bound_units(None, lay, [])
+            lower += sum(self.stage_unit_bytes[k][f] * n for f, n in units.items())
+        return ReshardReport(
+            source=source,
+            step=step,
+            units_moved=sum(len(p.transfers) for p in plans) if live else 0,
+            peer_units=sum(p.peer_units() for p in plans) if live else 0,
+            bytes_moved=sum(p.bytes_moved(self.stage_unit_bytes[k]) for k, p in enumerate(plans)) if live else 0,
+            lower_bound_bytes=lower,
+            bytes_sent=sent,
+            seconds=time.perf_counter() - t0,
+            phases=phases,
+            layout=new[self.me.stage],
+        )
 
     def _load_state(self, source, plan, new: JobLayout, world, step: int, reader) -> tuple[int, int]:
         """This member's state in the new layout; returns (step, bytes sent)."""
@@ -203,7 +246,9 @@ class NtpRuntime:
             self.state, sent = execute_plan(plan, self.me, world, self.state, units, self.specs, step, device)
             return step, sent
         if source == "checkpoint":
-            self.state = build_state(self.specs, units, reader.step, device, reader.payload) if units else None
+            k, n = self.me.stage, self.n_stages
+            fetch = lambda fam, u: reader.payload(_stage_key(k, n, fam), u)  # noqa: E731
+            self.state = build_state(self.specs, units, reader.step, device, fetch) if units else None
             return reader.step, 0
         if units:
             initial = lambda spec, held: self.adapter.initial_local(spec, held, self.seed)  # noqa: E731
@@ -212,7 +257,7 @@ class NtpRuntime:
             self.state = None
         return 0, 0
 
-    def _agree(self) -> tuple[JobLayout | None, list[Member], int]:
+    def _agree(self) -> tuple[tuple[JobLayout, ...] | None, list[Member], int]:
         """Who holds state at the newest step, which step, and what each holds. Every
         member reports its own units, so an interrupted reshard (some members already in
         the new layout, others still in the old one) is resolved like any other start
@@ -220,14 +265,14 @@ class NtpRuntime:
         optimizer updates) count as holding nothing: their units are re-sent from
         up-to-date holders, or the job rolls back to a checkpoint."""
         gathered: list = [None] * dist.get_world_size()
-        settings = (self.adapter.fingerprint(), self.base_tp, self.bucket_bytes)
+        settings = (self.model_adapter.fingerprint(), self.n_stages, self.base_tp, self.bucket_bytes)
         mine = self.layout.member(self.me) if self.layout is not None and self.state is not None else None
         held = (mine.tp_rank, dict(mine.units)) if mine is not None else None
         dist.all_gather_object(gathered, (tuple(self.me), held, self.step, self.group_cache.intact(), settings))
         differing = sorted({tuple(m) for m, *_, other in gathered if other != settings})
         if differing:
             raise PlanError(
-                f"members {differing} run another model config, base_tp or bucket size than "
+                f"members {differing} run another model config, stage count, base_tp or bucket size than "
                 f"member {tuple(self.me)}: {[g[-1] for g in gathered]}"
             )
         if not all(g[3] for g in gathered):
@@ -241,20 +286,25 @@ class NtpRuntime:
         reports = {Member(*m): held for m, held, step, *_ in gathered if held is not None and step == newest}
         return self._held_layout(reports), list(reports), newest
 
-    def _held_layout(self, reports: Mapping[Member, tuple[int, dict]]) -> JobLayout:
-        """A layout describing what the holders hold (only members and units are used)."""
-        replicas = []
-        for replica in sorted({m.replica for m in reports}):
-            members = sorted((m for m in reports if m.replica == replica), key=lambda m: reports[m][0])
-            layouts = tuple(MemberLayout(m, reports[m][0], False, reports[m][1]) for m in members)
-            replicas.append(ReplicaLayout(replica, 1, layouts))
-        families = tuple(self.adapter.all_unit_counts().items())
-        return JobLayout(self.base_tp, families, 0, {}, tuple(replicas))
+    def _held_layout(self, reports: Mapping[Member, tuple[int, dict]]) -> tuple[JobLayout, ...]:
+        """Per stage, a layout describing what its holders hold (only members and units
+        are used)."""
+        out = []
+        for k in sorted({m.stage for m in reports}):
+            replicas = []
+            for replica in sorted({m.replica for m in reports if m.stage == k}):
+                members = sorted((m for m in reports if m.replica == replica and m.stage == k),
+                                 key=lambda m: reports[m][0])
+                layouts = tuple(MemberLayout(m, reports[m][0], False, reports[m][1]) for m in members)
+                replicas.append(ReplicaLayout(replica, 1, layouts))
+            families = tuple(self.stage_adapters[k].all_unit_counts().items())
+            out.append(JobLayout(self.base_tp, families, 0, {}, tuple(replicas), k))
+        return tuple(out)
 
     def _teardown(self) -> None:
         if self.sync is not None:
             self.sync.close()
-        self.model = self.sync = None
+        self.model = self.sync = self.pipe = None
         self.groups = NtpGroups()
 
     def _build_training(self) -> None:
@@ -262,6 +312,9 @@ class NtpRuntime:
         self.model = self.adapter.build(self.state.units, self.state.tensors["param"], self.groups.tp)
         params = self.model.params_in_spec_order()
         self.sync = GradSync(params, self.layout, self.me, self.world, self.groups, self.bucket_bytes)
+        links = stage_links(self.stage_layouts, self.world, self.me)
+        self.pipe = PipelineStep(self.model, links, self.groups.tp, self.layout.replica(self.me.replica).degree,
+                                 self.model_adapter.hidden, self.train.dtype == "bf16")
 
     # ------------------------------------------------------------------ training
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
@@ -280,29 +333,28 @@ class NtpRuntime:
                                          targets.tensor_split(self.train.micro_batches), strict=True)
                   if x.shape[0]]
         self.sync.begin(rep.local_batch / self.layout.global_batch, len(chunks))
-        local_loss = torch.zeros((), device=device)
-        for x, y in chunks:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.train.dtype == "bf16"):
-                loss = self.model.loss(x, y)
-            loss = loss.float() * (x.shape[0] / rep.local_batch)
-            loss.backward()
-            local_loss += loss.detach()
+        local_loss = self.pipe.run(chunks, rep.local_batch)
         global_loss = self.sync.finish(local_loss)
-        self._clip_and_update()
-        return global_loss
+        return self._clip_and_update(global_loss)
 
-    def _clip_and_update(self) -> None:
+    def _clip_and_update(self, global_loss: float) -> float:
         """Clip by the global norm (computed once, the same on every member), AdamW at the
-        scheduled learning rate of this step."""
+        scheduled learning rate of this step. Returns the global loss: with stages only
+        the last stage has it, and the norm's all-reduce carries it to every stage."""
         if self.grad_scale != 1.0:
             self.sync.scale(self.grad_scale, sharded_only=True)
-        self.last_grad_norm = self.sync.grad_norm()
+        if self.n_stages == 1:
+            self.last_grad_norm = self.sync.grad_norm()
+        else:
+            carry = global_loss if self.pipe.links.last and self.sync.repl_counted else 0.0
+            self.last_grad_norm, global_loss = self.sync.norm_and_sum(carry)
         if self.train.clip_grad > 0:
             coef = self.train.clip_grad / (self.last_grad_norm + 1e-6)
             self.sync.scale(min(coef, 1.0))
         lr = self.adam.lr * self.train.lr_factor(self.step)
         grads = {s.name: p.grad for s, p in self.model.params_in_spec_order()}
         adam_step(self.state, grads, self.adam, lr=lr, decay=self.decay)
+        return global_loss
 
     def rebind(self) -> ReshardReport:
         """Collective over a re-initialised default group whose processes all hold state in
@@ -312,14 +364,18 @@ class NtpRuntime:
             raise PlanError("no layout yet: call start() first")
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, tuple(self.me))
-        return self.apply_plan(self.layout.placements(), {Member(*m): r for r, m in enumerate(gathered)})
+        return self.apply_plan(self.placements(), {Member(*m): r for r, m in enumerate(gathered)})
+
+    def placements(self) -> tuple[ReplicaPlacement, ...]:
+        """The current layout's placements, every stage."""
+        return tuple(p for lay in self.stage_layouts for p in lay.placements())
 
     def _rebind_for_step(self) -> None:
         """``train_step`` found groups of a destroyed default group. When the new default
         group is exactly the active members (all of them are in ``train_step`` now), they
         rebind together; otherwise the caller must call ``apply_plan``."""
         assert self.layout is not None
-        if dist.get_world_size() != len(self.layout.members()):
+        if dist.get_world_size() != sum(len(lay.members()) for lay in self.stage_layouts):
             raise PlanError(
                 "the default process group was re-initialised since the last plan and is not "
                 "the plan's members: call apply_plan(placements, new_world) on every process"
@@ -328,57 +384,15 @@ class NtpRuntime:
         self.rebind()
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Collective over the active members: replica ``layout.replicas[0]`` writes its
-        units, then the meta file marking the checkpoint complete."""
-        if self.layout is None:
-            raise PlanError("no layout yet: call start() first")
-        path = Path(path)
-        writers = self.layout.replicas[0]
-        mine = self.layout.member(self.me)
-        if mine is not None and self.me.replica == writers.replica and self.state is not None:
-            ckpt.write_member_units(path, mine, self.state, self.specs)
-        sync_group = self.groups.active or self.groups.tp
-        if sync_group is not None:
-            dist.barrier(group=sync_group)
-        if mine is not None and self.me.replica == writers.replica and mine.tp_rank == 0:
-            ckpt.write_meta(path, self.adapter.fingerprint(), self.step,
-                            [ckpt.member_file(m) for m in writers.members])
-        if sync_group is not None:
-            dist.barrier(group=sync_group)
+        """Collective over the active members: every stage's first replica writes its
+        units, then the meta file marking the checkpoint complete (``persist``)."""
+        persist.save_checkpoint(self, Path(path))
 
     def export_hf(self, path: str | os.PathLike, max_shard_bytes: int | None = None) -> list[str]:
         """Collective over the active members: write the model to ``path`` as a Hugging
-        Face directory (config.json + safetensors) that ``from_pretrained`` loads. The
-        first replica's members write their parts; its TP rank 0 assembles them. Returns
-        the files written (on the writer; [] elsewhere)."""
-        from tpflex_trainer.ntp import hf_io
-
-        config = getattr(self.adapter, "config", None)
-        if self.layout is None or config is None:
-            raise PlanError("export_hf needs a started runtime over a Hugging Face model")
-        path = Path(path)
-        scratch = path / ".tpflex-export"
-        writers = self.layout.replicas[0]
-        mine = self.layout.member(self.me)
-        writing = mine is not None and self.me.replica == writers.replica and self.state is not None
-        if writing:
-            hf_io.write_member_part(scratch / f"part-s{self.me.slot}.safetensors", self.specs,
-                                    self.state.units, self.state.tensors["param"])
-        sync_group = self.groups.active or self.groups.tp
-        if sync_group is not None:
-            dist.barrier(group=sync_group)
-        files: list[str] = []
-        if writing and mine.tp_rank == 0:
-            parts = [scratch / f"part-s{m.member.slot}.safetensors" for m in writers.members]
-            tensors = hf_io.assemble(self.specs, parts)
-            limit = max_shard_bytes or hf_io.DEFAULT_MAX_SHARD_BYTES
-            files = hf_io.write_hf_dir(path, config, tensors, limit)
-            for part in parts:
-                part.unlink()
-            scratch.rmdir()
-        if sync_group is not None:
-            dist.barrier(group=sync_group)
-        return files
+        Face directory that ``from_pretrained`` loads; returns the files written (on the
+        writer; [] elsewhere). See ``persist.export_hf``."""
+        return persist.export_hf(self, Path(path), max_shard_bytes)
 
     def abort(self) -> None:
         """Call when a collective failed or a member is known to be gone, before the default

@@ -16,7 +16,9 @@ lr*(s+1)/warmup while s < warmup, then lr_min + (lr - lr_min)*(1 + cos(pi*(s - w
 their step: drain=R:S removes base-TP slot S of replica R (live reshard), undrain=R:S
 returns it, kill=R:S SIGKILLs that rank's process during the step (the survivors recover
 in-process from peers and re-run the step); a killed slot stays out until an undrain
-returns it, as a fresh process that receives its units from peers. Writes
+returns it, as a fresh process that receives its units from peers. With --pp P each
+replica is P pipeline stages of --tp slots (layers split in contiguous ranges, 1F1B over
+the micro-batches) and a slot is R:K:S (replica, stage, slot): "5:drain=1:0:2". Writes
 OUT/losses.json (losses, degrees, grad_norms per step) and the trained model in HF format
 in OUT. Exit codes: 0 done, 1 the run failed, 2 bad arguments.
 """
@@ -35,6 +37,8 @@ from pathlib import Path
 from tpflex_trainer.ntp.errors import NtpError
 from tpflex_trainer.ntp.layout import Member, validate_request
 from tpflex_trainer.ntp.optim import AdamSettings, TrainSettings, WarmupCosine
+from tpflex_trainer.ntp.stage_adapter import stage_view
+from tpflex_trainer.ntp.stages import split_stages
 from tpflex_trainer.train.data import DataError, load_tokens
 from tpflex_trainer.train.schedule import ScheduleError, parse_events
 from tpflex_trainer.train.worker import RunSpec, worker_entry
@@ -50,7 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     a("--out", required=True, help="output directory: losses.json and the trained model")
     a("--tp", type=int, default=4, help="base TP degree (slots per replica)")
     a("--replicas", type=int, default=2, help="data-parallel replicas")
-    a("--events", default="", help='layout changes, e.g. "5:drain=1:2,9:kill=0:3,12:undrain=1:2"')
+    a("--pp", type=int, default=1, help="pipeline stages per replica (each its own TP domain of --tp slots)")
+    a("--events", default="", help='layout changes, e.g. "5:drain=1:2,9:kill=0:3,12:undrain=1:2" '
+      '(with --pp > 1 a slot is REPLICA:STAGE:SLOT, e.g. "5:drain=1:0:2")')
     a("--global-batch", type=int, default=8, help="samples per step over all replicas")
     a("--steps", type=int, default=20)
     a("--lr", type=float, default=3e-3, help="peak learning rate")
@@ -83,6 +89,7 @@ def _betas(p: argparse.ArgumentParser, text: str) -> tuple[float, float]:
 def _check_numbers(p: argparse.ArgumentParser, a) -> None:
     checks = [
         (a.tp >= 1, "--tp: must be >= 1"), (a.replicas >= 1, "--replicas: must be >= 1"),
+        (a.pp >= 1, "--pp: must be >= 1"),
         (a.steps >= 1, "--steps: must be >= 1"),
         (a.global_batch >= a.replicas, "--global-batch: needs at least one sample per replica"),
         (a.lr > 0, "--lr: must be > 0"), (0 <= a.min_lr_ratio <= 1, "--min-lr-ratio: must be within [0, 1]"),
@@ -112,8 +119,13 @@ def build_spec(argv: list[str] | None) -> tuple[RunSpec, str]:
     except (NtpError, OSError, ValueError) as exc:
         p.error(f"--model: {exc}")
     try:
-        sched = parse_events(a.events, a.tp, a.replicas, a.steps, a.global_batch)
-        validate_request(adapter.unit_counts, sched.placements(frozenset()), a.tp)
+        stage_counts = [stage_view(adapter, k, a.pp).unit_counts for k in range(a.pp)]
+    except NtpError as exc:
+        p.error(f"--pp: {exc}")
+    try:
+        sched = parse_events(a.events, a.tp, a.replicas, a.steps, a.global_batch, a.pp)
+        for counts, placed in zip(stage_counts, split_stages(sched.placements(frozenset()), a.pp), strict=True):
+            validate_request(counts, placed, a.tp)
     except ScheduleError as exc:
         p.error(f"--events: {exc}")
     except NtpError as exc:
@@ -130,8 +142,8 @@ def build_spec(argv: list[str] | None) -> tuple[RunSpec, str]:
     if a.backend == "nccl":
         import torch
 
-        if torch.cuda.device_count() < a.tp * a.replicas:
-            p.error(f"--backend: nccl needs {a.tp * a.replicas} GPUs, found {torch.cuda.device_count()}")
+        if torch.cuda.device_count() < a.tp * a.replicas * a.pp:
+            p.error(f"--backend: nccl needs {a.tp * a.replicas * a.pp} GPUs, found {torch.cuda.device_count()}")
     train = TrainSettings(clip_grad=a.clip_grad, micro_batches=a.micro_batches, dtype=a.dtype,
                           schedule=WarmupCosine(a.steps, a.warmup, a.min_lr_ratio))
     adam = AdamSettings(lr=a.lr, betas=betas, eps=a.eps, weight_decay=a.weight_decay)
@@ -221,9 +233,8 @@ class Launcher:
     def run(self) -> RunResult:
         sched = self.spec.schedule
         result = RunResult(sched.steps)
-        for r in range(sched.replicas):
-            for s in range(sched.tp):
-                self._start(Member(r, s), None)
+        for member in sched.members():
+            self._start(member, None)
         killed: list[Member] = []
         quiet_limit = 2 * self.spec.collective_timeout_s + 60
         last = time.monotonic()

@@ -64,7 +64,7 @@ class TrainWorker:
         self.timeout = timedelta(seconds=spec.collective_timeout_s)
         self.store = dist.TCPStore("127.0.0.1", spec.store_port, is_master=False, timeout=self.timeout)
         self.rt = NtpRuntime(spec.model, self.sched.tp, me, adam=spec.adam, seed=spec.seed,
-                             train=spec.train, timeout=self.timeout)
+                             train=spec.train, timeout=self.timeout, stages=self.sched.pp)
         self.data = load_tokens(spec.data, self.rt.adapter.vocab)
         self.world: tuple[Member, ...] = ()
         self.recovered: set[int] = set()
@@ -167,9 +167,9 @@ class TrainWorker:
         except (RuntimeError, dist.DistError) as exc:
             return f"{type(exc).__name__}: {str(exc)[:200]}"
         seconds = time.perf_counter() - t0
-        if rep.members[0].member == self.me:
+        if rep.members[0].member == self.me and self.me.stage == 0:
             self.results.put(("step", step, self.me.replica, loss, rt.last_grad_norm,
-                              [r.degree for r in rt.layout.replicas], seconds, rt.sync.finish_seconds))
+                              degrees(rt), seconds, rt.sync.finish_seconds))
         return None
 
     def _idle(self, step: int) -> int:
@@ -199,20 +199,26 @@ class TrainWorker:
     def _finish(self) -> None:
         if self.rt.active:
             sync = self.rt.sync
-            self.results.put(("sync", tuple(self.me), sync.moved_bytes(),
-                              [r.degree for r in self.rt.layout.replicas]))
+            self.results.put(("sync", tuple(self.me), sync.moved_bytes(), degrees(self.rt)))
             self.results.put(("state", tuple(self.me), unit_digests(self.rt)))
             if self.spec.export and self.spec.out:
                 t0 = time.perf_counter()
                 self.rt.export_hf(self.spec.out)
                 self.results.put(("export", tuple(self.me), time.perf_counter() - t0))
-            lead = self.rt.layout.replicas[0].members[0].member == self.me
+            lead = self.rt.layout.replicas[0].members[0].member == self.me and self.me.stage == 0
             if lead:
                 self.store.set("done", "1")
         self.results.put(("done", tuple(self.me)))
         self.rt.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def degrees(rt) -> list:
+    """Per replica its TP degree, or with stages the list of its stages' degrees."""
+    if rt.n_stages == 1:
+        return [r.degree for r in rt.layout.replicas]
+    return [[lay.replica(r.replica).degree for lay in rt.stage_layouts] for r in rt.layout.replicas]
 
 
 def unit_digests(rt) -> dict[str, str]:
@@ -223,10 +229,11 @@ def unit_digests(rt) -> dict[str, str]:
     from tpflex_trainer.ntp.state import unit_payload
 
     out = {}
+    stage = f"stage{rt.me.stage}." if rt.n_stages > 1 else ""
     for fam, units in rt.state.units.items():
         for u in units:
             payload = unit_payload(rt.state, rt.specs, fam, u).detach().cpu().contiguous()
-            out[f"{fam}:{u}"] = hashlib.sha256(payload.numpy().tobytes()).hexdigest()[:16]
+            out[f"{stage}{fam}:{u}"] = hashlib.sha256(payload.numpy().tobytes()).hexdigest()[:16]
     return out
 
 
@@ -236,7 +243,7 @@ def _arm_self_kill(rt) -> None:
     param.register_post_accumulate_grad_hook(lambda _p: os.kill(os.getpid(), signal.SIGKILL))
 
 
-def worker_entry(me: tuple[int, int], spec: RunSpec, results, join_at: int | None) -> None:
+def worker_entry(me: tuple[int, ...], spec: RunSpec, results, join_at: int | None) -> None:
     """Process entry point (forkserver child)."""
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
@@ -245,7 +252,8 @@ def worker_entry(me: tuple[int, int], spec: RunSpec, results, join_at: int | Non
     member = Member(*me)
     try:
         if spec.backend == "nccl":
-            torch.cuda.set_device(member.replica * spec.schedule.tp + member.slot)
+            sched = spec.schedule
+            torch.cuda.set_device((member.replica * sched.pp + member.stage) * sched.tp + member.slot)
         TrainWorker(member, spec, results).run(join_at)
     except BaseException:  # reported to the launcher with its traceback
         results.put(("error", tuple(me), traceback.format_exc()))

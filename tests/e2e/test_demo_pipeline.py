@@ -1,0 +1,65 @@
+"""``tpflex-demo --pp 2``'s story end to end: real etcd, controller and 4 simulated agents
+(4 racks x 2 GPUs), a real 8-process gloo job of 2 replicas x PP 2 x TP 2 following the
+controller's plans through the failure of a GPU of one stage (only that stage drops to TP
+1) and its repair; loss parity with the single-process reference."""
+
+from __future__ import annotations
+
+import pytest
+from tpflex_proto import keys, types_pb2
+from tpflex_trainer.demo.story import JOB, TOPOLOGIES, Story, StoryConfig
+from tpflex_trainer.demo.summary import render, summarize
+
+from tests.e2e.support import etcd_history, free_base_port
+
+TOPO = TOPOLOGIES[2]
+# rank order = the spec's: replica 0 (rack-0, rack-1), replica 1 (rack-2, rack-3), 2 GPUs each
+RANK_OF_FAILED = 6 + TOPO.failed_gpu[1]
+SURVIVOR = 6 + 1 - TOPO.failed_gpu[1]  # the other GPU of the failed stage
+PEER_STAGE = {2, 3}  # the same stage (1) of the other replica
+
+
+def _stage_degrees(plan: types_pb2.Plan) -> list[list[int]]:
+    return [[st.tp_degree for st in sorted(r.stages, key=lambda st: st.spec_stage)]
+            for r in sorted(plan.replicas, key=lambda r: r.index)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_demo_pp2_one_stage_fails_and_is_repaired(tmp_path):
+    story = Story(StoryConfig(workdir=tmp_path, base_port=free_base_port(), steps=120,
+                              fail_at_step=10, repair_at_step=24, phase_timeout_s=60, pp=2))
+    try:
+        story.start()
+        run = story.play()
+        plans = etcd_history(story.cluster.etcd, keys.job_plan(JOB), types_pb2.Plan)
+    finally:
+        story.stop()
+
+    assert [p.generation for p in plans] == [1, 2, 3]
+    assert [_stage_degrees(p) for p in plans] == [[[2, 2], [2, 2]], [[2, 2], [2, 1]], [[2, 2], [2, 2]]]
+    assert run.started_after_repair == [TOPO.failed_gpu]
+
+    ran: dict[int, dict[int, set[int]]] = {}  # generation -> rank -> TP degrees of its stage
+    for r in run.records:
+        if r["kind"] == "step":
+            ran.setdefault(r["generation"], {}).setdefault(r["rank"], set()).add(r["tp"])
+    assert ran[1] == {rank: {2} for rank in range(8)}
+    assert ran[2] == {**{rank: {2} for rank in range(6)}, SURVIVOR: {1}}
+    assert ran[3] == {rank: {2} for rank in range(8)}
+
+    # the failure moves units only into the failed stage, from the same stage of replica 0
+    applied = [r for r in run.records if r["kind"] == "applied" and r["generation"] == 2]
+    senders = {r["rank"] for r in applied if r["bytes_sent"] > 0}
+    assert senders and senders <= PEER_STAGE, senders
+    assert all(r["peer_units"] > 0 and r["source"] == "live" for r in applied)
+
+    # NTP-PW boosts only the degraded stage's rack (its surviving GPU)
+    assert run.failed_rack == "rack-3"
+    assert run.caps_degraded[1 - TOPO.failed_gpu[1]] > 700.0
+
+    summary = summarize(run)
+    assert summary.steps == 120
+    assert summary.parity_max_rel_diff <= 1e-5
+    assert summary.violations() == [], summary.phases_failure
+    assert "g2: 2/2+2/1" in render(summary, run)
