@@ -20,6 +20,7 @@ from tpflex_proto.etcd import KeyValue
 
 from tpflex_controller import convert
 from tpflex_controller.damping import FlapDamper
+from tpflex_controller.planner.incremental import Changes
 from tpflex_controller.planner.model import (
     ClusterState,
     GpuKey,
@@ -97,6 +98,8 @@ class ClusterView:
         # older than what was read; folding them would move the view back in time
         self._key_revs: dict[str, int] = {}
         self.damper_clock: Callable[[], float] = time.monotonic
+        # per job, the nodes whose planner input changed since its last plan (take_changes)
+        self._changed_nodes: dict[str, set[str]] = {}
 
     @property
     def plan_parts(self) -> dict[str, planstore.PartIndex]:
@@ -137,6 +140,12 @@ class ClusterView:
         if info is None:
             return 0
         return sum(1 for g in info.gpus if self.state.usable(g))
+
+    def take_changes(self, job: str) -> Changes:
+        """The nodes whose GPUs (status, speed, power pin) or liveness changed for ``job``
+        since the previous call, for incremental re-planning; a changed rack changes the
+        job's spec object instead (``job_spec``), which re-plans the whole job."""
+        return Changes(nodes=frozenset(self._changed_nodes.pop(job, ())))
 
     def next_event_seq(self) -> int:
         return (self.event_seqs[-1] + 1) if self.event_seqs else 1
@@ -222,7 +231,9 @@ class ClusterView:
         for n in nodes:
             rack = self.node_rack.get(n)
             if rack is not None:
-                jobs |= self.rack_jobs.get(rack, set())
+                for job in self.rack_jobs.get(rack, ()):
+                    jobs.add(job)
+                    self._changed_nodes.setdefault(job, set()).add(n)
         return [(j, cause) for j in sorted(jobs)]
 
     def _fold_health(self, node: str, value: bytes, deleted: bool) -> Dirty:

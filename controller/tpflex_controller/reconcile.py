@@ -22,7 +22,7 @@ from tpflex_proto import keys, types_pb2
 from tpflex_proto.backoff import Backoff
 from tpflex_proto.etcd import Etcd, EtcdError, WatchEvent
 
-from tpflex_controller import convert, planning
+from tpflex_controller import convert
 from tpflex_controller.agent_client import AgentPusher, PushResult
 from tpflex_controller.cache import ClusterView, node_of_key
 from tpflex_controller.damping import FlapDamper
@@ -32,9 +32,9 @@ from tpflex_controller.events import append_event, store_phases
 from tpflex_controller.loader import load_view
 from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.planbytes import PlanEncoder
+from tpflex_controller.planner.incremental import JobPlan, replan
 from tpflex_controller.planner.model import PlanningError
 from tpflex_controller.planning import (
-    PlanFn,
     Planned,
     build_commit,
     build_retire,
@@ -53,7 +53,6 @@ class Reconciler:
         etcd: Etcd,
         metrics: ControllerMetrics,
         *,
-        plan_fn: PlanFn | None = None,
         event_log_size: int = 1000,
         history_size: int = 100,
         agent_timeout: float = 2.0,
@@ -65,7 +64,7 @@ class Reconciler:
     ) -> None:
         self.etcd = etcd
         self.metrics = metrics
-        self._plan_fn = plan_fn or planning.default_plan_fn()
+        self._job_plans: dict[str, JobPlan] = {}  # the last plan of each job (incremental)
         self._event_log_size = event_log_size
         self._history_size = history_size
         self._clock = clock
@@ -178,6 +177,7 @@ class Reconciler:
         view, rev = load_view(self.etcd, self._event_log_size, self._default_policy)
         view.attach_damper(self._damper, time.monotonic)  # held GPUs stay held across re-reads
         self.view, self._loaded_rev, self._need_load = view, rev, False
+        self._job_plans.clear()  # a fresh view: every job is planned whole once
         if self._watch is None:
             self._watch = self.etcd.watch_prefix(
                 keys.PREFIX,
@@ -339,6 +339,7 @@ class Reconciler:
 
     def _reconcile_job(self, job: str, d: DirtyJob) -> None:
         if job not in self.view.snap.jobs:
+            self._job_plans.pop(job, None)
             self._rollouts.forget(job)
             self._retire(job)
             return
@@ -346,10 +347,14 @@ class Reconciler:
         try:
             spec = self.view.job_spec(job)
             overrides = convert.job_overrides(self.view.snap.job_overrides.get(job))
-            result = self._plan_fn(self.view.state, spec, overrides=overrides, now=now)
+            changes = self.view.take_changes(job)
+            jp = replan(self._job_plans.get(job), self.view.state, spec, changes, overrides=overrides)
         except (PlanningError, ValueError) as exc:
+            self._job_plans.pop(job, None)
             self._record_unplannable(job, str(exc), d)
             return
+        self._job_plans[job] = jp
+        result = jp.result
         if self._unplannable.pop(job, None) is not None:
             self.metrics.unplannable_jobs.set(len(self._unplannable))
         prev = self.view.plans.get(job)
