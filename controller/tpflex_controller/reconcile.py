@@ -26,7 +26,6 @@ from tpflex_controller import convert
 from tpflex_controller.agent_client import AgentPusher, PushResult
 from tpflex_controller.cache import ClusterView, node_of_key
 from tpflex_controller.damping import FlapDamper
-from tpflex_controller.dirty import OPERATOR_CAUSES, DirtyJob, coalesce_until
 from tpflex_controller.election import Conflict, LeaderSession, NotLeader
 from tpflex_controller.events import append_event, store_phases
 from tpflex_controller.loader import load_view
@@ -43,6 +42,7 @@ from tpflex_controller.planning import (
     pin_events,
 )
 from tpflex_controller.rollout import Phase, Rollout, RolloutTracker
+from tpflex_controller.workqueue import Action, DirtyJob, Result, WorkQueue
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +69,13 @@ class Reconciler:
         self._history_size = history_size
         self._clock = clock
         self._default_policy = default_policy
-        self._coalesce_s = override_coalesce_s
         self.view = ClusterView(event_log_size, default_policy)
         self._damper = FlapDamper(flap_hold_down_s)
         self.view.damper = self._damper
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._session: LeaderSession | None = None
-        self._dirty: dict[str, DirtyJob] = {}
+        self._queue = WorkQueue(override_coalesce_s)
+        self._conflict_nodes: dict[str, list[str]] = {}  # power keys of a lost CAS
         self._unplannable: dict[str, str] = {}
         self._rollouts = RolloutTracker()
         self._loaded_rev = 0
@@ -133,10 +133,10 @@ class Reconciler:
             self._drain(self._wait_time())
             self._release_held()
             if self._leading():
-                self._reconcile_dirty()
+                self._process_queue()
                 if self._inbox.empty():
                     self._flush_events()
-            if self._freeze_after_pass and not self._dirty:
+            if self._freeze_after_pass and not len(self._queue):
                 self._freeze_after_pass = False
                 gc.freeze()  # the long-lived state (view, memoised plans) leaves the GC's scans
 
@@ -158,9 +158,9 @@ class Reconciler:
     def _wait_time(self) -> float:
         release = self._damper.next_release()
         wait = 1.0 if release is None else max(0.0, min(1.0, release - time.monotonic()))
-        if not self._dirty or not self._leading():
+        soonest = self._queue.next_due()
+        if soonest is None or not self._leading():
             return wait
-        soonest = min(d.not_before for d in self._dirty.values())
         return max(0.0, min(wait, soonest - time.monotonic()))
 
     def _release_held(self) -> None:
@@ -223,7 +223,7 @@ class Reconciler:
             self.metrics.is_leader.set(0)
             self.pusher.cancel_all()
             self._rollouts.clear()
-            self._dirty.clear()
+            self._queue.clear()
             self._unwritten.clear()
             log.warning("controller stopped acting reason=%s", payload)
 
@@ -273,28 +273,16 @@ class Reconciler:
             self.metrics.job_seen(job, len(self.view.snap.jobs[job].replicas))
 
     def _mark(self, job: str, cause: str, at: float, revision: int = 0) -> None:
-        now = time.monotonic()
-        operator = cause in OPERATOR_CAUSES
-        d = self._dirty.get(job)
-        if d is None:
-            d = self._dirty[job] = DirtyJob(cause, at, revision, first_seen=now, urgent=not operator)
-        else:
-            d.revision = max(d.revision, revision)
-            d.urgent = d.urgent or not operator
-            if d.cause == "resync" and cause != "resync":
-                d.cause = cause
-            if not operator and d.attempts == 0:
-                d.not_before = 0.0  # a failure is not held back by an operator burst
-        d.not_before = coalesce_until(d, now, self._coalesce_s)
+        self._queue.mark(job, cause, at, time.monotonic(), revision)
 
     def _forget_handled(self, ev: WatchEvent) -> None:
         """A follower sees the leader commit a plan: the changes before it are handled
         (kept only so that a new leader reports the right cause)."""
         split = keys.split_job_key(ev.key)
         if split is not None and split[1] == "plan":
-            d = self._dirty.get(split[0])
+            d = self._queue.get(split[0])
             if d is not None and d.revision < ev.mod_revision:
-                del self._dirty[split[0]]
+                self._queue.forget(split[0])
 
     def _on_push(self, r: PushResult) -> None:
         if not r.ok:
@@ -310,39 +298,60 @@ class Reconciler:
 
     # ---- deciding ----
 
-    def _reconcile_dirty(self) -> None:
+    def _process_queue(self) -> None:
         if self._repush_after_load:
             self._repush_after_load = False
             self._repush_all()
-        now = time.monotonic()
-        for job in sorted(self._dirty, key=lambda j: self._dirty[j].detected_at):
-            d = self._dirty.get(job)
-            if d is None or d.not_before > now:
-                continue
+        for job, d in self._queue.due(time.monotonic()):
             try:
-                self._reconcile_job(job, d)
-                del self._dirty[job]
+                result = self._reconcile_job(job, d)
             except NotLeader:
                 return
             except Conflict as exc:
                 log.warning("plan commit conflict job=%s error=%s", job, exc)
-                self._need_load = True  # re-read, then decide again
-                return
+                result = Result.CONFLICT
             except EtcdError as exc:
-                d.attempts += 1
-                d.not_before = now + min(2.0, 0.05 * 2**d.attempts)
-                log.warning("plan commit failed job=%s attempt=%d error=%s", job, d.attempts, exc)
+                log.warning("plan commit failed job=%s attempt=%d error=%s", job, d.attempts + 1, exc)
+                result = Result.ETCD_ERROR
             except Exception:  # a bug must not stop the loop for every other job
-                d.attempts += 1
-                d.not_before = now + min(30.0, 0.5 * 2**d.attempts)
-                log.exception("reconcile failed job=%s attempt=%d", job, d.attempts)
+                log.exception("reconcile failed job=%s attempt=%d", job, d.attempts + 1)
+                result = Result.ERROR
+            self.metrics.reconcile_total.labels(result=result.value).inc()
+            if self._queue.settle(job, result, time.monotonic()) is Action.REREAD:
+                self._reread_job(job)
 
-    def _reconcile_job(self, job: str, d: DirtyJob) -> None:
+    def _reread_job(self, job: str) -> None:
+        """After a lost compare-and-swap: read this job's keys (and the power keys the
+        commit compared) again and fold them; the rest of the view stays."""
+        nodes = self._conflict_nodes.pop(job, [])
+        try:
+            kvs, rev = self.etcd.get_prefix(keys.job_prefix(job))
+            power = [(n, self.etcd.get(keys.power(n))) for n in nodes]
+        except EtcdError as exc:
+            log.warning("job re-read failed job=%s error=%s", job, exc)
+            return  # the entry is due again after its backoff
+        found = {kv.key for kv in kvs}
+        folded = [("put", kv.key, kv.value, kv.mod_revision) for kv in kvs]
+        for key in (keys.job_spec(job), keys.job_plan(job)):
+            if key not in found:
+                folded.append(("delete", key, b"", rev))
+        for node, kv in power:
+            if kv is not None:
+                folded.append(("put", kv.key, kv.value, kv.mod_revision))
+            elif node in self.view.power:
+                folded.append(("delete", keys.power(node), b"", rev))
+        at = time.time()
+        for kind, key, value, mod_rev in folded:
+            for j, cause in self.view.fold(kind, key, value, mod_rev):
+                self._mark(j, cause, at, mod_rev)
+        log.info("job re-read after conflict job=%s revision=%d keys=%d", job, rev, len(folded))
+
+    def _reconcile_job(self, job: str, d: DirtyJob) -> Result:
         if job not in self.view.snap.jobs:
             self._job_plans.pop(job, None)
             self._rollouts.forget(job)
             self._retire(job)
-            return
+            return Result.OK
         now = self._clock()
         try:
             spec = self.view.job_spec(job)
@@ -352,15 +361,16 @@ class Reconciler:
         except (PlanningError, ValueError) as exc:
             self._job_plans.pop(job, None)
             self._record_unplannable(job, str(exc), d)
-            return
+            return Result.UNPLANNABLE
         self._job_plans[job] = jp
         result = jp.result
         if self._unplannable.pop(job, None) is not None:
             self.metrics.unplannable_jobs.set(len(self._unplannable))
         prev = self.view.plans.get(job)
         if prev is not None and result.same_decision(prev.decision()):
-            return
+            return Result.OK
         self._commit(Planned(job, result, prev, d.cause, d.detected_at, now))
+        return Result.OK
 
     def _commit(self, p: Planned) -> None:
         session = self._session
@@ -369,7 +379,11 @@ class Reconciler:
         commit, power, event = build_commit(
             self.view, p, history_size=self._history_size, encoder=self._encoder
         )
-        rev = commit_plan(session, commit)
+        try:
+            rev = commit_plan(session, commit)
+        except Conflict:
+            self._conflict_nodes[p.job] = sorted(commit.power)
+            raise
         committed_at = self._clock()
         self.view.record_commit(p, commit, power, rev)
         for node, np in power.items():
@@ -414,6 +428,7 @@ class Reconciler:
         replicas = len(self.view.plans[job].decision().replicas)
         res = session.txn(compare, ops)
         if not res.succeeded:
+            self._conflict_nodes[job] = sorted(power)
             raise Conflict(f"plan of deleted job {job} or its power keys changed since read")
         self.view.forget_plan(job, power, res.revision)
         self._unplannable.pop(job, None)

@@ -75,7 +75,7 @@ def test_plan_encoder_is_byte_identical_to_the_reference_encoding():
 
 
 def test_operator_bursts_are_coalesced_and_failures_are_not():
-    from tpflex_controller.dirty import DirtyJob, coalesce_until
+    from tpflex_controller.workqueue import DirtyJob, coalesce_until
 
     d = DirtyJob("drain", 0.0, first_seen=100.0, urgent=False)
     assert coalesce_until(d, 100.0, 0.25) == 100.25  # quiet period after the latest
