@@ -150,14 +150,15 @@ class PlanLog:
     def _on_events(self, events) -> None:
         now = time.monotonic()
         for ev in events:
-            split = keys.split_job_key(ev.key)
-            if split is None:
+            k = keys.parse(ev.key)
+            if k is None or k.kind not in (keys.Kind.JOB_PLAN, keys.Kind.JOB_ASSIGN):
                 continue
-            folder = self._folders.setdefault(split[0], planstore.JobPlans(split[0]))
+            job = k.name
+            folder = self._folders.setdefault(job, planstore.JobPlans(job))
             plan = folder.fold(ev.key, ev.value, ev.kind == "delete")  # headers and parts
             if plan is not None:
                 with self._lock:
-                    self.plans.setdefault(split[0], []).append((ev.mod_revision, now, plan))
+                    self.plans.setdefault(job, []).append((ev.mod_revision, now, plan))
                     self.last_arrival = now
 
     def count(self) -> int:

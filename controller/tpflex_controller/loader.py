@@ -29,7 +29,7 @@ def load_view(
     for kv in events:
         view.fold("put", kv.key, b"", kv.mod_revision)
     job_keys, _ = etcd.get_prefix(keys.JOBS, keys_only=True)
-    jobs = sorted({split[0] for kv in job_keys if (split := keys.split_job_key(kv.key))})
+    jobs = sorted({k.name for kv in job_keys if (k := keys.parse(kv.key)) is not None})
     for job in jobs:
         # one read per job: its plan's parts sort before its header (planstore)
         kvs, _ = etcd.get_prefix(keys.job_prefix(job))

@@ -21,10 +21,11 @@ import grpc
 from tpflex_proto import keys, types_pb2
 from tpflex_proto.backoff import Backoff
 from tpflex_proto.etcd import Etcd, EtcdError, WatchEvent
+from tpflex_proto.keys import Kind
 
 from tpflex_controller import convert
 from tpflex_controller.agent_client import AgentPusher, PushResult
-from tpflex_controller.cache import ClusterView, node_of_key
+from tpflex_controller.cache import ClusterView
 from tpflex_controller.damping import FlapDamper
 from tpflex_controller.election import Conflict, LeaderSession, NotLeader
 from tpflex_controller.events import append_event, store_phases
@@ -247,30 +248,28 @@ class Reconciler:
                 self._phase_reached(r, Phase.ACKED)
 
     def _after_fold(self, ev: WatchEvent, racks: set[str], acked: dict[str, set[int]]) -> None:
-        key = ev.key
-        node = node_of_key(key)
-        if node is not None:
-            rack = self.view.node_rack.get(node)
+        k = keys.parse(ev.key)
+        if k is None:
+            return
+        kind, name = k.kind, k.name
+        if kind in (Kind.HEALTH, Kind.NODE, Kind.GPU_OVERRIDE):
+            rack = self.view.node_rack.get(name)
             if rack is not None:
                 racks.add(rack)
-            if key.startswith(keys.NODES) and ev.kind == "put" and node in self.view.snap.nodes:
-                self.pusher.set_address(node, self.view.snap.nodes[node].agent_address)
-        elif key.startswith(keys.RACKS):
-            racks.add(key[len(keys.RACKS):])
-        elif key.startswith(keys.POWER) and ev.kind == "put":
-            rec = self.view.power.get(key[len(keys.POWER):])
+            if kind is Kind.NODE and ev.kind == "put" and name in self.view.snap.nodes:
+                self.pusher.set_address(name, self.view.snap.nodes[name].agent_address)
+        elif kind is Kind.RACK:
+            racks.add(name)
+        elif kind is Kind.POWER and ev.kind == "put":
+            rec = self.view.power.get(name)
             if rec is not None:
-                self.metrics.node_power_observed(rec[0].node or key[len(keys.POWER):], rec[0])
-        split = keys.split_job_key(key)
-        if split is None:
-            return
-        job, rest = split
-        if rest.startswith("acks/") and rest[5:].isdigit():
-            acked.setdefault(job, set()).add(int(rest[5:]))
-        elif rest == "plan" and job in self.view.plans and self.view.plans[job].proto is not None:
-            self.metrics.plan_proto_observed(job, self.view.plans[job].proto)
-        elif rest == "spec" and job in self.view.snap.jobs:
-            self.metrics.job_seen(job, len(self.view.snap.jobs[job].replicas))
+                self.metrics.node_power_observed(rec[0].node or name, rec[0])
+        elif kind is Kind.JOB_ACK:
+            acked.setdefault(name, set()).add(k.number)
+        elif kind is Kind.JOB_PLAN and name in self.view.plans and self.view.plans[name].proto is not None:
+            self.metrics.plan_proto_observed(name, self.view.plans[name].proto)
+        elif kind is Kind.JOB_SPEC and name in self.view.snap.jobs:
+            self.metrics.job_seen(name, len(self.view.snap.jobs[name].replicas))
 
     def _mark(self, job: str, cause: str, at: float, revision: int = 0) -> None:
         self._queue.mark(job, cause, at, time.monotonic(), revision)
@@ -278,11 +277,11 @@ class Reconciler:
     def _forget_handled(self, ev: WatchEvent) -> None:
         """A follower sees the leader commit a plan: the changes before it are handled
         (kept only so that a new leader reports the right cause)."""
-        split = keys.split_job_key(ev.key)
-        if split is not None and split[1] == "plan":
-            d = self._queue.get(split[0])
+        k = keys.parse(ev.key)
+        if k is not None and k.kind is Kind.JOB_PLAN:
+            d = self._queue.get(k.name)
             if d is not None and d.revision < ev.mod_revision:
-                self._queue.forget(split[0])
+                self._queue.forget(k.name)
 
     def _on_push(self, r: PushResult) -> None:
         if not r.ok:

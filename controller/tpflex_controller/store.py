@@ -15,6 +15,7 @@ from typing import TypeVar
 from google.protobuf.message import Message
 from tpflex_proto import codec, keys, planstore, types_pb2
 from tpflex_proto.etcd import Cmp, Etcd, KeyValue, Op
+from tpflex_proto.keys import Kind
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +110,11 @@ class Store:
         listed, _ = self.etcd.get_prefix(keys.JOBS, keys_only=True)
         out: dict[str, types_pb2.JobSpec] = {}
         for kv in listed:
-            split = keys.split_job_key(kv.key)
-            if split is not None and split[1] == "spec":
-                spec = self.job(split[0])
+            k = keys.parse(kv.key)
+            if k is not None and k.kind is Kind.JOB_SPEC:
+                spec = self.job(k.name)
                 if spec is not None:
-                    out[split[0]] = spec
+                    out[k.name] = spec
         return out
 
     def spec_guard_revision(self) -> int:
@@ -220,30 +221,30 @@ def _unchanged(key: str, mod_revision: int):
 def apply_kv(snap: Snapshot, kv: KeyValue, deleted: bool = False) -> bool:
     """Fold one key-value (or its deletion) into a snapshot; returns whether the key is
     one the planner cares about. Used for the initial read and for every watch event."""
-    key = kv.key
-    if key.startswith(keys.RACKS):
-        return _fold(snap.racks, key[len(keys.RACKS):], types_pb2.Rack, kv, deleted)
-    if key.startswith(keys.NODES):
-        return _fold(snap.nodes, key[len(keys.NODES):], types_pb2.Node, kv, deleted)
-    if key.startswith(keys.HEALTH):
-        return _fold(snap.health, key[len(keys.HEALTH):], types_pb2.NodeHealth, kv, deleted)
-    if key.startswith(keys.GPU_OVERRIDES):
-        node, _, idx = key[len(keys.GPU_OVERRIDES):].rpartition("/")
-        if not idx.isdigit():
-            log.warning("skipping malformed etcd key key=%s", key)
-            return False
-        return _fold(snap.gpu_overrides, (node, int(idx)), types_pb2.GpuOverride, kv, deleted)
-    if key.startswith(keys.JOB_OVERRIDES):
-        return _fold(snap.job_overrides, key[len(keys.JOB_OVERRIDES):], types_pb2.JobOverride, kv, deleted)
-    split = keys.split_job_key(key)
-    if split is not None:
-        job, rest = split
-        if rest == "spec":
-            return _fold(snap.jobs, job, types_pb2.JobSpec, kv, deleted)
-        pk = planstore.parse_key(key)
-        if pk is not None and pk.kind != "history":
-            return fold_plan_key(snap, pk, kv, deleted)
+    k = keys.parse(kv.key)
+    if k is None:
+        if kv.key.startswith(keys.GPU_OVERRIDES):
+            log.warning("skipping malformed etcd key key=%s", kv.key)
+        return False
+    if k.kind is Kind.GPU_OVERRIDE:
+        return _fold(snap.gpu_overrides, (k.name, k.number), types_pb2.GpuOverride, kv, deleted)
+    table = _TABLES.get(k.kind)
+    if table is not None:
+        attr, cls = table
+        return _fold(getattr(snap, attr), k.name, cls, kv, deleted)
+    if k.kind in (Kind.JOB_PLAN, Kind.JOB_ASSIGN):
+        pk = planstore.PlanKey("header" if k.kind is Kind.JOB_PLAN else "part", k.name, k.number, k.position)
+        return fold_plan_key(snap, pk, kv, deleted)
     return False
+
+
+_TABLES = {
+    Kind.RACK: ("racks", types_pb2.Rack),
+    Kind.NODE: ("nodes", types_pb2.Node),
+    Kind.HEALTH: ("health", types_pb2.NodeHealth),
+    Kind.JOB_OVERRIDE: ("job_overrides", types_pb2.JobOverride),
+    Kind.JOB_SPEC: ("jobs", types_pb2.JobSpec),
+}
 
 
 ASSEMBLER = planstore.Assembler()  # one per process: it only remembers caps' GPUs

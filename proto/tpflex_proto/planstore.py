@@ -60,22 +60,16 @@ class PlanKey:
     position: int = 0
 
 
+_PLAN_KINDS = {keys.Kind.JOB_PLAN: "header", keys.Kind.JOB_HISTORY: "history", keys.Kind.JOB_ASSIGN: "part"}
+
+
 def parse_key(key: str) -> PlanKey | None:
     """The plan-layout meaning of an etcd key; None for any other key."""
-    split = keys.split_job_key(key)
-    if split is None:
+    k = keys.parse(key)
+    kind = _PLAN_KINDS.get(k.kind) if k is not None else None
+    if kind is None:
         return None
-    job, rest = split
-    if rest == "plan":
-        return PlanKey("header", job)
-    head, _, tail = rest.partition("/")
-    if head == "history" and tail.isdigit():
-        return PlanKey("history", job, int(tail))
-    if head == "assign":
-        gen, _, pos = tail.partition("/")
-        if gen.isdigit() and pos.isdigit():
-            return PlanKey("part", job, int(gen), int(pos))
-    return None
+    return PlanKey(kind, k.name, k.number, k.position)
 
 
 # ---- wire format (top-level fields only) ----

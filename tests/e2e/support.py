@@ -24,8 +24,9 @@ def etcd_history(etcd: Etcd, prefix: str, message_type, timeout: float = 10.0) -
     """Every value ever put under ``prefix`` (decoded), in revision order: a watch from
     revision 1 replays the history (nothing here compacts etcd). For ``Plan``, the whole
     plans of the job whose plan key ``prefix`` is (headers and parts, planstore)."""
+    job = keys.parse(prefix).name if message_type is types_pb2.Plan else ""
     if message_type is types_pb2.Plan:
-        prefix = keys.job_prefix(keys.split_job_key(prefix)[0])
+        prefix = keys.job_prefix(job)
     kvs, _ = etcd.get_prefix(prefix)
     last = max((kv.mod_revision for kv in kvs), default=0)
     events: list = []
@@ -44,7 +45,7 @@ def etcd_history(etcd: Etcd, prefix: str, message_type, timeout: float = 10.0) -
         watch.cancel()
     events = [e for e in events if e.mod_revision <= last]
     if message_type is types_pb2.Plan:  # a job's plans: headers and parts (planstore)
-        folder = planstore.JobPlans(keys.split_job_key(prefix)[0])
+        folder = planstore.JobPlans(job)
         plans = (folder.fold(e.key, e.value, e.kind == "delete") for e in events)
         return [p for p in plans if p is not None]
     return [codec.decode(message_type, e.value, e.key) for e in events if e.kind == "put"]
