@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto import codec, keys, planstore, types_pb2
 from tpflex_trainer.demo.cluster import DemoPorts, PortsTaken, check_ports_free
 from tpflex_trainer.demo.story import JOB, RACKS, Story, StoryConfig
 from tpflex_trainer.demo.summary import phase_timings
@@ -127,8 +127,7 @@ class Bench:
         self.wait_training(self.plan_ranks(plan), self.generation, t, steps=STEPS_BETWEEN)
 
     def restart_run(self) -> float:
-        kv = self.story.cluster.etcd.get(keys.job_plan(JOB))
-        plan = codec.decode(types_pb2.Plan, kv.value, kv.key)
+        plan = planstore.read_plan(self.story.cluster.etcd, JOB)
         t0 = time.time()
         self.launcher.restart_all(plan)
         t_all = self.wait_training(self.plan_ranks(plan), plan.generation, t0)

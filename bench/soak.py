@@ -48,7 +48,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, types_pb2
+from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, planstore, types_pb2
 from tpflex_proto.devtools.etcd_server import EtcdCluster
 from tpflex_proto.devtools.ports import free_ports
 from tpflex_proto.etcd import Etcd
@@ -129,10 +129,9 @@ class SoakCluster(DemoCluster):
 
     def plan(self) -> tuple[int, set[tuple[str, int]]]:
         """The job's plan generation and the GPUs it uses."""
-        kv = self.etcd.get(keys.job_plan(JOB))
-        if kv is None:
+        plan = planstore.read_plan(self.etcd, JOB)  # header + per-replica parts
+        if plan is None:
             return 0, set()
-        plan = codec.decode(types_pb2.Plan, kv.value)
         return plan.generation, {(g.node, g.index) for rep in plan.replicas if rep.tp_degree
                                  for st in rep.stages for g in st.gpus}
 

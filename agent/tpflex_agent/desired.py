@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass
 
 from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.backoff import Backoff
 from tpflex_proto.etcd import Etcd, EtcdError, WatchEvent
 
 from .core import AgentCore
@@ -115,7 +116,7 @@ class PowerAuthority:
     # ---- etcd ----
 
     def _run(self) -> None:
-        backoff = 0.1
+        backoff = Backoff(0.1, 2.0)
         while not self._stop.is_set():
             try:
                 kvs, rev = self.etcd.get_prefix(self.key)
@@ -125,8 +126,7 @@ class PowerAuthority:
                 break
             except EtcdError as exc:
                 log.info("desired caps not readable yet node=%s error=%s", self.core.node, exc)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 2.0)
+                self._stop.wait(backoff.next())
         else:
             return
         self._watch = self.etcd.watch_prefix(self.key, self._on_events, start_revision=rev + 1,

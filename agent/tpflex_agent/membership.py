@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.backoff import Backoff
 from tpflex_proto.etcd import Etcd, EtcdError, EtcdUnavailable, Op
 
 from .core import AgentCore
@@ -93,12 +94,13 @@ class Membership:
                  self.core.rack, lease, self.ttl_s)
 
     def _run(self) -> None:
-        backoff, last_ok = 0.1, time.monotonic()
+        backoff, last_ok = Backoff(0.1, max(self.ttl_s / 3, 0.2)), time.monotonic()
         while not self._stop.is_set():
             try:
                 if not self.lease_id:
                     self._register()
-                    last_ok, backoff = time.monotonic(), 0.1
+                    last_ok = time.monotonic()
+                    backoff.reset()
                 if self._stop.wait(self.ttl_s / 3):
                     return
                 if self.etcd.keepalive_once(self.lease_id) > 0:
@@ -112,9 +114,8 @@ class Membership:
                     self._drop_lease()
                 level = logging.INFO if isinstance(exc, EtcdUnavailable) else logging.WARNING
                 log.log(level, "etcd unreachable node=%s error=%s", self.core.node, exc)
-                if self._stop.wait(backoff):
+                if self._stop.wait(backoff.next()):
                     return
-                backoff = min(backoff * 2, max(self.ttl_s / 3, 0.2))
 
     def _drop_lease(self) -> None:
         with self._lock:

@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
-from tpflex_proto import agent_pb2, agent_pb2_grpc, types_pb2
+from tpflex_proto import agent_pb2, agent_pb2_grpc, backoff, types_pb2
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ class AgentPusher:
                 return
             if retry:
                 lo, hi = self._backoff
-                self._schedule(node, min(hi, lo * 2 ** (attempts - 1)))
+                self._schedule(node, backoff.delay(attempts, lo, hi))
                 return
             del self._targets[node]
         self._on_result(result)

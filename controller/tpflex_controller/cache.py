@@ -13,13 +13,15 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto import codec, keys, planstore, types_pb2
 from tpflex_proto.etcd import KeyValue
+from tpflex_proto.keys import Key, Kind
 
 from tpflex_controller import convert
 from tpflex_controller.damping import FlapDamper
+from tpflex_controller.planner.incremental import Changes
 from tpflex_controller.planner.model import (
     ClusterState,
     GpuKey,
@@ -29,7 +31,13 @@ from tpflex_controller.planner.model import (
     PlanResult,
     RackInfo,
 )
-from tpflex_controller.store import Snapshot, apply_kv, decode_or_skip
+from tpflex_controller.store import (
+    ASSEMBLER,
+    Snapshot,
+    apply_kv,
+    decode_or_skip,
+    fold_plan_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +56,9 @@ class PlanRecord:
     generation: int
     mod_revision: int
     proto: types_pb2.Plan | None
-    raw: bytes
+    raw: bytes  # the stored header (tpflex_proto.planstore)
     result: PlanResult | None = None  # converted lazily (or kept from our own commit)
+    parts: list[bytes] = field(default_factory=list)  # the stored part of each replica
 
     def decision(self) -> PlanResult:
         if self.result is None:
@@ -90,6 +99,12 @@ class ClusterView:
         # older than what was read; folding them would move the view back in time
         self._key_revs: dict[str, int] = {}
         self.damper_clock: Callable[[], float] = time.monotonic
+        # per job, the nodes whose planner input changed since its last plan (take_changes)
+        self._changed_nodes: dict[str, set[str]] = {}
+
+    @property
+    def plan_parts(self) -> dict[str, planstore.PartIndex]:
+        return self.snap.plan_parts
 
     # ---- queries ----
 
@@ -127,6 +142,12 @@ class ClusterView:
             return 0
         return sum(1 for g in info.gpus if self.state.usable(g))
 
+    def take_changes(self, job: str) -> Changes:
+        """The nodes whose GPUs (status, speed, power pin) or liveness changed for ``job``
+        since the previous call, for incremental re-planning; a changed rack changes the
+        job's spec object instead (``job_spec``), which re-plans the whole job."""
+        return Changes(nodes=frozenset(self._changed_nodes.pop(job, ())))
+
     def next_event_seq(self) -> int:
         return (self.event_seqs[-1] + 1) if self.event_seqs else 1
 
@@ -137,8 +158,16 @@ class ClusterView:
         it wrote are marked as folded at ``rev``, so that the watch's late delivery of an
         earlier commit cannot move the view back (a stale plan revision would make the
         next commit lose its compare-and-swap)."""
-        self.plans[p.job] = PlanRecord(commit.generation, rev, None, commit.plan_bytes, p.result)
+        self.plans[p.job] = PlanRecord(commit.generation, rev, None, commit.header, p.result, commit.all_parts)
         self._key_revs[keys.job_plan(p.job)] = rev
+        index = self.plan_parts.setdefault(p.job, planstore.PartIndex())
+        for gen in commit.clear_generations:
+            for pos in [pos for pos, gens in index.gens.items() if gen in gens]:
+                index.remove(gen, pos)
+        for pos, part in commit.parts.items():
+            index.add(commit.generation, pos, part)
+        for gen, pos in commit.trim_parts:
+            index.remove(gen, pos)
         self.snap.plans.pop(p.job, None)  # decoded lazily by readers that need the proto
         for node, np in power.items():
             self.power[node] = (np, rev)
@@ -152,6 +181,7 @@ class ClusterView:
         """Fold the removal of a deleted job's plan this process made at ``rev``."""
         self.plans.pop(job, None)
         self.snap.plans.pop(job, None)
+        self.snap.plan_parts.pop(job, None)
         self.acks.pop(job, None)
         self._key_revs[keys.job_plan(job)] = rev
         for node, np in power.items():
@@ -162,33 +192,23 @@ class ClusterView:
 
     def fold(self, kind: str, key: str, value: bytes, mod_revision: int) -> Dirty:
         """Fold one watch event (or one key of a full read) into the view."""
-        if mod_revision and not key.startswith(keys.EVENTS):
+        k = keys.parse(key)
+        if k is None:
+            if key.startswith(keys.GPU_OVERRIDES):
+                log.warning("skipping malformed etcd key key=%s", key)
+            return []
+        if k.kind is Kind.JOB_ASSIGN:  # written once, never moves back
+            part = planstore.PlanKey("part", k.name, k.number, k.position)
+            fold_plan_key(self.snap, part, self._kv(key, value, mod_revision), kind == "delete")
+            return []
+        fold = self._FOLDS.get(k.kind)
+        if fold is None:
+            return []
+        if mod_revision and k.kind is not Kind.EVENT:
             if mod_revision < self._key_revs.get(key, 0):
                 return []
             self._key_revs[key] = mod_revision
-        deleted = kind == "delete"
-        if key.startswith(keys.HEALTH):
-            return self._fold_health(key[len(keys.HEALTH):], value, deleted)
-        if key.startswith(keys.NODES):
-            return self._fold_node(key[len(keys.NODES):], value, mod_revision, deleted)
-        if key.startswith(keys.RACKS):
-            return self._fold_rack(key, value, mod_revision, deleted)
-        if key.startswith(keys.POWER):
-            return self._fold_power(key, value, mod_revision, deleted)
-        if key.startswith(keys.EVENTS):
-            return self._fold_event(key, deleted)
-        if key.startswith(keys.OVERRIDES):
-            return self._fold_override(key, value, mod_revision, deleted)
-        split = keys.split_job_key(key)
-        if split is not None:
-            job, rest = split
-            if rest == "spec":
-                return self._fold_spec(job, key, value, mod_revision, deleted)
-            if rest == "plan":
-                return self._fold_plan(job, key, value, mod_revision, deleted)
-            if rest.startswith("acks/"):
-                return self._fold_ack(job, key, value, deleted)
-        return []
+        return fold(self, k, key, value, mod_revision, kind == "delete")
 
     def _kv(self, key: str, value: bytes, mod_revision: int) -> KeyValue:
         return KeyValue(key, value, 0, mod_revision, 0, 0)
@@ -198,8 +218,13 @@ class ClusterView:
         for n in nodes:
             rack = self.node_rack.get(n)
             if rack is not None:
-                jobs |= self.rack_jobs.get(rack, set())
+                for job in self.rack_jobs.get(rack, ()):
+                    jobs.add(job)
+                    self._changed_nodes.setdefault(job, set()).add(n)
         return [(j, cause) for j in sorted(jobs)]
+
+    def _fold_health_key(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+        return self._fold_health(k.name, value, deleted)
 
     def _fold_health(self, node: str, value: bytes, deleted: bool) -> Dirty:
         new_status: dict[GpuKey, GpuStatus] = {}
@@ -280,7 +305,8 @@ class ClusterView:
         else:
             _set(self.gpu_status, gpu, health)
 
-    def _fold_node(self, node: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+    def _fold_node(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+        node = k.name
         if deleted:
             self.snap.nodes.pop(node, None)
             if node not in self.live_nodes:
@@ -294,8 +320,8 @@ class ClusterView:
         self.live_nodes.add(node)
         return self._jobs_of_nodes([node], "node_joined")
 
-    def _fold_rack(self, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
-        name = key[len(keys.RACKS):]
+    def _fold_rack(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+        name = k.name
         if not apply_kv(self.snap, self._kv(key, value, rev), deleted) and not deleted:
             return []  # malformed: keep what we had
         old = self.racks.pop(name, None)
@@ -313,8 +339,8 @@ class ClusterView:
             self._job_specs.pop(j, None)
         return [(j, "rack_changed") for j in sorted(jobs)]
 
-    def _fold_power(self, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
-        node = key[len(keys.POWER):]
+    def _fold_power(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+        node = k.name
         if deleted:
             self.power.pop(node, None)
             return []
@@ -323,11 +349,8 @@ class ClusterView:
             self.power[node] = (msg, rev)
         return []
 
-    def _fold_event(self, key: str, deleted: bool) -> Dirty:
-        tail = key[len(keys.EVENTS):]
-        if not tail.isdigit():
-            return []
-        seq = int(tail)
+    def _fold_event(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+        seq = k.number
         if deleted:
             if seq in self.event_seqs:
                 self.event_seqs.remove(seq)
@@ -335,15 +358,13 @@ class ClusterView:
             self.event_seqs.append(seq)
         return []
 
-    def _fold_override(self, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
-        if key.startswith(keys.JOB_OVERRIDES):
-            job = key[len(keys.JOB_OVERRIDES):]
-            if apply_kv(self.snap, self._kv(key, value, rev), deleted):
-                return [(job, "override")]
-            return []
-        gpu_key = _gpu_override_key(key)
-        if gpu_key is None:
-            return []
+    def _fold_job_override(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+        if apply_kv(self.snap, self._kv(key, value, rev), deleted):
+            return [(k.name, "override")]
+        return []
+
+    def _fold_gpu_override(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+        gpu_key = (k.name, k.number)
         before = self.snap.gpu_overrides.get(gpu_key)
         apply_kv(self.snap, self._kv(key, value, rev), deleted)
         after = self.snap.gpu_overrides.get(gpu_key)
@@ -362,7 +383,8 @@ class ClusterView:
             return self._jobs_of_nodes([gpu_key[0]], "power_pin")
         return []
 
-    def _fold_spec(self, job: str, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+    def _fold_spec(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+        job = k.name
         if not apply_kv(self.snap, self._kv(key, value, rev), deleted) and not deleted:
             return []  # malformed: keep what we had
         for jobs in self.rack_jobs.values():
@@ -376,69 +398,56 @@ class ClusterView:
             self.rack_jobs.setdefault(name, set()).add(job)
         return [(job, "job_spec")]
 
-    def _fold_plan(self, job: str, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+    def _fold_plan(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+        job = k.name
         if deleted:
             self.plans.pop(job, None)
             self.snap.plans.pop(job, None)
+            self.snap.plan_parts.pop(job, None)
             return [(job, "resync")]
         known = self.plans.get(job)
         if known is not None and known.raw == value:
             known.mod_revision = rev  # our own commit, seen again through the watch
             return []
         try:
-            proto = decode_plan(value, key)
-        except codec.MalformedValue as exc:
+            header = decode_plan(value, key)
+            parts = []
+            if header.split:
+                index = self.plan_parts.get(job) or planstore.PartIndex()
+                parts = index.select(header.generation, header.stored_replicas, key)
+            proto = planstore.decode_plan(ASSEMBLER.whole(value, parts), key) if header.split else header
+        except (codec.MalformedValue, ValueError) as exc:
             log.warning("skipping malformed etcd value key=%s error=%s", key, exc)
             return []
-        self.plans[job] = PlanRecord(proto.generation, rev, proto, value)
+        self.plans[job] = PlanRecord(proto.generation, rev, proto, value, parts=parts)
         self.snap.plans[job] = proto
         return [(job, "resync")]
 
-    def _fold_ack(self, job: str, key: str, value: bytes, deleted: bool) -> Dirty:
-        rank_s = key.rsplit("/", 1)[-1]
-        if not rank_s.isdigit():
-            return []
-        acks = self.acks.setdefault(job, {})
+    def _fold_ack(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+        acks = self.acks.setdefault(k.name, {})
         if deleted:
-            acks.pop(int(rank_s), None)
+            acks.pop(k.number, None)
             return []
         ack = decode_or_skip(types_pb2.Ack, self._kv(key, value, 0))
         if ack is not None:
-            acks[int(rank_s)] = ack.generation
+            acks[k.number] = ack.generation
         return []
 
-
-def decode_plan(value: bytes, key: str) -> types_pb2.Plan:
-    """Decode a plan with a top-level schema check only (a plan can hold 70k GPU refs)."""
-    from google.protobuf import unknown_fields
-    from google.protobuf.message import DecodeError
-
-    plan = types_pb2.Plan()
-    try:
-        plan.ParseFromString(value)
-    except (DecodeError, RuntimeError, ValueError) as exc:
-        raise codec.MalformedValue(key, "Plan", str(exc)) from exc
-    if len(unknown_fields.UnknownFieldSet(plan)):
-        raise codec.MalformedValue(key, "Plan", "unknown fields")
-    return plan
+    _FOLDS = {
+        Kind.HEALTH: _fold_health_key,
+        Kind.NODE: _fold_node,
+        Kind.RACK: _fold_rack,
+        Kind.POWER: _fold_power,
+        Kind.EVENT: _fold_event,
+        Kind.JOB_OVERRIDE: _fold_job_override,
+        Kind.GPU_OVERRIDE: _fold_gpu_override,
+        Kind.JOB_SPEC: _fold_spec,
+        Kind.JOB_PLAN: _fold_plan,
+        Kind.JOB_ACK: _fold_ack,
+    }
 
 
-def node_of_key(key: str) -> str | None:
-    """The node a health, registration or GPU-override key is about."""
-    for prefix in (keys.HEALTH, keys.NODES):
-        if key.startswith(prefix):
-            return key[len(prefix):]
-    if key.startswith(keys.GPU_OVERRIDES):
-        return key[len(keys.GPU_OVERRIDES):].rpartition("/")[0] or None
-    return None
-
-
-def _gpu_override_key(key: str) -> GpuKey | None:
-    node, _, idx = key[len(keys.GPU_OVERRIDES):].rpartition("/")
-    if not idx.isdigit() or not node:
-        log.warning("skipping malformed etcd key key=%s", key)
-        return None
-    return (node, int(idx))
+decode_plan = planstore.decode_plan
 
 
 def _set(table: dict, key, value) -> None:

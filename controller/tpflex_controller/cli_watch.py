@@ -4,10 +4,11 @@ live stream: no polling), and ``tpflexctl completion bash|zsh``."""
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from collections.abc import Callable
+
+from tpflex_proto import backoff
 
 from tpflex_controller.cli_http import Client, CliError
 
@@ -27,7 +28,7 @@ def _follow(client: Client, on_message: Callable[[str, object], None], err: Prin
             if exc.exit_code == 2:
                 raise
             failures += 1
-            delay = min(10.0, 0.5 * 2 ** failures) * random.uniform(0.5, 1.0)
+            delay = backoff.delay(failures, 1.0, 10.0)
             err(f"tpflexctl: {exc}; reconnecting in {delay:.1f} s")
             time.sleep(delay)
             continue

@@ -17,9 +17,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.backoff import Backoff
 from tpflex_proto.etcd import Cmp, Etcd, EtcdError, Op, TxnResult, WatchEvent
 
 log = logging.getLogger(__name__)
@@ -36,22 +36,6 @@ class NotLeader(Exception):
 
 class Conflict(Exception):
     """A compare-and-swap lost: the state in etcd is not the one the write was based on."""
-
-
-@dataclass
-class PlanCommit:
-    """Everything one plan generation writes, in one fenced transaction."""
-
-    job: str
-    generation: int
-    plan_bytes: bytes  # encoded types_pb2.Plan of this generation
-    prev_plan_mod_revision: int  # 0 = the job has no plan yet
-    # node -> (encoded NodePowerPlan, mod revision of power/<node> it replaces; 0 = none)
-    power: dict[str, tuple[bytes, int]] = field(default_factory=dict)
-    event_seq: int = 0
-    event_bytes: bytes = b""
-    trim_event_seq: int = 0  # an event key to delete (the oldest beyond the bound); 0 = none
-    trim_history_generation: int = 0  # a history generation to delete; 0 = none
 
 
 class LeaderSession:
@@ -117,29 +101,6 @@ class LeaderSession:
 
     def delete_keys(self, names: Sequence[str]) -> int:
         return self.txn(success=[Op.delete(k) for k in names]).revision
-
-    def commit_plan(self, c: PlanCommit) -> int:
-        """Commit a plan generation by compare-and-swap; returns the etcd revision.
-
-        Raises Conflict when the plan or a power key moved since it was read."""
-        compare = [Cmp.mod_revision(keys.job_plan(c.job), "==", c.prev_plan_mod_revision)]
-        ops = [
-            Op.put(keys.job_plan(c.job), c.plan_bytes),
-            Op.put(keys.job_plan_history(c.job, c.generation), c.plan_bytes),
-        ]
-        for node, (value, mod_rev) in sorted(c.power.items()):
-            compare.append(Cmp.mod_revision(keys.power(node), "==", mod_rev))
-            ops.append(Op.put(keys.power(node), value))
-        if c.event_seq:
-            ops.append(Op.put(keys.event(c.event_seq), c.event_bytes))
-        if c.trim_event_seq:
-            ops.append(Op.delete(keys.event(c.trim_event_seq)))
-        if c.trim_history_generation:
-            ops.append(Op.delete(keys.job_plan_history(c.job, c.trim_history_generation)))
-        res = self.txn(compare, ops)
-        if not res.succeeded:
-            raise Conflict(f"plan of job {c.job} or its power keys changed since read")
-        return res.revision
 
 
 class Elector:
@@ -233,15 +194,14 @@ class Elector:
     # ---- campaign ----
 
     def _run(self) -> None:
-        backoff = 0.1
+        backoff = Backoff(0.1, 1.0)
         while not self._stop.is_set():
             try:
                 session = self._campaign_once()
-                backoff = 0.1
+                backoff.reset()
             except EtcdError as exc:
                 log.info("leader campaign failed id=%s error=%s", self.identity, exc)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 1.0)
+                self._stop.wait(backoff.next())
                 continue
             if session is None:
                 self._wake.wait(max(self.ttl / 3, 0.2))

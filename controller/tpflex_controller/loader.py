@@ -1,6 +1,6 @@
 """Reading the whole controller state into a fresh :class:`ClusterView` (start-up, leader
-take-over, resync after compaction). Plan history is never read: only key names where
-they are needed, so a re-read costs O(current state), not O(history)."""
+take-over, resync after compaction). Plan history headers are skipped (the parts the kept
+generations share are read with the current plan), so a re-read costs O(current state)."""
 
 from __future__ import annotations
 
@@ -29,13 +29,11 @@ def load_view(
     for kv in events:
         view.fold("put", kv.key, b"", kv.mod_revision)
     job_keys, _ = etcd.get_prefix(keys.JOBS, keys_only=True)
-    jobs = sorted({split[0] for kv in job_keys if (split := keys.split_job_key(kv.key))})
+    jobs = sorted({k.name for kv in job_keys if (k := keys.parse(kv.key)) is not None})
     for job in jobs:
-        for key in (keys.job_spec(job), keys.job_plan(job)):
-            kv = etcd.get(key)
-            if kv is not None:
+        # one read per job: its plan's parts sort before its header (planstore)
+        kvs, _ = etcd.get_prefix(keys.job_prefix(job))
+        for kv in kvs:
+            if not kv.key.startswith(keys.job_plan_histories(job)):
                 view.fold("put", kv.key, kv.value, kv.mod_revision)
-        acks, _ = etcd.get_prefix(keys.job_acks(job))
-        for kv in acks:
-            view.fold("put", kv.key, kv.value, kv.mod_revision)
     return view, first_rev

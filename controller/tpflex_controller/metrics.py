@@ -29,6 +29,9 @@ CAUSES = (
 # the ``phase`` label of tpflex_reconfiguration_seconds: time from detection to ...
 PHASES = ("committed", "power_applied", "acked")
 
+# the ``result`` label of tpflex_reconcile_total (workqueue.Result)
+RECONCILE_RESULTS = ("ok", "conflict", "etcd_error", "unplannable", "error")
+
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -75,6 +78,14 @@ class ControllerMetrics:
             ["training_job"],
             registry=registry,
         )
+        self.reconcile_total = Counter(
+            "tpflex_reconcile_total",
+            "Reconciles of a job by the leader, by result (the work queue's outcome table)",
+            ["result"],
+            registry=registry,
+        )
+        for result in RECONCILE_RESULTS:
+            self.reconcile_total.labels(result=result)
         self.is_leader = Gauge(
             "tpflex_controller_is_leader",
             "1 while this controller process is the elected leader",

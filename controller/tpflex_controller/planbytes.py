@@ -14,7 +14,12 @@ from __future__ import annotations
 from tpflex_proto import codec, types_pb2
 
 from tpflex_controller import convert
-from tpflex_controller.planner.model import GpuKey, PlanResult, Policy, ReplicaAssignment
+from tpflex_controller.planner.model import (
+    GpuKey,
+    PlanResult,
+    Policy,
+    ReplicaAssignment,
+)
 
 
 class PlanEncoder:
@@ -25,6 +30,8 @@ class PlanEncoder:
         self._replicas: dict[ReplicaAssignment, bytes] = {}
         self._caps: dict[tuple[GpuKey, float], bytes] = {}
         self._max = max_cached
+        # job -> (replicas of its last split, GPU -> position): see _positions
+        self._layout: dict[str, tuple[tuple[ReplicaAssignment, ...], dict[GpuKey, int]]] = {}
 
     def encode(self, result: PlanResult, generation: int, *, cause: str = "", now: float = 0.0) -> bytes:
         bare = PlanResult(
@@ -47,6 +54,66 @@ class PlanEncoder:
         parts.extend(self._cap_bytes(gpu, caps[gpu]) for gpu in sorted(caps))
         parts.append(codec.encode(whole))
         return b"".join(parts)
+
+    def split(
+        self, result: PlanResult, generation: int, *, cause: str = "", now: float = 0.0
+    ) -> tuple[bytes, list[bytes]]:
+        """The stored form of a plan (tpflex_proto.planstore): the header and one part per
+        replica (its ReplicaPlan and the caps of its GPUs). Unchanged replicas give the
+        same bytes objects as last time; O(replicas changed since the job's last split +
+        caps)."""
+        positions = self._positions(result)
+        caps = result.power_caps
+        by_pos: dict[int, list[GpuKey]] = {}
+        outside: list[GpuKey] = []
+        for gpu in caps:
+            pos = positions.get(gpu)
+            if pos is None:
+                outside.append(gpu)
+            else:
+                by_pos.setdefault(pos, []).append(gpu)
+        parts = []
+        for i, r in enumerate(result.replicas):
+            data = self._replica_bytes(r)
+            mine = by_pos.get(i)
+            if mine:
+                data = data + b"".join(self._cap_bytes(g, caps[g]) for g in sorted(mine))
+            parts.append(data)
+        bare = PlanResult(
+            job=result.job,
+            policy=result.policy,
+            replicas=(),
+            power_caps={g: caps[g] for g in outside},
+            expected_throughput_ratio=result.expected_throughput_ratio,
+            reasons=result.reasons,
+            suspended_pins=result.suspended_pins,
+        )
+        header = convert.plan_to_proto(bare, generation, cause=cause, now=now)
+        header.split = True
+        header.stored_replicas = len(parts)
+        return codec.encode(header), parts
+
+    def _positions(self, result: PlanResult) -> dict[GpuKey, int]:
+        """GPU -> position of the replica holding it, kept per job across generations and
+        updated for the replicas that changed."""
+        last, table = self._layout.get(result.job, ((), {}))
+        new = result.replicas
+        if len(last) != len(new):
+            last, table = (), {}
+        for i, r in enumerate(new):
+            old = last[i] if last else None
+            if old is r:
+                continue
+            if old is not None:
+                for st in old.stages:
+                    for g in st.gpus:
+                        if table.get(g) == i:
+                            del table[g]
+            for st in r.stages:
+                for g in st.gpus:
+                    table[g] = i
+        self._layout[result.job] = (new, table)
+        return table
 
     def _cap_bytes(self, gpu: GpuKey, watts: float) -> bytes:
         key = (gpu, watts)

@@ -6,10 +6,8 @@ import logging
 import queue
 import threading
 
-from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto import codec, keys, planstore, types_pb2
 from tpflex_proto.etcd import Etcd, Watch, WatchEvent
-
-from tpflex_controller.cache import decode_plan
 
 log = logging.getLogger(__name__)
 
@@ -48,15 +46,19 @@ class PlanFeed:
         self._subs: dict[str, set[Subscription]] = {}
         self._watches: dict[str, Watch] = {}
         self._live_watches: dict[str, Watch] = {}
+        self._plans: dict[str, planstore.JobPlans] = {}  # per watched job (planstore)
+        self._assembler = planstore.Assembler()
 
     def subscribe(self, job: str) -> Subscription:
         sub = Subscription(job)
         with self._lock:
             self._subs.setdefault(job, set()).add(sub)
             if job not in self._watches:
-                _, rev = self.etcd.get_prefix(keys.job_plan(job))
+                kvs, rev = self.etcd.get_prefix(keys.job_assigns(job))
+                self._plans[job] = planstore.JobPlans(job, self._assembler)
+                self._plans[job].fold_read(kvs)
                 self._watches[job] = self.etcd.watch_prefix(
-                    keys.job_plan(job), lambda evs, j=job: self._deliver(j, evs), start_revision=rev + 1
+                    keys.job_prefix(job), lambda evs, j=job: self._deliver(j, evs), start_revision=rev + 1
                 )
                 _, rev = self.etcd.get_prefix(keys.liveness(job))
                 self._live_watches[job] = self.etcd.watch_prefix(
@@ -66,17 +68,13 @@ class PlanFeed:
         return sub
 
     def history(self, job: str) -> list[types_pb2.Plan]:
-        """The job's kept plan generations (``jobs/<job>/history/``), oldest first;
-        malformed values skipped with a log line."""
-        prefix = keys.job_plan_history(job, 0)[: -12]
-        kvs, _ = self.etcd.get_prefix(prefix)
-        plans = []
-        for kv in kvs:
-            try:
-                plans.append(decode_plan(kv.value, kv.key))
-            except codec.MalformedValue as exc:
-                log.warning("skipping malformed etcd value key=%s error=%s", kv.key, exc)
-        return plans
+        """The job's kept plan generations (``jobs/<job>/history/``), oldest first; a
+        malformed or incomplete one skips them all with a log line."""
+        try:
+            return planstore.read_job(self.etcd, job)[1]
+        except codec.MalformedValue as exc:
+            log.warning("skipping malformed etcd value key=%s error=%s", exc.key, exc)
+            return []
 
     def unsubscribe(self, sub: Subscription) -> None:
         watch = None
@@ -90,23 +88,25 @@ class PlanFeed:
                     live = self._live_watches.pop(sub.job, None)
                     if live is not None:
                         live.cancel()
+                    self._plans.pop(sub.job, None)
         if watch is not None:
             watch.cancel()
 
     def _deliver(self, job: str, events: list[WatchEvent]) -> None:
-        key = keys.job_plan(job)
         plans = []
-        for ev in events:
-            if ev.key != key or ev.kind != "put":
-                continue
+        with self._lock:
+            folder = self._plans.get(job)
+            subs = list(self._subs.get(job, ()))
+        if folder is None:
+            return
+        for ev in events:  # one thread per watch: the folder is only touched here
             try:
-                plans.append(decode_plan(ev.value, ev.key))
+                plan = folder.fold(ev.key, ev.value, ev.kind == "delete")
             except codec.MalformedValue as exc:
                 log.warning("skipping malformed etcd value key=%s error=%s", ev.key, exc)
-        if not plans:
-            return
-        with self._lock:
-            subs = list(self._subs.get(job, ()))
+                continue
+            if plan is not None:
+                plans.append(plan)
         for sub in subs:
             for plan in plans:
                 sub.offer(plan)

@@ -1,16 +1,17 @@
-"""What one committed decision writes: plan bytes, desired power per node, the event
-(pure functions of the view and the planner's result; no I/O)."""
+"""What one committed decision writes: the plan's changed parts, desired power per node,
+the event (pure functions of the view and the planner's result), and the fenced commit of
+it (``commit_plan``, the only I/O here)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import Cmp, Op
 
 from tpflex_controller.cache import ClusterView, PlanRecord
-from tpflex_controller.election import PlanCommit
+from tpflex_controller.election import Conflict, LeaderSession
 from tpflex_controller.planbytes import PlanEncoder
 from tpflex_controller.planner.model import PlanResult, SuspendedPin
 
@@ -18,6 +19,31 @@ from tpflex_controller.planner.model import PlanResult, SuspendedPin
 PlanFn = Callable[..., PlanResult]
 
 MAX_EVENT_REASONS = 64
+# one transaction stays well inside etcd's defaults (--max-txn-ops 128,
+# --max-request-bytes 1.5 MiB); a generation that changes more is staged (commit_plan)
+MAX_TXN_OPS = 100
+MAX_TXN_BYTES = 1 << 20
+MAX_PART_TRIMS = 32  # dead parts deleted per commit (the rest go with later ones)
+
+
+@dataclass
+class PlanCommit:
+    """Everything one plan generation writes (tpflex_proto.planstore layout)."""
+
+    job: str
+    generation: int
+    header: bytes  # encoded header Plan of this generation (split, stored_replicas)
+    prev_plan_mod_revision: int  # 0 = the job has no plan yet
+    parts: dict[int, bytes] = field(default_factory=dict)  # position -> part it changes
+    all_parts: list[bytes] = field(default_factory=list)  # the generation's parts, in order
+    # node -> (encoded NodePowerPlan, mod revision of power/<node> it replaces; 0 = none)
+    power: dict[str, tuple[bytes, int]] = field(default_factory=dict)
+    event_seq: int = 0
+    event_bytes: bytes = b""
+    trim_event_seq: int = 0  # an event key to delete (the oldest beyond the bound); 0 = none
+    trim_history_generation: int = 0  # a history generation to delete; 0 = none
+    trim_parts: list[tuple[int, int]] = field(default_factory=list)  # dead (gen, position)
+    clear_generations: list[int] = field(default_factory=list)  # stale staged parts to drop
 
 
 def default_plan_fn() -> PlanFn:
@@ -40,7 +66,21 @@ def build_commit(
     view: ClusterView, p: Planned, *, history_size: int, encoder: PlanEncoder
 ) -> tuple[PlanCommit, dict[str, types_pb2.NodePowerPlan], types_pb2.Event]:
     generation = p.prev.generation + 1 if p.prev is not None else 1
-    raw = encoder.encode(p.result, generation, cause=p.cause, now=p.planned_at)
+    header, parts = encoder.split(p.result, generation, cause=p.cause, now=p.planned_at)
+    old = p.prev.parts if p.prev is not None else []
+    changed = {
+        i: part for i, part in enumerate(parts)
+        if i >= len(old) or (part is not old[i] and part != old[i])
+    }
+    index = view.plan_parts.get(p.job)
+    oldest_kept = max(1, generation - history_size + 1)
+    trims, stale = [], []
+    if index is not None:
+        stale = index.stale(generation - 1)
+        # the last part of a position beyond a shrunk replica count stays until the job's
+        # plan is retired (the view does not track the kept generations' counts)
+        kept_count = max(len(parts), max(index.gens, default=-1) + 1)
+        trims = [t for t in index.dead(oldest_kept, kept_count, MAX_PART_TRIMS) if t[0] not in stale]
     old_caps = p.prev.decision().power_caps if p.prev is not None else {}
     power = desired_power(view, old_caps, p.result.power_caps)
     seq = view.next_event_seq()
@@ -61,15 +101,77 @@ def build_commit(
     commit = PlanCommit(
         job=p.job,
         generation=generation,
-        plan_bytes=raw,
+        header=header,
         prev_plan_mod_revision=p.prev.mod_revision if p.prev is not None else 0,
+        parts=changed,
+        all_parts=parts,
         power={n: (codec.encode(np), view.power.get(n, (None, 0))[1]) for n, np in power.items()},
         event_seq=seq,
         event_bytes=codec.encode(event),
         trim_event_seq=trim,
         trim_history_generation=max(0, generation - history_size),
+        trim_parts=trims,
+        clear_generations=stale,
     )
     return commit, power, event
+
+
+def commit_plan(session: LeaderSession, c: PlanCommit) -> int:
+    """Commit a plan generation by compare-and-swap on the header; returns the etcd
+    revision of the transaction that made it visible (the header's).
+
+    Its changed parts go first in the same transaction, or, when they would not fit in one
+    (``MAX_TXN_OPS`` / ``MAX_TXN_BYTES``), in earlier fenced transactions under the new
+    generation's number, which readers ignore until the header names it. Raises Conflict
+    when the plan or a power key moved since it was read."""
+    plan_key = keys.job_plan(c.job)
+    unchanged = Cmp.mod_revision(plan_key, "==", c.prev_plan_mod_revision)
+    tail = [Op.put(plan_key, c.header), Op.put(keys.job_plan_history(c.job, c.generation), c.header)]
+    compare = [unchanged]
+    for node, (value, mod_rev) in sorted(c.power.items()):
+        compare.append(Cmp.mod_revision(keys.power(node), "==", mod_rev))
+        tail.append(Op.put(keys.power(node), value))
+    if c.event_seq:
+        tail.append(Op.put(keys.event(c.event_seq), c.event_bytes))
+    if c.trim_event_seq:
+        tail.append(Op.delete(keys.event(c.trim_event_seq)))
+    if c.trim_history_generation:
+        tail.append(Op.delete(keys.job_plan_history(c.job, c.trim_history_generation)))
+    tail.extend(Op.delete(keys.job_assign(c.job, g, i)) for g, i in c.trim_parts)
+    parts = [Op.put(keys.job_assign(c.job, c.generation, i), v) for i, v in sorted(c.parts.items())]
+    clear = [*c.clear_generations]
+    if not fits([*parts, *tail]):
+        clear.append(c.generation)
+    for gen in sorted(set(clear)):
+        _fenced(session, [unchanged], [Op.delete_prefix(keys.job_assigns_of(c.job, gen))], c.job)
+    if c.generation not in clear:
+        compare.append(Cmp.prefix_absent(keys.job_assigns_of(c.job, c.generation)))
+    while parts and not fits([*parts, *tail]):
+        chunk = _chunk(parts)
+        _fenced(session, [unchanged], chunk, c.job)
+        parts = parts[len(chunk):]
+    return _fenced(session, compare, [*parts, *tail], c.job)
+
+
+def fits(ops: list) -> bool:
+    return len(ops) <= MAX_TXN_OPS and sum(op.ByteSize() for op in ops) <= MAX_TXN_BYTES
+
+
+def _chunk(ops: list) -> list:
+    size, n = 0, 0
+    for op in ops[:MAX_TXN_OPS // 2]:
+        size += op.ByteSize()
+        if n and size > MAX_TXN_BYTES // 2:
+            break
+        n += 1
+    return ops[:max(n, 1)]
+
+
+def _fenced(session: LeaderSession, compare: list, ops: list, job: str) -> int:
+    res = session.txn(compare, ops)
+    if not res.succeeded:
+        raise Conflict(f"plan of job {job} or its power keys changed since read")
+    return res.revision
 
 
 def desired_power(
@@ -162,7 +264,8 @@ def build_retire(
         return None
     power = desired_power(view, rec.decision().power_caps, {})
     compare = [Cmp.mod_revision(keys.job_plan(job), "==", rec.mod_revision)]
-    ops = [Op.delete(keys.job_plan(job)), Op.delete_prefix(keys.job_prefix(job) + "history/")]
+    ops = [Op.delete(keys.job_plan(job)), Op.delete_prefix(keys.job_plan_histories(job)),
+           Op.delete_prefix(keys.job_assigns(job))]
     for node, np in sorted(power.items()):
         compare.append(Cmp.mod_revision(keys.power(node), "==", view.power.get(node, (None, 0))[1]))
         ops.append(Op.put(keys.power(node), codec.encode(np)))

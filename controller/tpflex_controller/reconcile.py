@@ -19,28 +19,31 @@ from collections.abc import Callable
 
 import grpc
 from tpflex_proto import keys, types_pb2
+from tpflex_proto.backoff import Backoff
 from tpflex_proto.etcd import Etcd, EtcdError, WatchEvent
+from tpflex_proto.keys import Kind
 
-from tpflex_controller import convert, planning
+from tpflex_controller import convert
 from tpflex_controller.agent_client import AgentPusher, PushResult
-from tpflex_controller.cache import ClusterView, node_of_key
+from tpflex_controller.cache import ClusterView
 from tpflex_controller.damping import FlapDamper
-from tpflex_controller.dirty import OPERATOR_CAUSES, DirtyJob, coalesce_until
 from tpflex_controller.election import Conflict, LeaderSession, NotLeader
 from tpflex_controller.events import append_event, store_phases
 from tpflex_controller.loader import load_view
 from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.planbytes import PlanEncoder
+from tpflex_controller.planner.incremental import JobPlan, replan
 from tpflex_controller.planner.model import PlanningError
 from tpflex_controller.planning import (
-    PlanFn,
     Planned,
     build_commit,
     build_retire,
     changed_degrees,
+    commit_plan,
     pin_events,
 )
 from tpflex_controller.rollout import Phase, Rollout, RolloutTracker
+from tpflex_controller.workqueue import Action, DirtyJob, Result, WorkQueue
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,6 @@ class Reconciler:
         etcd: Etcd,
         metrics: ControllerMetrics,
         *,
-        plan_fn: PlanFn | None = None,
         event_log_size: int = 1000,
         history_size: int = 100,
         agent_timeout: float = 2.0,
@@ -63,18 +65,18 @@ class Reconciler:
     ) -> None:
         self.etcd = etcd
         self.metrics = metrics
-        self._plan_fn = plan_fn or planning.default_plan_fn()
+        self._job_plans: dict[str, JobPlan] = {}  # the last plan of each job (incremental)
         self._event_log_size = event_log_size
         self._history_size = history_size
         self._clock = clock
         self._default_policy = default_policy
-        self._coalesce_s = override_coalesce_s
         self.view = ClusterView(event_log_size, default_policy)
         self._damper = FlapDamper(flap_hold_down_s)
         self.view.damper = self._damper
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._session: LeaderSession | None = None
-        self._dirty: dict[str, DirtyJob] = {}
+        self._queue = WorkQueue(override_coalesce_s)
+        self._conflict_nodes: dict[str, list[str]] = {}  # power keys of a lost CAS
         self._unplannable: dict[str, str] = {}
         self._rollouts = RolloutTracker()
         self._loaded_rev = 0
@@ -119,24 +121,23 @@ class Reconciler:
     # ---- the loop ----
 
     def _run(self) -> None:
-        backoff = 0.05
+        backoff = Backoff(0.05, 2.0)
         while not self._stop.is_set():
             if self._need_load:
                 try:
                     self._load()
-                    backoff = 0.05
+                    backoff.reset()
                 except EtcdError as exc:
                     log.warning("controller state read failed error=%s", exc)
-                    self._drain(backoff)
-                    backoff = min(backoff * 2, 2.0)
+                    self._drain(backoff.next())
                     continue
             self._drain(self._wait_time())
             self._release_held()
             if self._leading():
-                self._reconcile_dirty()
+                self._process_queue()
                 if self._inbox.empty():
                     self._flush_events()
-            if self._freeze_after_pass and not self._dirty:
+            if self._freeze_after_pass and not len(self._queue):
                 self._freeze_after_pass = False
                 gc.freeze()  # the long-lived state (view, memoised plans) leaves the GC's scans
 
@@ -158,9 +159,9 @@ class Reconciler:
     def _wait_time(self) -> float:
         release = self._damper.next_release()
         wait = 1.0 if release is None else max(0.0, min(1.0, release - time.monotonic()))
-        if not self._dirty or not self._leading():
+        soonest = self._queue.next_due()
+        if soonest is None or not self._leading():
             return wait
-        soonest = min(d.not_before for d in self._dirty.values())
         return max(0.0, min(wait, soonest - time.monotonic()))
 
     def _release_held(self) -> None:
@@ -177,6 +178,7 @@ class Reconciler:
         view, rev = load_view(self.etcd, self._event_log_size, self._default_policy)
         view.attach_damper(self._damper, time.monotonic)  # held GPUs stay held across re-reads
         self.view, self._loaded_rev, self._need_load = view, rev, False
+        self._job_plans.clear()  # a fresh view: every job is planned whole once
         if self._watch is None:
             self._watch = self.etcd.watch_prefix(
                 keys.PREFIX,
@@ -224,8 +226,7 @@ class Reconciler:
             self._rollouts.clear()
             # keep what changed and why, as a follower does: whoever leads next (maybe us
             # again) plans it with its real cause (gpu_failed, not resync) and detection time
-            for d in self._dirty.values():
-                d.attempts, d.not_before = 0, 0.0
+            self._queue.rearm()
             self._unwritten.clear()
             log.warning("controller stopped acting reason=%s", payload)
 
@@ -249,54 +250,40 @@ class Reconciler:
                 self._phase_reached(r, Phase.ACKED)
 
     def _after_fold(self, ev: WatchEvent, racks: set[str], acked: dict[str, set[int]]) -> None:
-        key = ev.key
-        node = node_of_key(key)
-        if node is not None:
-            rack = self.view.node_rack.get(node)
+        k = keys.parse(ev.key)
+        if k is None:
+            return
+        kind, name = k.kind, k.name
+        if kind in (Kind.HEALTH, Kind.NODE, Kind.GPU_OVERRIDE):
+            rack = self.view.node_rack.get(name)
             if rack is not None:
                 racks.add(rack)
-            if key.startswith(keys.NODES) and ev.kind == "put" and node in self.view.snap.nodes:
-                self.pusher.set_address(node, self.view.snap.nodes[node].agent_address)
-        elif key.startswith(keys.RACKS):
-            racks.add(key[len(keys.RACKS):])
-        elif key.startswith(keys.POWER) and ev.kind == "put":
-            rec = self.view.power.get(key[len(keys.POWER):])
+            if kind is Kind.NODE and ev.kind == "put" and name in self.view.snap.nodes:
+                self.pusher.set_address(name, self.view.snap.nodes[name].agent_address)
+        elif kind is Kind.RACK:
+            racks.add(name)
+        elif kind is Kind.POWER and ev.kind == "put":
+            rec = self.view.power.get(name)
             if rec is not None:
-                self.metrics.node_power_observed(rec[0].node or key[len(keys.POWER):], rec[0])
-        split = keys.split_job_key(key)
-        if split is None:
-            return
-        job, rest = split
-        if rest.startswith("acks/") and rest[5:].isdigit():
-            acked.setdefault(job, set()).add(int(rest[5:]))
-        elif rest == "plan" and job in self.view.plans and self.view.plans[job].proto is not None:
-            self.metrics.plan_proto_observed(job, self.view.plans[job].proto)
-        elif rest == "spec" and job in self.view.snap.jobs:
-            self.metrics.job_seen(job, len(self.view.snap.jobs[job].replicas))
+                self.metrics.node_power_observed(rec[0].node or name, rec[0])
+        elif kind is Kind.JOB_ACK:
+            acked.setdefault(name, set()).add(k.number)
+        elif kind is Kind.JOB_PLAN and name in self.view.plans and self.view.plans[name].proto is not None:
+            self.metrics.plan_proto_observed(name, self.view.plans[name].proto)
+        elif kind is Kind.JOB_SPEC and name in self.view.snap.jobs:
+            self.metrics.job_seen(name, len(self.view.snap.jobs[name].replicas))
 
     def _mark(self, job: str, cause: str, at: float, revision: int = 0) -> None:
-        now = time.monotonic()
-        operator = cause in OPERATOR_CAUSES
-        d = self._dirty.get(job)
-        if d is None:
-            d = self._dirty[job] = DirtyJob(cause, at, revision, first_seen=now, urgent=not operator)
-        else:
-            d.revision = max(d.revision, revision)
-            d.urgent = d.urgent or not operator
-            if d.cause == "resync" and cause != "resync":
-                d.cause = cause
-            if not operator and d.attempts == 0:
-                d.not_before = 0.0  # a failure is not held back by an operator burst
-        d.not_before = coalesce_until(d, now, self._coalesce_s)
+        self._queue.mark(job, cause, at, time.monotonic(), revision)
 
     def _forget_handled(self, ev: WatchEvent) -> None:
         """A follower sees the leader commit a plan: the changes before it are handled
         (kept only so that a new leader reports the right cause)."""
-        split = keys.split_job_key(ev.key)
-        if split is not None and split[1] == "plan":
-            d = self._dirty.get(split[0])
+        k = keys.parse(ev.key)
+        if k is not None and k.kind is Kind.JOB_PLAN:
+            d = self._queue.get(k.name)
             if d is not None and d.revision < ev.mod_revision:
-                del self._dirty[split[0]]
+                self._queue.forget(k.name)
 
     def _on_push(self, r: PushResult) -> None:
         if not r.ok:
@@ -312,52 +299,79 @@ class Reconciler:
 
     # ---- deciding ----
 
-    def _reconcile_dirty(self) -> None:
+    def _process_queue(self) -> None:
         if self._repush_after_load:
             self._repush_after_load = False
             self._repush_all()
-        now = time.monotonic()
-        for job in sorted(self._dirty, key=lambda j: self._dirty[j].detected_at):
-            d = self._dirty.get(job)
-            if d is None or d.not_before > now:
-                continue
+        for job, d in self._queue.due(time.monotonic()):
             try:
-                self._reconcile_job(job, d)
-                del self._dirty[job]
+                result = self._reconcile_job(job, d)
             except NotLeader:
                 return
             except Conflict as exc:
                 log.warning("plan commit conflict job=%s error=%s", job, exc)
-                self._need_load = True  # re-read, then decide again
-                return
+                result = Result.CONFLICT
             except EtcdError as exc:
-                d.attempts += 1
-                d.not_before = now + min(2.0, 0.05 * 2**d.attempts)
-                log.warning("plan commit failed job=%s attempt=%d error=%s", job, d.attempts, exc)
+                log.warning("plan commit failed job=%s attempt=%d error=%s", job, d.attempts + 1, exc)
+                result = Result.ETCD_ERROR
             except Exception:  # a bug must not stop the loop for every other job
-                d.attempts += 1
-                d.not_before = now + min(30.0, 0.5 * 2**d.attempts)
-                log.exception("reconcile failed job=%s attempt=%d", job, d.attempts)
+                log.exception("reconcile failed job=%s attempt=%d", job, d.attempts + 1)
+                result = Result.ERROR
+            self.metrics.reconcile_total.labels(result=result.value).inc()
+            if self._queue.settle(job, result, time.monotonic()) is Action.REREAD:
+                self._reread_job(job)
 
-    def _reconcile_job(self, job: str, d: DirtyJob) -> None:
+    def _reread_job(self, job: str) -> None:
+        """After a lost compare-and-swap: read this job's keys (and the power keys the
+        commit compared) again and fold them; the rest of the view stays."""
+        nodes = self._conflict_nodes.pop(job, [])
+        try:
+            kvs, rev = self.etcd.get_prefix(keys.job_prefix(job))
+            power = [(n, self.etcd.get(keys.power(n))) for n in nodes]
+        except EtcdError as exc:
+            log.warning("job re-read failed job=%s error=%s", job, exc)
+            return  # the entry is due again after its backoff
+        found = {kv.key for kv in kvs}
+        folded = [("put", kv.key, kv.value, kv.mod_revision) for kv in kvs]
+        for key in (keys.job_spec(job), keys.job_plan(job)):
+            if key not in found:
+                folded.append(("delete", key, b"", rev))
+        for node, kv in power:
+            if kv is not None:
+                folded.append(("put", kv.key, kv.value, kv.mod_revision))
+            elif node in self.view.power:
+                folded.append(("delete", keys.power(node), b"", rev))
+        at = time.time()
+        for kind, key, value, mod_rev in folded:
+            for j, cause in self.view.fold(kind, key, value, mod_rev):
+                self._mark(j, cause, at, mod_rev)
+        log.info("job re-read after conflict job=%s revision=%d keys=%d", job, rev, len(folded))
+
+    def _reconcile_job(self, job: str, d: DirtyJob) -> Result:
         if job not in self.view.snap.jobs:
+            self._job_plans.pop(job, None)
             self._rollouts.forget(job)
             self._retire(job)
-            return
+            return Result.OK
         now = self._clock()
         try:
             spec = self.view.job_spec(job)
             overrides = convert.job_overrides(self.view.snap.job_overrides.get(job))
-            result = self._plan_fn(self.view.state, spec, overrides=overrides, now=now)
+            changes = self.view.take_changes(job)
+            jp = replan(self._job_plans.get(job), self.view.state, spec, changes, overrides=overrides)
         except (PlanningError, ValueError) as exc:
+            self._job_plans.pop(job, None)
             self._record_unplannable(job, str(exc), d)
-            return
+            return Result.UNPLANNABLE
+        self._job_plans[job] = jp
+        result = jp.result
         if self._unplannable.pop(job, None) is not None:
             self.metrics.unplannable_jobs.set(len(self._unplannable))
         prev = self.view.plans.get(job)
         if prev is not None and result.same_decision(prev.decision()):
-            return
+            return Result.OK
         self._commit(Planned(job, result, prev, d.cause, d.detected_at, now))
+        return Result.OK
 
     def _commit(self, p: Planned) -> None:
         session = self._session
@@ -366,7 +380,11 @@ class Reconciler:
         commit, power, event = build_commit(
             self.view, p, history_size=self._history_size, encoder=self._encoder
         )
-        rev = session.commit_plan(commit)
+        try:
+            rev = commit_plan(session, commit)
+        except Conflict:
+            self._conflict_nodes[p.job] = sorted(commit.power)
+            raise
         committed_at = self._clock()
         self.view.record_commit(p, commit, power, rev)
         for node, np in power.items():
@@ -411,6 +429,7 @@ class Reconciler:
         replicas = len(self.view.plans[job].decision().replicas)
         res = session.txn(compare, ops)
         if not res.succeeded:
+            self._conflict_nodes[job] = sorted(power)
             raise Conflict(f"plan of deleted job {job} or its power keys changed since read")
         self.view.forget_plan(job, power, res.revision)
         self._unplannable.pop(job, None)

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from google.protobuf.message import Message
-from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto import codec, keys, planstore, types_pb2
 from tpflex_proto.etcd import Cmp, Etcd, KeyValue, Op
+from tpflex_proto.keys import Kind
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,9 @@ class Snapshot:
     nodes: dict[str, types_pb2.Node] = field(default_factory=dict)
     health: dict[str, types_pb2.NodeHealth] = field(default_factory=dict)
     jobs: dict[str, types_pb2.JobSpec] = field(default_factory=dict)
-    plans: dict[str, types_pb2.Plan] = field(default_factory=dict)
+    plans: dict[str, types_pb2.Plan] = field(default_factory=dict)  # whole plans
+    # the stored replica parts of the plans (tpflex_proto.planstore), by job
+    plan_parts: dict[str, planstore.PartIndex] = field(default_factory=dict)
     gpu_overrides: dict[tuple[str, int], types_pb2.GpuOverride] = field(default_factory=dict)
     job_overrides: dict[str, types_pb2.JobOverride] = field(default_factory=dict)
 
@@ -107,11 +110,11 @@ class Store:
         listed, _ = self.etcd.get_prefix(keys.JOBS, keys_only=True)
         out: dict[str, types_pb2.JobSpec] = {}
         for kv in listed:
-            split = keys.split_job_key(kv.key)
-            if split is not None and split[1] == "spec":
-                spec = self.job(split[0])
+            k = keys.parse(kv.key)
+            if k is not None and k.kind is Kind.JOB_SPEC:
+                spec = self.job(k.name)
                 if spec is not None:
-                    out[split[0]] = spec
+                    out[k.name] = spec
         return out
 
     def spec_guard_revision(self) -> int:
@@ -133,12 +136,17 @@ class Store:
         return self.etcd.txn(compare, ops).succeeded
 
     def plan(self, job: str) -> types_pb2.Plan | None:
-        return self._get(types_pb2.Plan, keys.job_plan(job))
+        return self._plans(job)[0]
 
     def plan_history(self, job: str) -> list[types_pb2.Plan]:
-        prefix = keys.job_plan_history(job, 0)[: -12]
-        kvs, _ = self.etcd.get_prefix(prefix)
-        return list(_decode_all(types_pb2.Plan, kvs, prefix).values())
+        return self._plans(job)[1]
+
+    def _plans(self, job: str) -> tuple[types_pb2.Plan | None, list[types_pb2.Plan]]:
+        try:
+            return planstore.read_job(self.etcd, job)
+        except codec.MalformedValue as exc:
+            log.warning("skipping malformed etcd value key=%s error=%s", exc.key, exc)
+            return None, []
 
     def acks(self, job: str) -> dict[int, types_pb2.Ack]:
         prefix = keys.job_acks(job)
@@ -213,29 +221,55 @@ def _unchanged(key: str, mod_revision: int):
 def apply_kv(snap: Snapshot, kv: KeyValue, deleted: bool = False) -> bool:
     """Fold one key-value (or its deletion) into a snapshot; returns whether the key is
     one the planner cares about. Used for the initial read and for every watch event."""
-    key = kv.key
-    if key.startswith(keys.RACKS):
-        return _fold(snap.racks, key[len(keys.RACKS):], types_pb2.Rack, kv, deleted)
-    if key.startswith(keys.NODES):
-        return _fold(snap.nodes, key[len(keys.NODES):], types_pb2.Node, kv, deleted)
-    if key.startswith(keys.HEALTH):
-        return _fold(snap.health, key[len(keys.HEALTH):], types_pb2.NodeHealth, kv, deleted)
-    if key.startswith(keys.GPU_OVERRIDES):
-        node, _, idx = key[len(keys.GPU_OVERRIDES):].rpartition("/")
-        if not idx.isdigit():
-            log.warning("skipping malformed etcd key key=%s", key)
-            return False
-        return _fold(snap.gpu_overrides, (node, int(idx)), types_pb2.GpuOverride, kv, deleted)
-    if key.startswith(keys.JOB_OVERRIDES):
-        return _fold(snap.job_overrides, key[len(keys.JOB_OVERRIDES):], types_pb2.JobOverride, kv, deleted)
-    split = keys.split_job_key(key)
-    if split is not None:
-        job, rest = split
-        if rest == "spec":
-            return _fold(snap.jobs, job, types_pb2.JobSpec, kv, deleted)
-        if rest == "plan":
-            return _fold(snap.plans, job, types_pb2.Plan, kv, deleted)
+    k = keys.parse(kv.key)
+    if k is None:
+        if kv.key.startswith(keys.GPU_OVERRIDES):
+            log.warning("skipping malformed etcd key key=%s", kv.key)
+        return False
+    if k.kind is Kind.GPU_OVERRIDE:
+        return _fold(snap.gpu_overrides, (k.name, k.number), types_pb2.GpuOverride, kv, deleted)
+    table = _TABLES.get(k.kind)
+    if table is not None:
+        attr, cls = table
+        return _fold(getattr(snap, attr), k.name, cls, kv, deleted)
+    if k.kind in (Kind.JOB_PLAN, Kind.JOB_ASSIGN):
+        pk = planstore.PlanKey("header" if k.kind is Kind.JOB_PLAN else "part", k.name, k.number, k.position)
+        return fold_plan_key(snap, pk, kv, deleted)
     return False
+
+
+_TABLES = {
+    Kind.RACK: ("racks", types_pb2.Rack),
+    Kind.NODE: ("nodes", types_pb2.Node),
+    Kind.HEALTH: ("health", types_pb2.NodeHealth),
+    Kind.JOB_OVERRIDE: ("job_overrides", types_pb2.JobOverride),
+    Kind.JOB_SPEC: ("jobs", types_pb2.JobSpec),
+}
+
+
+ASSEMBLER = planstore.Assembler()  # one per process: it only remembers caps' GPUs
+
+
+def fold_plan_key(snap: Snapshot, pk: planstore.PlanKey, kv: KeyValue, deleted: bool) -> bool:
+    """A plan header or part: parts are indexed, a header becomes the job's whole plan
+    (its parts came before it, tpflex_proto.planstore)."""
+    if pk.kind == "part":
+        index = snap.plan_parts.get(pk.job)
+        if deleted:
+            if index is not None:
+                index.remove(pk.generation, pk.position)
+        else:
+            snap.plan_parts.setdefault(pk.job, planstore.PartIndex()).add(pk.generation, pk.position, kv.value)
+        return True
+    if deleted:
+        snap.plan_parts.pop(pk.job, None)
+        return snap.plans.pop(pk.job, None) is not None
+    try:
+        snap.plans[pk.job] = planstore.whole(kv.value, snap.plan_parts.get(pk.job), ASSEMBLER, kv.key)
+    except codec.MalformedValue as exc:
+        log.warning("skipping malformed etcd value key=%s error=%s", kv.key, exc)
+        return False
+    return True
 
 
 def _fold(table: dict, name, cls, kv: KeyValue, deleted: bool) -> bool:

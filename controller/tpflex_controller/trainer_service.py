@@ -18,11 +18,17 @@ from collections.abc import Callable
 from concurrent import futures
 
 import grpc
-from tpflex_proto import codec, controller_pb2, controller_pb2_grpc, keys, types_pb2
+from tpflex_proto import (
+    codec,
+    controller_pb2,
+    controller_pb2_grpc,
+    keys,
+    planstore,
+    types_pb2,
+)
 from tpflex_proto.etcd import Cmp, Etcd, EtcdError, EtcdUnavailable, Op
 from tpflex_proto.tls import ServerTls, bind_grpc
 
-from tpflex_controller.cache import decode_plan
 from tpflex_controller.liveness import LivenessPolicy, Outcome
 from tpflex_controller.liveness_service import LivenessRefused, LivenessService
 from tpflex_controller.planfeed import PlanFeed
@@ -164,13 +170,10 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
             context.abort(grpc.StatusCode.INTERNAL, f"etcd error: {exc}")
 
     def _plan(self, job: str) -> types_pb2.Plan | None:
-        kv = self.etcd.get(keys.job_plan(job))
-        if kv is None:
-            return None
         try:
-            return decode_plan(kv.value, kv.key)
+            return planstore.read_plan(self.etcd, job)
         except codec.MalformedValue as exc:
-            log.warning("skipping malformed etcd value key=%s error=%s", kv.key, exc)
+            log.warning("skipping malformed etcd value key=%s error=%s", exc.key, exc)
             return None
 
     def _current(self, job: str) -> types_pb2.Plan | None:

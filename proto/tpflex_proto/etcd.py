@@ -23,6 +23,8 @@ import grpc
 from pyetcd import etcdrpc
 from pyetcd.etcdrpc import kv_pb2
 
+from tpflex_proto.backoff import Backoff
+
 log = logging.getLogger(__name__)
 
 _UNAVAILABLE_CODES = {
@@ -113,6 +115,13 @@ class Cmp:
     @staticmethod
     def value(key: str, op: str, value: bytes) -> etcdrpc.Compare:
         return Cmp._make(key, etcdrpc.Compare.VALUE, _RESULTS[op], value=value)
+
+    @staticmethod
+    def prefix_absent(prefix: str) -> etcdrpc.Compare:
+        """No key starts with ``prefix`` (an empty range compares as one absent key)."""
+        p = _b(prefix)
+        return etcdrpc.Compare(key=p, range_end=_prefix_end(p), target=etcdrpc.Compare.CREATE,
+                               result=etcdrpc.Compare.EQUAL, create_revision=0)
 
 
 _RESULTS = {
@@ -467,7 +476,7 @@ class Watch:
             yield item
 
     def _run(self) -> None:
-        backoff = 0.05
+        backoff = Backoff(0.05, 1.0)
         while not self._stop.is_set():
             self._requests = queue.Queue()
             try:
@@ -475,7 +484,7 @@ class Watch:
                     self._request_iter(), metadata=self._client._auth_md()
                 )
                 for resp in self._call:
-                    backoff = 0.05
+                    backoff.reset()
                     if resp.compact_revision:
                         raise EtcdCompacted(resp.compact_revision)
                     if resp.created:
@@ -517,8 +526,7 @@ class Watch:
                 log.info("etcd watch interrupted prefix=%s error=%s", self._prefix.decode(), err)
                 if self._on_error:
                     self._on_error(err)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 1.0)
+                self._stop.wait(backoff.next())
             finally:
                 self._requests.put(None)
 

@@ -8,7 +8,9 @@ decision loop's watch (docs/launch.md).
 
 from __future__ import annotations
 
+import enum
 import re
+from dataclasses import dataclass
 
 PREFIX = "/tpflex/v1/"
 
@@ -77,6 +79,26 @@ def job_plan_history(job: str, generation: int) -> str:
     return f"{JOBS}{job}/history/{generation:012d}"
 
 
+def job_plan_histories(job: str) -> str:
+    """Every kept generation's plan header (``history/<generation>``)."""
+    return f"{JOBS}{job}/history/"
+
+
+def job_assigns(job: str) -> str:
+    """The replica parts of the job's plans (tpflex_proto.planstore); sorts before
+    ``plan`` so that a prefix read hands out a generation's parts before its header."""
+    return f"{JOBS}{job}/assign/"
+
+
+def job_assigns_of(job: str, generation: int) -> str:
+    return f"{JOBS}{job}/assign/{generation:012d}/"
+
+
+def job_assign(job: str, generation: int, position: int) -> str:
+    """The replica at ``position`` of the job's plan as generation ``generation`` wrote it."""
+    return f"{JOBS}{job}/assign/{generation:012d}/{position:06d}"
+
+
 def job_acks(job: str) -> str:
     return f"{JOBS}{job}/acks/"
 
@@ -101,12 +123,87 @@ def event(seq: int) -> str:
     return f"{EVENTS}{seq:012d}"
 
 
-def split_job_key(key: str) -> tuple[str, str] | None:
-    """``/tpflex/v1/jobs/<job>/<rest>`` -> (job, rest); None for other keys."""
-    if not key.startswith(JOBS):
+class Kind(enum.Enum):
+    """What a key under ``/tpflex/v1/`` is (``parse``)."""
+
+    NODE = "node"  # nodes/<name>
+    HEALTH = "health"  # health/<node>
+    RACK = "rack"  # racks/<name>
+    JOB_SPEC = "job_spec"  # jobs/<job>/spec
+    JOB_PLAN = "job_plan"  # jobs/<job>/plan (the plan header)
+    JOB_HISTORY = "job_history"  # jobs/<job>/history/<generation>
+    JOB_ASSIGN = "job_assign"  # jobs/<job>/assign/<generation>/<position>
+    JOB_ACK = "job_ack"  # jobs/<job>/acks/<rank>
+    GPU_OVERRIDE = "gpu_override"  # overrides/gpus/<node>/<index>
+    JOB_OVERRIDE = "job_override"  # overrides/jobs/<job>
+    POWER = "power"  # power/<node>
+    EVENT = "event"  # events/<seq>
+    LEADER = "leader"
+    SPEC_GUARD = "spec_guard"
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """A parsed key: its kind and the names and numbers in it (0 / "" where it has none).
+    ``name`` is the node, rack or job the key is about."""
+
+    kind: Kind
+    name: str = ""
+    number: int = 0  # generation, rank, GPU index or event sequence
+    position: int = 0  # the replica position of a JOB_ASSIGN key
+
+    @property
+    def node(self) -> str | None:
+        """The node a node, health, power or GPU-override key is about."""
+        return self.name if self.kind in _NODE_KINDS else None
+
+
+_NODE_KINDS = frozenset({Kind.NODE, Kind.HEALTH, Kind.POWER, Kind.GPU_OVERRIDE})
+_FLAT = ((NODES, Kind.NODE), (HEALTH, Kind.HEALTH), (RACKS, Kind.RACK), (POWER, Kind.POWER),
+         (JOB_OVERRIDES, Kind.JOB_OVERRIDE))
+_JOB_LEAVES = {"spec": Kind.JOB_SPEC, "plan": Kind.JOB_PLAN}
+
+
+def parse(key: str) -> Key | None:
+    """The meaning of a key built by this module; None for anything else (a malformed or
+    foreign key, which readers skip). The one place that takes keys apart."""
+    if not key.startswith(PREFIX):
         return None
+    if key == LEADER:
+        return Key(Kind.LEADER)
+    if key == SPEC_GUARD:
+        return Key(Kind.SPEC_GUARD)
+    for prefix, kind in _FLAT:
+        if key.startswith(prefix):
+            name = key[len(prefix):]
+            return Key(kind, name) if name and "/" not in name else None
+    if key.startswith(GPU_OVERRIDES):
+        node_name, _, idx = key[len(GPU_OVERRIDES):].rpartition("/")
+        return Key(Kind.GPU_OVERRIDE, node_name, int(idx)) if node_name and idx.isdigit() else None
+    if key.startswith(EVENTS):
+        seq = key[len(EVENTS):]
+        return Key(Kind.EVENT, number=int(seq)) if seq.isdigit() else None
+    if key.startswith(JOBS):
+        return _parse_job_key(key)
+    return None
+
+
+def _parse_job_key(key: str) -> Key | None:
     job, sep, rest = key[len(JOBS):].partition("/")
-    return (job, rest) if sep and job else None
+    if not sep or not job:
+        return None
+    if rest in _JOB_LEAVES:
+        return Key(_JOB_LEAVES[rest], job)
+    head, _, tail = rest.partition("/")
+    if head == "history" and tail.isdigit():
+        return Key(Kind.JOB_HISTORY, job, int(tail))
+    if head == "acks" and tail.isdigit():
+        return Key(Kind.JOB_ACK, job, int(tail))
+    if head == "assign":
+        gen, _, pos = tail.partition("/")
+        if gen.isdigit() and pos.isdigit():
+            return Key(Kind.JOB_ASSIGN, job, int(gen), int(pos))
+    return None
 
 
 def rendezvous_prefix(job: str) -> str:

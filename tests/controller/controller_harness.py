@@ -11,11 +11,10 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 from tpflex_controller import synthetic
-from tpflex_controller.cache import decode_plan
 from tpflex_controller.election import Elector
 from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.reconcile import Reconciler
-from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto import codec, keys, planstore, types_pb2
 from tpflex_proto.etcd import Etcd
 
 
@@ -26,22 +25,22 @@ class PlanWatcher:
         self._cv = threading.Condition()
         self.plans: list[types_pb2.Plan] = []
         self.arrivals: list[float] = []
-        kv = etcd.get(keys.job_plan(job))
-        if kv is not None:
-            self.plans.append(decode_plan(kv.value, kv.key))
+        self._plans = planstore.JobPlans(job)
+        kvs, rev = etcd.get_prefix(keys.job_prefix(job))
+        current = self._plans.fold_read(kvs)
+        if current is not None:
+            self.plans.append(current)
             self.arrivals.append(time.monotonic())
-        self._key = keys.job_plan(job)
-        self._watch = etcd.watch_prefix(
-            self._key, self._on_events, start_revision=(kv.mod_revision + 1) if kv else 0
-        )
+        self._watch = etcd.watch_prefix(keys.job_prefix(job), self._on_events, start_revision=rev + 1)
         self._watch.established.wait(5)
 
     def _on_events(self, events) -> None:
         now = time.monotonic()
         with self._cv:
             for ev in events:
-                if ev.key == self._key and ev.kind == "put":
-                    self.plans.append(decode_plan(ev.value, ev.key))
+                plan = self._plans.fold(ev.key, ev.value, ev.kind == "delete")
+                if plan is not None:
+                    self.plans.append(plan)
                     self.arrivals.append(now)
             self._cv.notify_all()
 

@@ -6,7 +6,8 @@ import threading
 import time
 
 import pytest
-from tpflex_controller.election import Conflict, Elector, LeaderSession, NotLeader, PlanCommit
+from tpflex_controller.election import Conflict, Elector, LeaderSession, NotLeader
+from tpflex_controller.planning import PlanCommit, commit_plan
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import Cmp, Op
 
@@ -53,22 +54,26 @@ def test_deposed_leader_write_is_refused_by_the_fence(etcd):
 
 def test_plan_commit_is_compare_and_swap_on_the_plan_key(etcd):
     s = _campaign(etcd, "leader", ttl=5)
-    first = PlanCommit("j", 1, b"plan-1", 0, event_seq=1, event_bytes=b"e1")
-    rev = s.commit_plan(first)
+    first = PlanCommit("j", 1, b"plan-1", 0, parts={0: b"p0", 1: b"p1"}, event_seq=1, event_bytes=b"e1")
+    rev = commit_plan(s, first)
     assert etcd.get(keys.job_plan("j")).mod_revision == rev
-    stale = PlanCommit("j", 2, b"plan-2", 0, event_seq=2, event_bytes=b"e2")
+    assert etcd.get(keys.job_assign("j", 1, 1)).value == b"p1"
+    stale = PlanCommit("j", 2, b"plan-2", 0, parts={1: b"x"}, event_seq=2, event_bytes=b"e2")
     with pytest.raises(Conflict):
-        s.commit_plan(stale)  # based on "no plan yet", but generation 1 exists
+        commit_plan(s, stale)  # based on "no plan yet", but generation 1 exists
     assert etcd.get(keys.job_plan("j")).value == b"plan-1"
     assert etcd.get(keys.job_plan_history("j", 2)) is None
+    assert etcd.get(keys.job_assign("j", 2, 1)) is None
     assert etcd.get(keys.event(2)) is None
     ok = PlanCommit(
-        "j", 2, b"plan-2", rev, power={"n1": (b"caps", 0)}, event_seq=2, event_bytes=b"e2",
-        trim_event_seq=1, trim_history_generation=1,
+        "j", 2, b"plan-2", rev, parts={1: b"p1'"}, power={"n1": (b"caps", 0)}, event_seq=2,
+        event_bytes=b"e2", trim_event_seq=1, trim_history_generation=1, trim_parts=[(1, 1)],
     )
-    s.commit_plan(ok)
+    commit_plan(s, ok)
     assert etcd.get(keys.job_plan_history("j", 2)).value == b"plan-2"
     assert etcd.get(keys.job_plan_history("j", 1)) is None  # trimmed in the same txn
+    assert etcd.get(keys.job_assign("j", 1, 1)) is None and etcd.get(keys.job_assign("j", 1, 0)).value == b"p0"
+    assert etcd.get(keys.job_assign("j", 2, 1)).value == b"p1'"
     assert etcd.get(keys.event(1)) is None and etcd.get(keys.event(2)).value == b"e2"
     assert etcd.get(keys.power("n1")).value == b"caps"
 

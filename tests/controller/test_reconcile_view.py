@@ -75,7 +75,7 @@ def test_plan_encoder_is_byte_identical_to_the_reference_encoding():
 
 
 def test_operator_bursts_are_coalesced_and_failures_are_not():
-    from tpflex_controller.dirty import DirtyJob, coalesce_until
+    from tpflex_controller.workqueue import DirtyJob, coalesce_until
 
     d = DirtyJob("drain", 0.0, first_seen=100.0, urgent=False)
     assert coalesce_until(d, 100.0, 0.25) == 100.25  # quiet period after the latest
@@ -96,7 +96,9 @@ def test_own_commit_marks_its_keys_so_a_late_watch_event_cannot_move_the_view_ba
     view = ClusterView()
     older = types_pb2.Plan(job="j", generation=5)
     newer = types_pb2.Plan(job="j", generation=6)
-    commit = SimpleNamespace(generation=6, plan_bytes=codec.encode(newer), trim_event_seq=0, event_seq=0)
+    from tpflex_controller.planning import PlanCommit
+
+    commit = PlanCommit("j", 6, codec.encode(newer), 100)
     view.record_commit(SimpleNamespace(job="j", result=None), commit, {}, rev=102)
     view.fold("put", keys.job_plan("j"), codec.encode(older), 100)  # the watch, late
     assert view.plans["j"].generation == 6 and view.plans["j"].mod_revision == 102

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from tpflex_proto import codec
+from tpflex_proto import codec, keys, planstore, types_pb2
 from tpflex_proto.etcd import Etcd
 from tpflex_trainer.demo.data import global_batch
 from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_MODEL, DEMO_SEED
@@ -22,7 +22,11 @@ def free_base_port() -> int:
 
 def etcd_history(etcd: Etcd, prefix: str, message_type, timeout: float = 10.0) -> list:
     """Every value ever put under ``prefix`` (decoded), in revision order: a watch from
-    revision 1 replays the history (nothing here compacts etcd)."""
+    revision 1 replays the history (nothing here compacts etcd). For ``Plan``, the whole
+    plans of the job whose plan key ``prefix`` is (headers and parts, planstore)."""
+    job = keys.parse(prefix).name if message_type is types_pb2.Plan else ""
+    if message_type is types_pb2.Plan:
+        prefix = keys.job_prefix(job)
     kvs, _ = etcd.get_prefix(prefix)
     last = max((kv.mod_revision for kv in kvs), default=0)
     events: list = []
@@ -39,8 +43,12 @@ def etcd_history(etcd: Etcd, prefix: str, message_type, timeout: float = 10.0) -
             raise TimeoutError(f"etcd history of {prefix} not replayed within {timeout}s")
     finally:
         watch.cancel()
-    return [codec.decode(message_type, e.value, e.key) for e in events
-            if e.kind == "put" and e.mod_revision <= last]
+    events = [e for e in events if e.mod_revision <= last]
+    if message_type is types_pb2.Plan:  # a job's plans: headers and parts (planstore)
+        folder = planstore.JobPlans(job)
+        plans = (folder.fold(e.key, e.value, e.kind == "delete") for e in events)
+        return [p for p in plans if p is not None]
+    return [codec.decode(message_type, e.value, e.key) for e in events if e.kind == "put"]
 
 
 def reference_for(global_batches: dict[int, int]) -> dict[int, float]:

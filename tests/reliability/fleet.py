@@ -18,8 +18,7 @@ from pathlib import Path
 
 import grpc
 from tpflex_controller import synthetic
-from tpflex_controller.cache import decode_plan
-from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, types_pb2
+from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, planstore, types_pb2
 from tpflex_proto.etcd import Etcd, EtcdError
 from tpflex_trainer.hooks.control import ControlClient, ControlConfig
 
@@ -163,11 +162,10 @@ class Fleet:
                 time.sleep(0.1)
 
     def plan(self) -> types_pb2.Plan | None:
-        kv = self._read(self.etcd.get, keys.job_plan(self.job))
-        return decode_plan(kv.value, kv.key) if kv else None
+        return self._read(planstore.read_plan, self.etcd, self.job)
 
     def history(self) -> list[int]:
-        kvs, _ = self._read(self.etcd.get_prefix, keys.JOBS + self.job + "/history/")
+        kvs, _ = self._read(self.etcd.get_prefix, keys.job_plan_histories(self.job))
         return sorted(int(kv.key.rsplit("/", 1)[-1]) for kv in kvs)
 
     def acks(self) -> dict[int, int]:

@@ -13,7 +13,7 @@ import time
 import grpc
 import httpx
 from google.protobuf.descriptor import FieldDescriptor
-from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, types_pb2
+from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, planstore, types_pb2
 
 # physical bound of a served achieved rate: replicas x local batch / trainer.min_step_seconds
 MIN_STEP_SECONDS = 1e-3
@@ -24,8 +24,9 @@ _TYPES = (
     (keys.GPU_OVERRIDES, types_pb2.GpuOverride), (keys.JOB_OVERRIDES, types_pb2.JobOverride),
     (keys.POWER, types_pb2.NodePowerPlan), (keys.EVENTS, types_pb2.Event),
 )
-_JOB_TYPES = {"spec": types_pb2.JobSpec, "plan": types_pb2.Plan, "history": types_pb2.Plan,
-              "acks": types_pb2.Ack}
+_JOB_TYPES = {keys.Kind.JOB_SPEC: types_pb2.JobSpec, keys.Kind.JOB_PLAN: types_pb2.Plan,
+              keys.Kind.JOB_HISTORY: types_pb2.Plan, keys.Kind.JOB_ASSIGN: types_pb2.Plan,
+              keys.Kind.JOB_ACK: types_pb2.Ack}
 
 
 def _type_of(key: str):
@@ -34,8 +35,8 @@ def _type_of(key: str):
     for prefix, cls in _TYPES:
         if key.startswith(prefix):
             return cls
-    split = keys.split_job_key(key)
-    return _JOB_TYPES.get(split[1].split("/", 1)[0]) if split else None
+    k = keys.parse(key)
+    return _JOB_TYPES.get(k.kind) if k is not None else None
 
 
 def _nonfinite(msg, path: str = "") -> list[str]:
@@ -111,8 +112,7 @@ def plan_violations(etcd) -> list[str]:
             o = codec.decode(types_pb2.GpuOverride, kv.value, kv.key)
             if o.drained:
                 drained.add((o.gpu.node, o.gpu.index))
-        elif (split := keys.split_job_key(kv.key)) and split[1] == "plan":
-            plans[split[0]] = codec.decode(types_pb2.Plan, kv.value, kv.key)
+    plans = planstore.whole_plans(kvs)[0]  # the stored headers and parts, assembled
     out, owner = [], {}
     for job, plan in sorted(plans.items()):
         for rep in plan.replicas:

@@ -47,7 +47,9 @@ def _load_row(path: Path) -> dict | None:
                     f"{figs.get('rest_clients')} concurrent REST clients",
         "checked": "every committed plan equals tpflex_controller.planner.plan on a state the cluster "
                    "passed through since the job's previous plan; final plans equal the planner's on "
-                   "the final state",
+                   "the final state; every plan keeps the invariants of bench/load_oracle.py (no failed "
+                   "GPU, degree = usable GPUs, caps within the GPU's limits and the rack budget, "
+                   "contiguous generations)",
         "figures": figs,
     }
 

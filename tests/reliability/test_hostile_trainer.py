@@ -17,7 +17,7 @@ import grpc
 import httpx
 import pytest
 from tpflex_controller import synthetic
-from tpflex_proto import codec, controller_pb2, controller_pb2_grpc, keys, types_pb2
+from tpflex_proto import codec, controller_pb2, controller_pb2_grpc, keys, planstore, types_pb2
 
 from tests.agent.support import wait_until
 from tests.reliability.fleet import ADMIN, SIM_TDP_W, Fleet, record
@@ -102,8 +102,7 @@ def test_specs_are_checked_against_their_meaning_and_the_cluster(fleet):
 
 
 def _plan(fleet: Fleet, job: str) -> types_pb2.Plan:
-    kv = fleet.etcd.get(keys.job_plan(job))
-    return codec.decode(types_pb2.Plan, kv.value) if kv else types_pb2.Plan()
+    return planstore.read_plan(fleet.etcd, job) or types_pb2.Plan()  # header + parts
 
 
 def _report(**kw) -> controller_pb2.StepReport:

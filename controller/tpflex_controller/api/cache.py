@@ -18,6 +18,7 @@ import threading
 
 from tpflex_proto import keys, types_pb2
 from tpflex_proto.etcd import Etcd, EtcdError, KeyValue, Watch, WatchEvent
+from tpflex_proto.keys import Kind as KeyKind
 
 from tpflex_controller.api.errors import ApiError, ErrorCode
 from tpflex_controller.api.feed import Change, Handler, Kind, Subscribers, Unsubscribe, classify
@@ -25,7 +26,6 @@ from tpflex_controller.store import Snapshot, Store, apply_kv, decode_or_skip
 
 log = logging.getLogger(__name__)
 
-_ACKS = "acks/"
 
 
 class _Tables:
@@ -41,35 +41,31 @@ class _Tables:
         self.leader_present = False
 
     def fold(self, kv: KeyValue, deleted: bool) -> None:
-        key = kv.key
-        if key == keys.LEADER:
+        k = keys.parse(kv.key)
+        kind = k.kind if k is not None else None
+        if kind is KeyKind.LEADER:
             self._fold_leader(kv, deleted)
-        elif key.startswith(keys.EVENTS):
-            _fold_int(self.events, key[len(keys.EVENTS):], types_pb2.Event, kv, deleted)
-        elif key.startswith(keys.RACKS):
-            old = self.snap.racks.get(key[len(keys.RACKS):])
+        elif kind is KeyKind.EVENT:
+            _fold_int(self.events, k.number, types_pb2.Event, kv, deleted)
+        elif kind is KeyKind.RACK:
+            old = self.snap.racks.get(k.name)
             apply_kv(self.snap, kv, deleted)
-            self._index_rack(key[len(keys.RACKS):], old)
-        elif key.startswith(keys.GPU_OVERRIDES):
+            self._index_rack(k.name, old)
+        elif kind is KeyKind.GPU_OVERRIDE:
             apply_kv(self.snap, kv, deleted)
-            self._index_override(key)
-        elif not apply_kv(self.snap, kv, deleted):
-            self._fold_job_part(kv, deleted)
+            self._index_override(k.name, k.number)
+        elif kind is KeyKind.JOB_ACK:
+            _fold_int(self.acks.setdefault(k.name, {}), k.number, types_pb2.Ack, kv, deleted)
+        elif k is None and not deleted and (kv.key.startswith(keys.EVENTS) or "/acks/" in kv.key):
+            log.warning("skipping malformed etcd key key=%s", kv.key)
+        else:
+            apply_kv(self.snap, kv, deleted)
 
     def _fold_leader(self, kv: KeyValue, deleted: bool) -> None:
         self.leader_present = not deleted
         self.leader = None if deleted else decode_or_skip(types_pb2.LeaderRecord, kv)
         if self.leader_present and self.leader is None:  # unreadable, but a leader is elected
             self.leader = types_pb2.LeaderRecord(id="<unreadable>")
-
-    def _fold_job_part(self, kv: KeyValue, deleted: bool) -> None:
-        split = keys.split_job_key(kv.key)
-        if split is None:
-            return
-        job, rest = split
-        if rest.startswith(_ACKS):
-            table = self.acks.setdefault(job, {})
-            _fold_int(table, rest[len(_ACKS):], types_pb2.Ack, kv, deleted)
 
     def _index_rack(self, name: str, old: types_pb2.Rack | None) -> None:
         for n in old.nodes if old is not None else ():
@@ -79,27 +75,20 @@ class _Tables:
         for n in new.nodes if new is not None else ():
             self.node_rack[n] = name
 
-    def _index_override(self, key: str) -> None:
-        node, _, idx = key[len(keys.GPU_OVERRIDES):].rpartition("/")
-        if not idx.isdigit():
-            return
-        if (node, int(idx)) in self.snap.gpu_overrides:
-            self.node_overrides.setdefault(node, set()).add(int(idx))
+    def _index_override(self, node: str, index: int) -> None:
+        if (node, index) in self.snap.gpu_overrides:
+            self.node_overrides.setdefault(node, set()).add(index)
         else:
-            self.node_overrides.get(node, set()).discard(int(idx))
+            self.node_overrides.get(node, set()).discard(index)
 
 
-def _fold_int(table: dict, tail: str, cls, kv: KeyValue, deleted: bool) -> None:
-    if not tail.isdigit():
-        if not deleted:
-            log.warning("skipping malformed etcd key key=%s", kv.key)
-        return
+def _fold_int(table: dict, number: int, cls, kv: KeyValue, deleted: bool) -> None:
     if deleted:
-        table.pop(int(tail), None)
+        table.pop(number, None)
         return
     msg = decode_or_skip(cls, kv)
     if msg is not None:
-        table[int(tail)] = msg
+        table[number] = msg
 
 
 def node_subset(snap: Snapshot, node: str, rack: types_pb2.Rack | None,

@@ -49,36 +49,24 @@ class Change:
     deleted: bool = False
 
 
-_PREFIXED = (
-    (keys.RACKS, Kind.RACK), (keys.NODES, Kind.NODE), (keys.HEALTH, Kind.HEALTH),
-    (keys.JOB_OVERRIDES, Kind.JOB_OVERRIDE), (keys.POWER, Kind.POWER), (keys.EVENTS, Kind.EVENT),
-)
-_JOB_PARTS = {"spec": Kind.JOB, "plan": Kind.PLAN}
+# the feed's kind of each parsed key kind (keys.parse); a key not listed is OTHER
+_KINDS = {
+    keys.Kind.RACK: Kind.RACK, keys.Kind.NODE: Kind.NODE, keys.Kind.HEALTH: Kind.HEALTH,
+    keys.Kind.GPU_OVERRIDE: Kind.GPU_OVERRIDE, keys.Kind.JOB_SPEC: Kind.JOB,
+    keys.Kind.JOB_PLAN: Kind.PLAN, keys.Kind.JOB_HISTORY: Kind.PLAN_HISTORY,
+    keys.Kind.JOB_ACK: Kind.ACK, keys.Kind.JOB_OVERRIDE: Kind.JOB_OVERRIDE,
+    keys.Kind.POWER: Kind.POWER, keys.Kind.EVENT: Kind.EVENT, keys.Kind.LEADER: Kind.LEADER,
+}
 
 
 def classify(key: str, revision: int, deleted: bool = False) -> Change:
     """The change record of one etcd key (pure)."""
-    if key == keys.LEADER:
-        return Change(Kind.LEADER, "", revision, deleted)
-    if key.startswith(keys.GPU_OVERRIDES):
-        node = key[len(keys.GPU_OVERRIDES):].rpartition("/")[0]
-        return Change(Kind.GPU_OVERRIDE, node, revision, deleted) if node else _other(revision, deleted)
-    for prefix, kind in _PREFIXED:
-        if key.startswith(prefix) and len(key) > len(prefix):
-            name = key[len(prefix):]
-            if kind is Kind.EVENT:
-                name = str(int(name)) if name.isdigit() else ""
-            return Change(kind, name, revision, deleted)
-    split = keys.split_job_key(key)
-    if split is not None:
-        job, rest = split
-        if rest in _JOB_PARTS:
-            return Change(_JOB_PARTS[rest], job, revision, deleted)
-        if rest.startswith("acks/"):
-            return Change(Kind.ACK, job, revision, deleted)
-        if rest.startswith("history/"):
-            return Change(Kind.PLAN_HISTORY, job, revision, deleted)
-    return _other(revision, deleted)
+    k = keys.parse(key)
+    kind = _KINDS.get(k.kind) if k is not None else None
+    if kind is None:
+        return _other(revision, deleted)
+    name = str(k.number) if kind is Kind.EVENT else k.name
+    return Change(kind, name, revision, deleted)
 
 
 def _other(revision: int, deleted: bool) -> Change:

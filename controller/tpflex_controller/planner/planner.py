@@ -30,7 +30,8 @@ Semantics (DESIGN.md "NTP math"):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from tpflex_proto.powermodel import DEFAULT_POWER_MODEL, PowerModel
 
@@ -83,55 +84,140 @@ def plan(
     pin that cannot hold (invalid for the spec, or above the usable GPUs of a stage of its
     replica) never blocks the plan: it is suspended (``PlanResult.suspended_pins``, with a
     reason) and its replica planned as if unpinned, so a failed or drained GPU always
-    leaves the plan."""
+    leaves the plan. ``incremental.replan`` gives the same result for a change."""
+    ctx = context(cluster, job, policy, power_model, overrides)
+    outcomes = plan_replicas(ctx, cluster, job, range(len(job.replicas)))
+    return assemble(ctx, job, outcomes)
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What every replica of one plan shares: the policy, power model, full degree and the
+    operator's pins (the valid ones, and those invalid for the spec)."""
+
+    policy: Policy
+    model: PowerModel
+    full_degree: int
+    pins: Mapping[int, int]
+    invalid_pins: tuple[SuspendedPin, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaOutcome:
+    """One replica's part of a plan that differs from the identity assignment."""
+
+    assignment: ReplicaAssignment
+    caps: Mapping[GpuKey, float]
+    reasons: tuple[str, ...]
+    unheld: SuspendedPin | None  # its pin, suspended because it cannot hold now
+    lost: bool  # a stage of its spec has an unusable GPU (it may hold a spare rack)
+
+
+def context(
+    cluster: ClusterState,
+    job: JobSpec,
+    policy: Policy | None,
+    power_model: PowerModel | None,
+    overrides: JobOverrides | None,
+) -> PlanContext:
     overrides = overrides or _NO_OVERRIDES
     eff = Policy(policy or overrides.policy or job.policy)
-    model = power_model or DEFAULT_POWER_MODEL
     full_degree = validate(cluster, job)
-    pins, suspended = _valid_pins(job, overrides.pins, full_degree)
-    drafts = _decided_drafts(eff, cluster, job, pins, full_degree)
+    pins, invalid = _valid_pins(job, overrides.pins, full_degree)
+    return PlanContext(eff, power_model or DEFAULT_POWER_MODEL, full_degree, pins, tuple(invalid))
+
+
+def plan_replicas(
+    ctx: PlanContext, cluster: ClusterState, job: JobSpec, indices: Iterable[int]
+) -> dict[int, ReplicaOutcome]:
+    """Plan the replicas ``indices`` (ascending) together; a replica left out of the result
+    gets the identity assignment. Correct on its own only when ``indices`` hold every
+    replica the ones planned are coupled with (a rack whose budget they share, the spare
+    pool): ``plan`` passes all, ``incremental.replan`` the coupled ones."""
+    pins = {r: t for r, t in ctx.pins.items()}
+    drafts = _drafts(cluster, job, pins, ctx.full_degree, indices)
+    lost = {d.index for d in drafts if d.lost_any}
+    _decide(ctx.policy, drafts, cluster, job)
     unheld = _unheld_pins(drafts, pins)
     if unheld:  # plan those replicas again as if unpinned (pins never change spare moves)
         gone = {p.replica for p in unheld}
         pins = {r: t for r, t in pins.items() if r not in gone}
-        drafts = _decided_drafts(eff, cluster, job, pins, full_degree)
-        suspended += unheld
-    changed = [d for d in drafts if d is not None]
-    if eff is Policy.NTP_PW:
+        drafts = _drafts(cluster, job, pins, ctx.full_degree, indices)
+        _decide(ctx.policy, drafts, cluster, job)
+    if ctx.policy is Policy.NTP_PW:
         power.plan_boosts(
-            (s for d in changed if d.state is not ReplicaState.DROPPED for s in d.stages),
+            (s for d in drafts if d.state is not ReplicaState.DROPPED for s in d.stages),
             cluster,
             job.base_tp,
-            model,
+            ctx.model,
         )
-    replicas, caps, reasons = _assemble(drafts, cluster, job, eff, model)
+    held = {p.replica: p for p in unheld}
+    out: dict[int, ReplicaOutcome] = {}
+    for d in drafts:
+        assignment, caps = _assign(d, cluster, job, ctx.model)
+        reasons = replica_reasons(
+            d, assignment, job, ctx.policy, caps, cluster.gpu_speed, cluster.power_pins, ctx.model
+        )
+        out[d.index] = ReplicaOutcome(assignment, caps, tuple(reasons), held.get(d.index), d.index in lost)
+    return out
+
+
+def assemble(
+    ctx: PlanContext,
+    job: JobSpec,
+    outcomes: Mapping[int, ReplicaOutcome],
+    base: PlanResult | None = None,
+    replaced: Mapping[int, ReplicaOutcome | None] | None = None,
+) -> PlanResult:
+    """The job's plan from the outcomes of its non-identity replicas. With ``base`` (an
+    earlier plan of the job) and ``replaced`` (the earlier outcome, None for identity, of
+    each replica planned again since), the rest is copied from ``base``."""
+    if base is None:
+        replicas = [_outcome_or_identity(outcomes, job, i) for i in range(len(job.replicas))]
+        caps: dict[GpuKey, float] = {}
+        for o in outcomes.values():
+            caps.update(o.caps)
+    else:
+        replaced = replaced or {}
+        replicas = list(base.replicas)
+        caps = dict(base.power_caps)
+        for old in replaced.values():
+            for g in old.caps if old is not None else ():
+                caps.pop(g, None)
+        for i in replaced:
+            replicas[i] = _outcome_or_identity(outcomes, job, i)
+            if i in outcomes:
+                caps.update(outcomes[i].caps)
+    reasons = tuple(line for i in sorted(outcomes) for line in outcomes[i].reasons)
+    unheld = [outcomes[r].unheld for r in ctx.pins if r in outcomes and outcomes[r].unheld is not None]
+    suspended = [*ctx.invalid_pins, *unheld]
     ratio = sum(r.relative_throughput for r in replicas) / len(replicas)
     reasons += tuple(f"replica {p.replica}: operator pin suspended: {p.reason}" for p in suspended)
-    return PlanResult(job.name, eff, replicas, caps, ratio, reasons, tuple(sorted(suspended)))
+    return PlanResult(
+        job.name, ctx.policy, tuple(replicas), caps, ratio, reasons, tuple(sorted(suspended))
+    )
+
+
+def _outcome_or_identity(outcomes: Mapping[int, ReplicaOutcome], job: JobSpec, i: int) -> ReplicaAssignment:
+    o = outcomes.get(i)
+    return o.assignment if o is not None else _identity(job, i)
 
 
 def _drafts(
-    cluster: ClusterState, job: JobSpec, pins: Mapping[int, int], full_degree: int
-) -> list[ReplicaDraft | None]:
-    """A draft per replica that may differ from the identity plan; None for the others."""
+    cluster: ClusterState, job: JobSpec, pins: Mapping[int, int], full_degree: int, indices: Iterable[int]
+) -> list[ReplicaDraft]:
+    """A draft per replica of ``indices`` that may differ from the identity plan."""
     touched = touched_gpus(cluster)
     unusable = unusable_gpus(cluster)
     live = cluster.live_nodes
     can_be_identity = full_degree == job.base_tp
-    return [
-        None
-        if can_be_identity and i not in pins and replica_clean(rep, touched, live)
-        else replica_draft(cluster, job, i, rep, touched, unusable, pins.get(i), full_degree)
-        for i, rep in enumerate(job.replicas)
-    ]
-
-
-def _decided_drafts(
-    eff: Policy, cluster: ClusterState, job: JobSpec, pins: Mapping[int, int], full: int
-) -> list[ReplicaDraft | None]:
-    drafts = _drafts(cluster, job, pins, full)
-    _decide(eff, [d for d in drafts if d is not None], cluster, job)
-    return drafts
+    out = []
+    for i in indices:
+        rep = job.replicas[i]
+        if can_be_identity and i not in pins and replica_clean(rep, touched, live):
+            continue
+        out.append(replica_draft(cluster, job, i, rep, touched, unusable, pins.get(i), full_degree))
+    return out
 
 
 def _decide(eff: Policy, drafts: list[ReplicaDraft], cluster: ClusterState, job: JobSpec) -> None:
@@ -207,43 +293,21 @@ def _valid_pins(
     return valid, suspended
 
 
-def _unheld_pins(drafts: list[ReplicaDraft | None], pins: Mapping[int, int]) -> list[SuspendedPin]:
+def _unheld_pins(drafts: list[ReplicaDraft], pins: Mapping[int, int]) -> list[SuspendedPin]:
     """Pins above the usable GPUs of a stage of their replica cannot hold now: the replica
-    runs at what it has (the same degrees as unpinned), and the pin is reported."""
+    runs at what it has (the same degrees as unpinned), and the pin is reported (in the
+    order of ``pins``)."""
+    by_index = {d.index: d for d in drafts}
     out: list[SuspendedPin] = []
     for r, t in pins.items():
-        d = drafts[r]
-        assert d is not None  # pinned replicas always get a draft
+        d = by_index.get(r)
+        if d is None:  # not among the replicas planned now
+            continue
         short = [s for s in d.stages if s.spare_for is None and len(s.usable) < t]
         if short:
             s = short[0]
             out.append(SuspendedPin(r, t, f"TP {t} needs {t} usable GPUs, rack {s.rack.name} has {len(s.usable)}"))
     return out
-
-
-def _assemble(
-    drafts: list[ReplicaDraft | None],
-    cluster: ClusterState,
-    job: JobSpec,
-    eff: Policy,
-    model: PowerModel,
-) -> tuple[tuple[ReplicaAssignment, ...], dict[GpuKey, float], tuple[str, ...]]:
-    replicas: list[ReplicaAssignment] = []
-    caps: dict[GpuKey, float] = {}
-    reasons: list[str] = []
-    for i, d in enumerate(drafts):
-        if d is None:
-            replicas.append(_identity(job, i))
-            continue
-        assignment, stage_caps = _assign(d, cluster, job, model)
-        replicas.append(assignment)
-        caps.update(stage_caps)
-        reasons.extend(
-            replica_reasons(
-                d, assignment, job, eff, stage_caps, cluster.gpu_speed, cluster.power_pins, model
-            )
-        )
-    return tuple(replicas), caps, tuple(reasons)
 
 
 _IDENTITY: IdentityMemo[ReplicaAssignment] = IdentityMemo()

@@ -57,7 +57,6 @@ class EtcdMember:
             "--initial-cluster-token", "tpflex-test",
             "--heartbeat-interval", "50",
             "--election-timeout", "500",
-            "--max-request-bytes", str(8 << 20),
             "--quota-backend-bytes", str(2 << 30),
             "--log-level", "error",
             "--logger", "zap",

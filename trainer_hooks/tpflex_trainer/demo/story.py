@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, types_pb2
+from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, planstore, types_pb2
 
 from tpflex_trainer.demo.cluster import DemoCluster, DemoPorts, RackLayout, check_ports_free
 from tpflex_trainer.demo.launcher import JobLauncher, demo_job_spec
@@ -236,10 +236,9 @@ class Story:
 
     def wait_plan(self, generation: int) -> types_pb2.Plan:
         def committed() -> bool:
-            kv = self.cluster.etcd.get(keys.job_plan(JOB))
-            if kv is None:
+            plan = planstore.read_plan(self.cluster.etcd, JOB)
+            if plan is None:
                 return False
-            plan = codec.decode(types_pb2.Plan, kv.value, kv.key)
             if plan.generation >= generation:
                 self.run.plans.setdefault(plan.generation, plan)
                 return True

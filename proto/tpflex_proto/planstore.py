@@ -1,0 +1,304 @@
+"""Plan storage that scales with the change (DESIGN.md, etcd layout).
+
+Generation ``g`` of job ``J``'s plan is stored as
+
+- ``jobs/J/plan``: the header, a ``Plan`` with everything but the replicas and their GPUs'
+  power caps, ``split`` set and ``stored_replicas`` = the number of replicas;
+- ``jobs/J/assign/<gen>/<i>``: the replica at position ``i`` (a ``Plan`` holding that one
+  ``ReplicaPlan`` and the caps of its GPUs), written only by the generations that change
+  it: generation ``g``'s replica ``i`` is the part of the largest ``gen <= g``;
+- ``jobs/J/history/<g>``: the header of generation ``g``; the parts the kept generations
+  need are kept with them (:class:`PartIndex` says which ones may go).
+
+So a generation writes O(what changed). Assembled, the bytes are exactly the
+deterministic encoding of the whole ``Plan`` (fields 1-3, the replicas in order, the caps
+sorted by GPU, fields 6-10), so every reader sees the plans it saw when one key held the
+whole plan. A header without ``split`` is a whole plan (tests and tools may write one).
+
+Parts sort before the header (``assign`` < ``plan``) and a generation's parts are written
+before its header (earlier in the same transaction, or in earlier ones), so a reader that
+folds keys in revision and key order holds every part when the header arrives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from tpflex_proto import codec, keys, types_pb2
+
+_HEAD = (1, 2, 3)
+_REPLICAS, _CAPS = 4, 5
+_SPLIT_FIELDS = (11, 12)
+
+
+def decode_plan(value: bytes, key: str) -> types_pb2.Plan:
+    """Decode a plan with a top-level schema check only (a plan can hold 250k GPU refs)."""
+    from google.protobuf import unknown_fields
+    from google.protobuf.message import DecodeError
+
+    plan = types_pb2.Plan()
+    try:
+        plan.ParseFromString(value)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise codec.MalformedValue(key, "Plan", str(exc)) from exc
+    if len(unknown_fields.UnknownFieldSet(plan)):
+        raise codec.MalformedValue(key, "Plan", "unknown fields")
+    return plan
+
+
+# ---- keys ----
+
+
+@dataclass(frozen=True)
+class PlanKey:
+    """A key of the plan layout: kind is "header", "part" or "history"."""
+
+    kind: str
+    job: str
+    generation: int = 0
+    position: int = 0
+
+
+_PLAN_KINDS = {keys.Kind.JOB_PLAN: "header", keys.Kind.JOB_HISTORY: "history", keys.Kind.JOB_ASSIGN: "part"}
+
+
+def parse_key(key: str) -> PlanKey | None:
+    """The plan-layout meaning of an etcd key; None for any other key."""
+    k = keys.parse(key)
+    kind = _PLAN_KINDS.get(k.kind) if k is not None else None
+    if kind is None:
+        return None
+    return PlanKey(kind, k.name, k.number, k.position)
+
+
+# ---- wire format (top-level fields only) ----
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    out = shift = 0
+    while True:
+        if pos >= len(data):
+            raise ValueError("truncated varint")
+        b = data[pos]
+        pos += 1
+        out |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return out, pos
+        shift += 7
+
+
+def fields(data: bytes) -> list[tuple[int, bytes]]:
+    """(field number, the field's whole encoding) of each top-level field, in order."""
+    out = []
+    pos = 0
+    while pos < len(data):
+        start = pos
+        tag, pos = _varint(data, pos)
+        wire = tag & 7
+        if wire == 0:
+            _, pos = _varint(data, pos)
+        elif wire == 1:
+            pos += 8
+        elif wire == 5:
+            pos += 4
+        elif wire == 2:
+            size, pos = _varint(data, pos)
+            pos += size
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+        if pos > len(data):
+            raise ValueError("truncated field")
+        out.append((tag >> 3, data[start:pos]))
+    return out
+
+
+class Assembler:
+    """Joins a header and its parts into the whole plan's bytes; remembers each cap's GPU
+    (caps repeat across generations) so that a generation costs no cap decoding."""
+
+    def __init__(self, max_cached: int = 500_000) -> None:
+        self._gpu_of_cap: dict[bytes, tuple[str, int]] = {}
+        self._max = max_cached
+
+    def whole(self, header: bytes, parts: Sequence[bytes]) -> bytes:
+        head, caps, tail = [], [], []
+        for num, raw in fields(header):
+            if num in _HEAD:
+                head.append(raw)
+            elif num == _CAPS:
+                caps.append(raw)
+            elif num not in _SPLIT_FIELDS and num != _REPLICAS:
+                tail.append(raw)
+        replicas = []
+        for part in parts:
+            for num, raw in fields(part):
+                if num == _REPLICAS:
+                    replicas.append(raw)
+                elif num == _CAPS:
+                    caps.append(raw)
+        caps.sort(key=self._gpu)
+        return b"".join([*head, *replicas, *caps, *tail])
+
+    def _gpu(self, raw: bytes) -> tuple[str, int]:
+        gpu = self._gpu_of_cap.get(raw)
+        if gpu is None:
+            cap = types_pb2.Plan.FromString(raw).power_caps[0]
+            gpu = (cap.gpu.node, cap.gpu.index)
+            if len(self._gpu_of_cap) >= self._max:
+                self._gpu_of_cap.clear()
+            self._gpu_of_cap[raw] = gpu
+        return gpu
+
+
+# ---- which parts exist, which generation needs which ----
+
+
+@dataclass
+class PartIndex:
+    """The parts of one job in etcd: position -> generations present (ascending), and the
+    parts the kept history no longer needs, by the generation whose commit may delete
+    them."""
+
+    gens: dict[int, list[int]] = field(default_factory=dict)
+    values: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (gen, pos) -> part
+
+    def add(self, generation: int, position: int, value: bytes) -> None:
+        got = self.gens.setdefault(position, [])
+        if generation not in got:
+            got.append(generation)
+            got.sort()
+        self.values[(generation, position)] = value
+
+    def remove(self, generation: int, position: int) -> None:
+        got = self.gens.get(position)
+        if got is not None and generation in got:
+            got.remove(generation)
+            if not got:
+                del self.gens[position]
+        self.values.pop((generation, position), None)
+
+    def select(self, generation: int, count: int, key: str = "?") -> list[bytes]:
+        """The parts of generation ``generation`` (``count`` replicas), in order; raises
+        MalformedValue when one is missing."""
+        out = []
+        for pos in range(count):
+            best = 0
+            for g in self.gens.get(pos, ()):
+                if g <= generation:
+                    best = g
+            if not best:
+                raise codec.MalformedValue(key, "Plan", f"replica {pos} of generation {generation} missing")
+            out.append(self.values[(best, pos)])
+        return out
+
+    def stale(self, generation: int) -> list[int]:
+        """Generations above ``generation`` that have parts (a staged write that never
+        committed); they must go before ``generation + 1`` is written."""
+        return sorted({g for gs in self.gens.values() for g in gs if g > generation})
+
+    def dead(self, oldest_kept: int, count: int, limit: int) -> list[tuple[int, int]]:
+        """Up to ``limit`` parts (gen, position) no kept generation (>= ``oldest_kept``)
+        uses: a part with a newer one at or before ``oldest_kept``, or at a position no
+        kept generation has (``count``: the most replicas any kept generation has)."""
+        out: list[tuple[int, int]] = []
+        for pos, gs in self.gens.items():
+            if pos >= count:
+                out.extend((g, pos) for g in gs if g <= oldest_kept)
+            else:
+                live = max((g for g in gs if g <= oldest_kept), default=0)
+                out.extend((g, pos) for g in gs if g < live)
+            if len(out) >= limit:
+                break
+        return sorted(out)[:limit]
+
+
+# ---- readers ----
+
+
+def header_of(plan: types_pb2.Plan) -> bool:
+    return plan.split
+
+
+def whole_plans(kvs: Iterable, assembler: Assembler | None = None) -> tuple[dict, dict]:
+    """From the key-values of one consistent read (any order): each job's current plan and
+    its kept generations (oldest first), as whole ``Plan`` messages. Malformed or
+    incomplete plans raise MalformedValue."""
+    assembler = assembler or Assembler()
+    parts: dict[str, PartIndex] = {}
+    headers: dict[str, bytes] = {}
+    history: dict[str, dict[int, bytes]] = {}
+    for kv in kvs:
+        pk = parse_key(kv.key)
+        if pk is None:
+            continue
+        if pk.kind == "part":
+            parts.setdefault(pk.job, PartIndex()).add(pk.generation, pk.position, kv.value)
+        elif pk.kind == "header":
+            headers[pk.job] = kv.value
+        else:
+            history.setdefault(pk.job, {})[pk.generation] = kv.value
+    current = {job: whole(v, parts.get(job), assembler, keys.job_plan(job)) for job, v in headers.items()}
+    kept = {
+        job: [whole(gens[g], parts.get(job), assembler, keys.job_plan_history(job, g)) for g in sorted(gens)]
+        for job, gens in history.items()
+    }
+    return current, kept
+
+
+def whole(value: bytes, parts: PartIndex | None, assembler: Assembler, key: str) -> types_pb2.Plan:
+    """The whole plan of a stored header (or of a whole plan stored as such)."""
+    plan = decode_plan(value, key)
+    if not plan.split:
+        return plan
+    chosen = (parts or PartIndex()).select(plan.generation, plan.stored_replicas, key)
+    try:
+        return decode_plan(assembler.whole(value, chosen), key)
+    except ValueError as exc:
+        raise codec.MalformedValue(key, "Plan", str(exc)) from exc
+
+
+def read_job(etcd, job: str) -> tuple[types_pb2.Plan | None, list[types_pb2.Plan]]:
+    """The job's current plan (None: none) and kept generations, from one etcd read."""
+    kvs, _ = etcd.get_prefix(keys.job_prefix(job))
+    current, kept = whole_plans(kvs)
+    return current.get(job), kept.get(job, [])
+
+
+def read_plan(etcd, job: str) -> types_pb2.Plan | None:
+    return read_job(etcd, job)[0]
+
+
+class JobPlans:
+    """One job's plans as its keys arrive (a consistent read, then watch events in
+    revision order): parts are indexed and each header put gives the whole plan."""
+
+    def __init__(self, job: str, assembler: Assembler | None = None) -> None:
+        self.job = job
+        self.parts = PartIndex()
+        self._assembler = assembler or Assembler()
+
+    def fold(self, key: str, value: bytes, deleted: bool = False) -> types_pb2.Plan | None:
+        """The whole plan when ``key`` is the job's header put; None otherwise. Raises
+        MalformedValue for a header it cannot assemble."""
+        pk = parse_key(key)
+        if pk is None or pk.job != self.job or pk.kind == "history":
+            return None
+        if pk.kind == "part":
+            if deleted:
+                self.parts.remove(pk.generation, pk.position)
+            else:
+                self.parts.add(pk.generation, pk.position, value)
+            return None
+        if deleted:
+            return None
+        return whole(value, self.parts, self._assembler, key)
+
+    def fold_read(self, kvs: Iterable) -> types_pb2.Plan | None:
+        """Fold a prefix read of the job (key order: parts before the header); the current
+        plan or None."""
+        current = None
+        for kv in kvs:
+            plan = self.fold(kv.key, kv.value)
+            current = plan if plan is not None else current
+        return current

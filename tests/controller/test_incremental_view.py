@@ -1,0 +1,55 @@
+"""The reconcile view's change records drive incremental re-planning to the whole-job plan:
+random health writes and node losses folded into a ClusterView, then replan() with the
+view's take_changes() equals plan() on the view's state (hypothesis)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tpflex_controller import synthetic
+from tpflex_controller.cache import ClusterView
+from tpflex_controller.planner import plan
+from tpflex_controller.planner.incremental import plan_job, replan
+from tpflex_proto import codec, keys
+
+RACKS = [synthetic.rack(f"r{i}", 3, 2, budget_factor=1.05) for i in range(4)]
+NODES = [n for r in RACKS for n in r.nodes]
+
+
+def _view() -> ClusterView:
+    view = ClusterView()
+    rev = 1
+    for r in RACKS:
+        view.fold("put", keys.rack(r.name), codec.encode(r), rev)
+        for n in r.nodes:
+            view.fold("put", keys.node(n), codec.encode(synthetic.node(n, r.name, 2)), rev)
+    spec = synthetic.job("j", [r.name for r in RACKS], 6, units={"heads": 6})
+    view.fold("put", keys.job_spec("j"), codec.encode(spec), rev)
+    return view
+
+
+events = st.tuples(st.sampled_from(["health", "lost", "back"]), st.sampled_from(NODES),
+                   st.sets(st.integers(0, 1)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(events, min_size=1, max_size=4), min_size=1, max_size=10))
+def test_view_changes_drive_replan_to_the_whole_job_plan(batches):
+    view = _view()
+    spec = view.job_spec("j")
+    prev = plan_job(view.state, spec)
+    view.take_changes("j")
+    rev = 10
+    for batch in batches:
+        for kind, node, failed in batch:
+            rev += 1
+            rack = next(r.name for r in RACKS if node in r.nodes)
+            if kind == "health":
+                value = codec.encode(synthetic.failed_health(node, 2, failed, rev))
+                view.fold("put", keys.health(node), value, rev)
+            elif kind == "lost":
+                view.fold("delete", keys.node(node), b"", rev)
+            else:
+                view.fold("put", keys.node(node), codec.encode(synthetic.node(node, rack, 2)), rev)
+        prev = replan(prev, view.state, view.job_spec("j"), view.take_changes("j"))
+        assert prev.result == plan(view.state, view.job_spec("j"))

@@ -1,0 +1,70 @@
+"""Plan storage that scales with the change (tpflex_proto.planstore): the stored header
+and parts assemble to exactly the whole plan's encoding, a generation writes only the
+parts it changes, and a generation too big for one transaction is staged (etcd runs with
+its default request limit in the tests)."""
+
+from __future__ import annotations
+
+from tpflex_controller import convert
+from tpflex_controller.planbytes import PlanEncoder
+from tpflex_controller.planner import plan
+from tpflex_controller.planning import PlanCommit, commit_plan
+from tpflex_proto import codec, keys, planstore
+
+from tests.controller.planner_fixtures import failed, make_job, make_racks, state
+from tests.controller.test_election import _campaign
+
+
+def test_header_and_parts_assemble_to_the_whole_plan_encoding():
+    racks = make_racks(6, size=8)
+    job = make_job(racks, tp=8, units={"heads": 64, "ffn": 128, "vocab": 64})
+    gpus = [g for r in racks.values() for g in r.gpus]
+    encoder = PlanEncoder()
+    for gen, down in enumerate(([], [gpus[3]], [gpus[3], gpus[12], gpus[13]], [gpus[12]]), start=1):
+        result = plan(state(racks, gpu_status=failed(*down)), job)
+        header, parts = encoder.split(result, gen, cause="t", now=5.0)
+        reference = codec.encode(convert.plan_to_proto(result, gen, cause="t", now=5.0))
+        assert planstore.Assembler().whole(header, parts) == reference
+        assert len(parts) == len(result.replicas)
+        if down:
+            assert result.power_caps  # the degraded replica is boosted: caps ride in parts
+        decoded = planstore.decode_plan(header, "h")
+        assert decoded.split and decoded.stored_replicas == len(parts) and not decoded.replicas
+
+
+def test_big_generation_is_staged_and_the_next_writes_only_its_change(etcd):
+    s = _campaign(etcd, "leader", ttl=30)
+    # 400 replicas of 8 KiB: 3.2 MB, twice etcd's default request limit
+    parts = [codec.encode(_replica_plan(i)) for i in range(400)]
+    header1 = codec.encode(_header(1, len(parts)))
+    rev = commit_plan(s, PlanCommit("j", 1, header1, 0, parts=dict(enumerate(parts))))
+    whole1, history = planstore.read_job(etcd, "j")
+    assert [r.index for r in whole1.replicas] == list(range(400)) and whole1.generation == 1
+    assert not whole1.split and len(history) == 1
+
+    changed = codec.encode(_replica_plan(7, tp=3))
+    before, _ = etcd.get_prefix(keys.job_assigns("j"), keys_only=True)
+    commit_plan(s, PlanCommit("j", 2, codec.encode(_header(2, 400)), rev, parts={7: changed}))
+    after, _ = etcd.get_prefix(keys.job_assigns("j"), keys_only=True)
+    assert {kv.key for kv in after} - {kv.key for kv in before} == {keys.job_assign("j", 2, 7)}
+    whole2, history = planstore.read_job(etcd, "j")
+    assert whole2.replicas[7].tp_degree == 3 and whole2.replicas[6] == whole1.replicas[6]
+    assert [p.generation for p in history] == [1, 2] and history[0] == whole1  # history likewise
+
+    watcher = planstore.JobPlans("j")
+    kvs, _ = etcd.get_prefix(keys.job_prefix("j"))
+    assert watcher.fold_read(kvs) == whole2
+
+
+def _replica_plan(i: int, tp: int = 8):
+    from tpflex_proto import types_pb2
+
+    holder = types_pb2.Plan()
+    holder.replicas.add(index=i, tp_degree=tp, reason="x" * 8192)
+    return holder
+
+
+def _header(gen: int, n: int):
+    from tpflex_proto import types_pb2
+
+    return types_pb2.Plan(job="j", generation=gen, policy="ntp-pw", split=True, stored_replicas=n)
