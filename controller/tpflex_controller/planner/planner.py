@@ -54,6 +54,7 @@ from tpflex_controller.planner.model import (
 from tpflex_controller.planner.reasons import replica_reasons
 from tpflex_controller.planner.stages import (
     ReplicaDraft,
+    StageDraft,
     decide_dp_drop,
     decide_ntp,
     decide_ntp_pw,
@@ -152,14 +153,48 @@ def plan_replicas(
             ctx.model,
         )
     held = {p.replica: p for p in unheld}
+    plain = _plain_ntp_alternatives(ctx, cluster, job, drafts, pins)
     out: dict[int, ReplicaOutcome] = {}
     for d in drafts:
         assignment, caps = _assign(d, cluster, job, ctx.model)
+        alt = plain.get(d.index)
+        if alt is not None:
+            alt_assignment, alt_caps = _assign(alt, cluster, job, ctx.model)
+            if alt_assignment.relative_throughput > assignment.relative_throughput + 1e-12:
+                d, assignment, caps = alt, alt_assignment, alt_caps
         reasons = replica_reasons(
             d, assignment, job, ctx.policy, caps, cluster.gpu_speed, cluster.power_pins, ctx.model
         )
         out[d.index] = ReplicaOutcome(assignment, caps, tuple(reasons), held.get(d.index), d.index in lost)
     return out
+
+
+def _plain_ntp_alternatives(
+    ctx: PlanContext, cluster: ClusterState, job: JobSpec, drafts: list[ReplicaDraft],
+    pins: Mapping[int, int],
+) -> dict[int, ReplicaDraft]:
+    """ntp-pw only: the plain-ntp drafts of the replicas that use a GPU pinned below TDP or
+    running slow. Plain ntp (every stage at the replica's smallest degree, no boost) is a
+    valid ntp-pw layout, and it can be the faster one when a stage kept at full degree
+    holds such a GPU; the caller keeps whichever is faster. Dropping a replica's boost only
+    frees rack budget, so the other replicas' caps stay valid."""
+    if ctx.policy is not Policy.NTP_PW or not (cluster.power_pins or cluster.gpu_speed):
+        return {}
+    candidates = [d.index for d in drafts if d.state is not ReplicaState.DROPPED
+                  and any(_holds_slow_gpu(s, cluster) for s in d.stages)]
+    if not candidates:
+        return {}
+    alts = _drafts(cluster, job, pins, ctx.full_degree, candidates)
+    _decide(Policy.NTP, alts, cluster, job)
+    return {a.index: a for a in alts if a.state is not ReplicaState.DROPPED}
+
+
+def _holds_slow_gpu(stage: StageDraft, cluster: ClusterState) -> bool:
+    pins, rack = cluster.power_pins, stage.rack
+    for g in (set(cluster.gpu_speed) | set(pins)).intersection(stage.used):
+        if g in cluster.gpu_speed or power.pinned_w(rack, pins[g]) < rack.tdp_w:
+            return True
+    return False
 
 
 def assemble(
