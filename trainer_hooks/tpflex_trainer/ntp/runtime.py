@@ -192,9 +192,10 @@ class NtpRuntime:
             (previous, holders, step), rollback = self._agree()
         new, plans, missing = self._plan_layouts(placements, previous, holders)
         if missing and rollback is not None:  # a torn step whose newest copy of some unit is gone
-            previous, holders, step = rollback
-            self._undo_update(step)
-            new, plans, missing = self._plan_layouts(placements, previous, holders)
+            older = self._plan_layouts(placements, *rollback[:2])
+            if not older[2]:  # every unit at the older step: the members ahead undo their update
+                (previous, holders, step), (new, plans, missing) = rollback, older
+                self._undo_update(step)
         all_units = {_stage_key(k, self.n_stages, f): n for k, a in enumerate(self.stage_adapters)
                      for f, n in a.all_unit_counts().items()}
         source = _choose_source(missing, holders, reader, allow_init, all_units)
