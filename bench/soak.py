@@ -29,7 +29,8 @@ then also gives each run against the single-process reference on its own per-ste
 ``lost_steps`` (completed steps that had to be run again), ``weights_rel_l2`` (final
 weights vs the baseline's, relative L2 over the whole model), ``max_pause_s`` and
 ``p50_pause_s`` (per fault: the gap in the job's progress around it), ``checkpoint_restarts``
-(rounds that loaded a checkpoint). Details to stderr; ``--keep`` keeps the work directory.
+(rounds that loaded a checkpoint), ``torn_steps_replayed`` (steps some ranks had applied and
+others not when a rank died, run again from the undo state without a checkpoint). Details to stderr; ``--keep`` keeps the work directory.
 """
 
 from __future__ import annotations
@@ -314,20 +315,42 @@ def pauses(records: list[dict], faults: list[dict]) -> list[float]:
     return out
 
 
-def lost_steps(records: list[dict]) -> tuple[int, int]:
-    """(completed steps run again, rounds that loaded a checkpoint): each round a rank
-    applied after start resumes at step s; steps the job had completed beyond s-1 were lost."""
-    lost, restarts, seen = 0, 0, set()
-    done_at = sorted((r["t"], r["step"]) for r in records if r["kind"] == "step")
+def job_done(steps: list[dict]) -> int:
+    """The newest step the job completed (every active rank applied its update), from
+    step records: a step below the newest one recorded (its collectives needed every
+    member past the update before it), or one every active rank of its generation recorded.
+    Steps some ranks recorded and others never applied (a torn step) are not complete."""
+    if not steps:
+        return -1
+    ranks: dict[tuple[int, int], set[int]] = {}
+    need: dict[tuple[int, int], int] = {}
+    for r in steps:
+        key = (r["step"], r["generation"])
+        ranks.setdefault(key, set()).add(r["rank"])
+        need[key] = sum(sum(d) if isinstance(d, list) else d for d in r["degrees"])
+    complete = [s for (s, g), who in ranks.items() if len(who) >= need[(s, g)]]
+    return max(max(complete, default=-1), max(r["step"] for r in steps) - 1)
+
+
+def lost_steps(records: list[dict]) -> tuple[int, int, int]:
+    """(completed steps run again, rounds that loaded a checkpoint, torn steps replayed):
+    each round a rank applied after start resumes at step s; steps the job had completed
+    beyond s-1 were lost; a step some ranks had recorded but the job had not completed
+    (torn) and that is run again is a replay, not a loss."""
+    lost, restarts, torn, seen = 0, 0, 0, set()
+    steps = sorted((r for r in records if r["kind"] == "step"), key=lambda r: r["t"])
     for r in sorted((r for r in records if r["kind"] == "applied"), key=lambda r: r["t"]):
         key = (r["generation"], r.get("epoch", 0))
         if key in seen or r["source"] in ("init", "idle"):
             continue
         seen.add(key)
-        done = max((s for t, s in done_at if t < r["t"]), default=-1)
+        before = [s for s in steps if s["t"] < r["t"]]
+        done = job_done(before)
+        recorded = max((s["step"] for s in before), default=-1)
         lost += max(0, done + 1 - r["step"])
+        torn += max(0, recorded - max(done, r["step"] - 1))
         restarts += r["source"] == "checkpoint"
-    return lost, restarts
+    return lost, restarts, torn
 
 
 def vs_reference(records: list[dict], state: dict) -> float:
@@ -424,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     step_b, state_b = read_full_state(work / "baseline" / "final", adapter)
     if step_c != step_b:
         raise RuntimeError(f"the runs ended at steps {step_c} and {step_b}")
-    lost, restarts = lost_steps(chaos["records"])
+    lost, restarts, torn = lost_steps(chaos["records"])
     gaps = pauses(chaos["records"], chaos["faults"])
     log(f"steps={chaos['steps']} chaos_s={t1 - t0:.0f} baseline_s={time.monotonic() - t1:.0f} "
         f"pauses={[round(g, 2) for g in gaps]}")
@@ -440,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_pause_s": round(max(gaps), 3) if gaps else 0.0,
         "p50_pause_s": round(statistics.median(gaps), 3) if gaps else 0.0,
         "checkpoint_restarts": restarts,
+        "torn_steps_replayed": torn,
     }))
     if not args.keep:
         import shutil

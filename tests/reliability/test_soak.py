@@ -16,7 +16,7 @@ import pytest
 
 SOAK = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
 KEYS = {"faults_injected", "faults_by_kind", "lost_steps", "weights_rel_l2", "max_pause_s",
-        "p50_pause_s", "checkpoint_restarts"}
+        "p50_pause_s", "checkpoint_restarts", "torn_steps_replayed"}
 
 
 @pytest.mark.slow
@@ -45,3 +45,23 @@ def test_two_minute_soak_loses_nothing():
 def test_soak_refuses_bad_arguments(args, name):
     proc = subprocess.run([sys.executable, str(SOAK), *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and name in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _step(rank: int, step: int, t: float) -> dict:
+    return {"kind": "step", "rank": rank, "step": step, "t": t, "generation": 3, "degrees": [2, 2]}
+
+
+def _round(step: int, t: float, source: str = "live") -> dict:
+    return {"kind": "applied", "generation": 4, "epoch": 1, "source": source, "step": step, "t": t}
+
+
+def test_a_replayed_torn_step_is_not_a_lost_step():
+    from bench.soak import lost_steps
+
+    before = [_step(r, s, s + r / 10) for s in range(5) for r in range(4)]
+    torn = [_step(0, 5, 5.0), _step(1, 5, 5.1)]  # ranks 2 and 3 never applied step 5
+    assert lost_steps([*before, *torn, _round(5, 9.0)]) == (0, 0, 1)
+    whole = [_step(r, 5, 5 + r / 10) for r in range(4)]  # every rank applied step 5: done
+    assert lost_steps([*before, *whole, _round(5, 9.0)]) == (1, 0, 0)
+    assert lost_steps([*before, *torn, _step(0, 6, 6.0), _round(5, 9.0, "checkpoint")]) == (1, 1, 1)
+    assert lost_steps([*before, *torn, _round(6, 9.0)]) == (0, 0, 0)  # resumed from the newest copies

@@ -17,6 +17,7 @@ from tpflex_trainer.ntp.config import GPTConfig
 from tpflex_trainer.ntp.errors import UnitsUnavailableError
 from tpflex_trainer.ntp.layout import Member, ReplicaPlacement
 from tpflex_trainer.ntp.runtime import AdamSettings, NtpRuntime
+from tpflex_trainer.ntp.torn import FAULT_ENV
 
 from tests.trainer.harness import init_gloo
 
@@ -35,6 +36,10 @@ class Change:
     mid_step: bool = False  # the member dies when the step starts: survivors see it fail
     restart: Member | None = None  # this member loses its state (a fresh process in its place)
     stale: Member | None = None  # this member missed the last update (a torn step)
+    # a torn step: ``kill`` exits and these members' last collective fails, both after the
+    # step's last collective and before the optimizer update (the runtime's test hook); the
+    # other members apply the update
+    torn: tuple[Member, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -101,9 +106,41 @@ def _step_fails(rt: NtpRuntime, step: int) -> str:
     return failure
 
 
+def _torn_step(rt: NtpRuntime, step: int) -> str:
+    """Run the step a torn change tears (a member exits inside it); then abort."""
+    try:
+        rt.train_step(*local_batch(rt, step))
+    except RuntimeError as exc:
+        outcome = type(exc).__name__
+    else:
+        outcome = "updated"
+    rt.abort()
+    return outcome
+
+
+def unit_states(rt: NtpRuntime) -> dict:
+    """(kind, parameter, unit) -> that unit's rows, for every unit this member holds."""
+    out = {}
+    for spec in rt.specs:
+        for pos, unit in enumerate(rt.state.units[spec.family]):
+            rows = slice(pos * spec.unit_rows, (pos + 1) * spec.unit_rows)
+            for kind, tensors in rt.state.tensors.items():
+                out[(kind, spec.name, unit)] = tensors[spec.name][rows].numpy().copy()  # plain pickle
+    return out
+
+
+def _set_faults(sc: Scenario, me: Member) -> None:
+    for change in sc.changes:
+        if change.torn and me == change.kill:
+            os.environ[FAULT_ENV] = f"{change.step}:exit"
+        if me in change.torn:
+            os.environ[FAULT_ENV] = f"{change.step}:fail"
+
+
 def run_scenario(rank: int, world_size: int, sc: Scenario) -> dict:
     members = list(sc.members)
     me = members[rank]
+    _set_faults(sc, me)
     rt = NtpRuntime(sc.cfg, sc.base_tp, me, adam=AdamSettings(lr=LR), seed=SEED, bucket_bytes=sc.bucket_bytes)
     first = rt.start(sc.placements, {m: i for i, m in enumerate(members)}, sc.start_checkpoint)
     reports = [_summary(first)]
@@ -115,6 +152,8 @@ def run_scenario(rank: int, world_size: int, sc: Scenario) -> dict:
             rt.save_checkpoint(sc.checkpoint_dir)
         change = changes.pop(step, None)
         if change is not None:
+            if change.torn:
+                reports.append({"torn": _torn_step(rt, step)})
             if change.kill is not None:
                 if me == change.kill:
                     os._exit(0)  # a GPU is gone: no goodbye to the peers
@@ -142,5 +181,7 @@ def run_scenario(rank: int, world_size: int, sc: Scenario) -> dict:
             losses[step] = rt.train_step(tokens, targets)
         step += 1
     overlap = (rt.sync.reduced_in_backward, len(rt.sync.buckets)) if rt.active else None
+    states = unit_states(rt) if rt.active else {}
     rt.close()
-    return {"member": tuple(me), "losses": losses, "reports": reports, "overlap": overlap}
+    return {"member": tuple(me), "losses": losses, "reports": reports, "overlap": overlap, "states": states,
+            "step": step}

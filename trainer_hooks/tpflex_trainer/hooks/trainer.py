@@ -271,6 +271,7 @@ class TpflexHooks:
         t = torch.tensor(list(seen), dtype=torch.int64, device=device_for_backend())
         with self.watchdog.guard():
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self.runtime.confirm_step()  # every rank is past the last update: a torn step is behind us
         newest = (int(t[0].item()), int(t[1].item()))
         if newest[0] <= max(self.generation, self._refused_generation) and newest[1] <= self.epoch:
             return False

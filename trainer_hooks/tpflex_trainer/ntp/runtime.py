@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tpflex_trainer.ntp import checkpoint as ckpt
-from tpflex_trainer.ntp import persist
+from tpflex_trainer.ntp import persist, torn
 from tpflex_trainer.ntp.adapter import as_adapter
 from tpflex_trainer.ntp.config import REPLICATED
 from tpflex_trainer.ntp.errors import PlanError, UnitsUnavailableError
@@ -145,6 +145,8 @@ class NtpRuntime:
         ]
         self.unit_bytes = self.stage_unit_bytes[self.me.stage]
         self.grad_scale = float(os.environ.get(GRAD_SCALE_ENV, "1") or 1)
+        self.fault = torn.FaultHook(os.environ.get(torn.FAULT_ENV))
+        self.undo: LocalState | None = None  # this member's state before its last update (torn)
         self.last_grad_norm = 0.0
         self.layout: JobLayout | None = None  # this member's stage
         self.stage_layouts: tuple[JobLayout, ...] = ()  # every stage, in stage order
@@ -187,11 +189,13 @@ class NtpRuntime:
         check_world(placements, world, self.me, dist.get_world_size(), dist.get_rank())
         reader = ckpt.CheckpointReader(checkpoint, self.adapter.fingerprint()) if checkpoint is not None else None
         with _phase(phases, "agree_s"):
-            previous, holders, step = self._agree()
-        new = plan_stages([a.unit_counts for a in self.stage_adapters], placements, self.base_tp, previous,
-                          holders, [a.derived for a in self.stage_adapters])
-        plans = [plan_reshard(_stage(previous, k), lay, holders) for k, lay in enumerate(new)]
-        missing = {_stage_key(k, self.n_stages, f): u for k, p in enumerate(plans) for f, u in p.missing.items()}
+            (previous, holders, step), rollback = self._agree()
+        new, plans, missing = self._plan_layouts(placements, previous, holders)
+        if missing and rollback is not None:  # a torn step whose newest copy of some unit is gone
+            older = self._plan_layouts(placements, *rollback[:2])
+            if not older[2]:  # every unit at the older step: the members ahead undo their update
+                (previous, holders, step), (new, plans, missing) = rollback, older
+                self._undo_update(step)
         all_units = {_stage_key(k, self.n_stages, f): n for k, a in enumerate(self.stage_adapters)
                      for f, n in a.all_unit_counts().items()}
         source = _choose_source(missing, holders, reader, allow_init, all_units)
@@ -200,6 +204,7 @@ class NtpRuntime:
             self.groups = self.group_cache.build(new, world, self.me)
         with _phase(phases, "transfer_s"):
             step, sent = self._load_state(source, plans[self.me.stage], new[self.me.stage], world, step, reader)
+            self.undo = None  # every member is at ``step`` now
         with _phase(phases, "rebuild_s"):
             self.layout, self.stage_layouts, self.world = new[self.me.stage], new, world
             if self.state is not None:
@@ -210,6 +215,22 @@ class NtpRuntime:
             tuple(self.me), source, step, report.units_moved, report.peer_units, report.bytes_moved, report.seconds,
         )
         return report
+
+    def _plan_layouts(self, placements, previous, holders):
+        """The new layout of every stage, the reshard plans from what ``holders`` hold, and
+        the units (stage keys) that no holder has."""
+        new = plan_stages([a.unit_counts for a in self.stage_adapters], placements, self.base_tp, previous,
+                          holders, [a.derived for a in self.stage_adapters])
+        plans = [plan_reshard(_stage(previous, k), lay, holders) for k, lay in enumerate(new)]
+        missing = {_stage_key(k, self.n_stages, f): u for k, p in enumerate(plans) for f, u in p.missing.items()}
+        return new, plans, missing
+
+    def _undo_update(self, step: int) -> None:
+        """Torn step: go back to the state before this member's last update (``step``)."""
+        if self.state is not None and self.state.step == step + 1:
+            assert self.undo is not None and self.undo.step == step
+            log.warning("ntp torn step undone member=%s from_step=%d to_step=%d", tuple(self.me), step + 1, step)
+            self.state, self.undo = self.undo, None
 
     def _validate(self, placements: tuple[ReplicaPlacement, ...]) -> None:
         """Typed errors before any collective: every replica places every stage once,
@@ -257,34 +278,42 @@ class NtpRuntime:
             self.state = None
         return 0, 0
 
-    def _agree(self) -> tuple[tuple[JobLayout, ...] | None, list[Member], int]:
+    def _agree(self):
         """Who holds state at the newest step, which step, and what each holds. Every
         member reports its own units, so an interrupted reshard (some members already in
         the new layout, others still in the old one) is resolved like any other start
         layout. Members left behind by a torn step (the failure hit between members'
         optimizer updates) count as holding nothing: their units are re-sent from
-        up-to-date holders, or the job rolls back to a checkpoint."""
+        up-to-date holders. Second: the same at the torn step's older step when the
+        members ahead can undo their update (``torn.rollback_step``), else None; the
+        caller uses it when some unit's newest copy is gone."""
         gathered: list = [None] * dist.get_world_size()
         settings = (self.model_adapter.fingerprint(), self.n_stages, self.base_tp, self.bucket_bytes)
         mine = self.layout.member(self.me) if self.layout is not None and self.state is not None else None
         held = (mine.tp_rank, dict(mine.units)) if mine is not None else None
-        dist.all_gather_object(gathered, (tuple(self.me), held, self.step, self.group_cache.intact(), settings))
+        undo = self.undo.step if self.undo is not None else None
+        dist.all_gather_object(gathered, (tuple(self.me), held, self.step, undo, self.group_cache.intact(), settings))
         differing = sorted({tuple(m) for m, *_, other in gathered if other != settings})
         if differing:
             raise PlanError(
                 f"members {differing} run another model config, stage count, base_tp or bucket size than "
                 f"member {tuple(self.me)}: {[g[-1] for g in gathered]}"
             )
-        if not all(g[3] for g in gathered):
+        if not all(g[4] for g in gathered):
             self.group_cache.abandon()  # someone lost its groups: everyone builds anew
         steps = {step for _, held, step, *_ in gathered if held is not None}
         if not steps:
-            return None, [], 0
+            return (None, [], 0), None
         newest = max(steps)
         if len(steps) > 1:
-            log.warning("ntp torn step member=%s steps=%s resume_step=%d", tuple(self.me), sorted(steps), newest)
+            log.warning("ntp torn step member=%s steps=%s newest_step=%d", tuple(self.me), sorted(steps), newest)
         reports = {Member(*m): held for m, held, step, *_ in gathered if held is not None and step == newest}
-        return self._held_layout(reports), list(reports), newest
+        older = torn.rollback_step({Member(*g[0]): (g[2], g[3]) for g in gathered if g[1] is not None})
+        rollback = None
+        if older is not None:
+            everyone = {Member(*m): held for m, held, *_ in gathered if held is not None}
+            rollback = (self._held_layout(everyone), list(everyone), older)
+        return (self._held_layout(reports), list(reports), newest), rollback
 
     def _held_layout(self, reports: Mapping[Member, tuple[int, dict]]) -> tuple[JobLayout, ...]:
         """Per stage, a layout describing what its holders hold (only members and units
@@ -353,8 +382,15 @@ class NtpRuntime:
             self.sync.scale(min(coef, 1.0))
         lr = self.adam.lr * self.train.lr_factor(self.step)
         grads = {s.name: p.grad for s, p in self.model.params_in_spec_order()}
+        self.fault.before_update(self.step)
+        self.undo = torn.copy_state(self.state)  # until every member is past this update
         adam_step(self.state, grads, self.adam, lr=lr, decay=self.decay)
         return global_loss
+
+    def confirm_step(self) -> None:
+        """Call after a collective over every member of the job has succeeded in the next
+        step (all of them are past the last update): the undo state is freed."""
+        self.undo = None
 
     def rebind(self) -> ReshardReport:
         """Collective over a re-initialised default group whose processes all hold state in
@@ -408,4 +444,4 @@ class NtpRuntime:
     def close(self) -> None:
         self._teardown()
         self.group_cache.close()
-        self.state = None
+        self.state = self.undo = None
