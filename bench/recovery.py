@@ -65,7 +65,8 @@ def _free_base() -> int:
 class Bench:
     def __init__(self, workdir: Path) -> None:
         self.story = Story(StoryConfig(workdir=workdir, base_port=_free_base(), steps=10**6,
-                                       fail_at_step=1, repair_at_step=2, phase_timeout_s=90),
+                                       fail_at_step=1, repair_at_step=2, phase_timeout_s=90,
+                                       hold_for_repair=False),
                            progress=lambda _: None)
         self.generation = 1
 

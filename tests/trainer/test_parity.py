@@ -9,7 +9,7 @@ from tpflex_trainer.ntp.config import GPTConfig
 from tpflex_trainer.ntp.layout import Member, ReplicaPlacement
 from tpflex_trainer.ntp.reference import reference_losses
 
-from tests.support.ports import free_port
+from tests.support.ports import free_port, free_ports
 from tests.trainer.harness import run_workers
 from tests.trainer.scenarios import LR, SEED, Change, Scenario, global_batch, run_scenario
 
@@ -181,7 +181,7 @@ def _drain_shrink_and_return(rank: int, world_size: int, port_shrink: int, port_
 
 
 def test_drain_to_a_smaller_default_group_and_back():
-    results = run_workers(_drain_shrink_and_return, 8, (free_port(), free_port()), timeout_s=60)
+    results = run_workers(_drain_shrink_and_return, 8, tuple(free_ports(2)), timeout_s=60)
     assert_parity(results, reference(10, lambda s: 4), 10)
     assert set(results[7]["losses"]) == set(range(4)) | set(range(8, 10))
     assert results[0]["back"] == "live" and results[0]["moved"] > 0

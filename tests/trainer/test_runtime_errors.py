@@ -12,7 +12,7 @@ from tpflex_trainer.ntp.layout import Member
 from tpflex_trainer.ntp.optim import AdamSettings
 from tpflex_trainer.ntp.runtime import NtpRuntime
 
-from tests.support.ports import free_port
+from tests.support.ports import free_ports
 from tests.trainer.harness import run_workers
 from tests.trainer.scenarios import LR, SEED, global_batch, local_batch
 from tests.trainer.test_parity import CFG, reference, rp
@@ -89,7 +89,7 @@ def _reinit_then_rebind(rank: int, world_size: int, port: int, port2: int) -> di
 
 
 def test_groups_are_rebuilt_for_a_reinitialised_default_group():
-    results = run_workers(_reinit_then_rebind, 4, (free_port(), free_port()), timeout_s=60)
+    results = run_workers(_reinit_then_rebind, 4, tuple(free_ports(2)), timeout_s=60)
     assert {r["moved"] for r in results.values()} == {0}
     assert len({r["loss_auto"] for r in results.values()}) == 1
     assert len({r["loss"] for r in results.values()}) == 1

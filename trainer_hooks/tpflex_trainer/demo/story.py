@@ -26,6 +26,7 @@ from tpflex_trainer.demo.model import LOCAL_BATCH, demo_model
 JOB = "demo-gpt"
 RACKS = (RackLayout("rack-0", "node-0", 4), RackLayout("rack-1", "node-1", 4))
 FAILED_GPU = ("node-1", 2)
+FAILURE_GENERATION, REPAIR_GENERATION = 2, 3  # the plans the story's failure and repair cause
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,10 @@ class StoryConfig:
     # a Hugging Face model directory instead of the built-in GPT
     model_dir: str | None = None
     pp: int = 1  # pipeline stages per replica (see TOPOLOGIES)
+    # the job holds at step repair_at_step + 1 until the plan of the repair arrived (the
+    # worker's TPFLEX_DEMO_HOLD_FILE), so that a short, fast job cannot finish before the
+    # controller re-plans the repaired GPU in; off for drivers that script their own phases
+    hold_for_repair: bool = True
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -128,6 +133,11 @@ class Story:
                              demo_model(self.config.model_dir).units, policy=self.config.policy,
                              stages=self.topo.stages)
         env = {**self.cluster.trainer_env(), **self.config.worker_env}
+        if self.config.hold_for_repair:
+            hold = self.config.workdir / "hold"
+            hold.parent.mkdir(parents=True, exist_ok=True)
+            hold.write_text(f"{self.config.repair_at_step + 1} {REPAIR_GENERATION}\n")
+            env["TPFLEX_DEMO_HOLD_FILE"] = str(hold)
         if self.config.model_dir:
             env["TPFLEX_DEMO_MODEL"] = str(self.config.model_dir)
         if self.config.checkpoint_every:
@@ -144,16 +154,16 @@ class Story:
         node = self.topo.failed_gpu[0]
         self.wait_step(c.fail_at_step, "training at full TP")
         self.fail_gpu()
-        self.wait_plan(2)
-        self.wait_generation_training(2)
+        self.wait_plan(FAILURE_GENERATION)
+        self.wait_generation_training(FAILURE_GENERATION)
         self.run.caps_degraded = self.applied_caps(node)
         self.run.dp_drop_ratio = self.dry_run_ratio("dp-drop")
-        self.run.ntp_ratio_degraded = self.run.plans[2].expected_throughput_ratio
+        self.run.ntp_ratio_degraded = self.run.plans[FAILURE_GENERATION].expected_throughput_ratio
         self.wait_step(c.repair_at_step, "training at reduced TP")
         self.repair_gpu()
-        plan3 = self.wait_plan(3)
-        self.run.started_after_repair = self.launcher.start_missing(plan3)
-        self.wait_generation_training(3)
+        repaired = self.wait_plan(REPAIR_GENERATION)
+        self.run.started_after_repair = self.launcher.start_missing(repaired)
+        self.wait_generation_training(REPAIR_GENERATION)
         self.run.caps_repaired = self.applied_caps(node)
         self.wait_done()
         self.collect()

@@ -8,7 +8,11 @@ liveness tests and bench/soak.py can tell what happened and check parity afterwa
 Optional: ``TPFLEX_DEMO_FINAL_DIR`` (write a checkpoint of the final state there: weights
 and Adam moments, for weight parity), ``TPFLEX_DEMO_STOP_FILE`` (a file that may name a
 step to stop at, read at every step: a soak ends every rank at the same step),
-``TPFLEX_DEMO_STEP_MIN_S`` (pace the steps, so that a test's fault lands mid-training).
+``TPFLEX_DEMO_STEP_MIN_S`` (pace the steps, so that a test's fault lands mid-training),
+``TPFLEX_DEMO_HOLD_FILE`` (a file that may hold ``STEP GENERATION``: an active rank does not
+start step STEP or later before its plan stream has delivered plan GENERATION; the story
+holds the job there until the plan its repair causes arrives, so a short job cannot finish
+before the repaired GPU's plan).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ def main() -> int:
     steps = int(os.environ.get("TPFLEX_DEMO_STEPS", "100"))
     pace = float(os.environ.get("TPFLEX_DEMO_STEP_MIN_S", "0") or 0)
     stop_file = os.environ.get("TPFLEX_DEMO_STOP_FILE", "")
+    hold_file = os.environ.get("TPFLEX_DEMO_HOLD_FILE", "")
     incarnation = int(os.environ.get("TPFLEX_RESTART_COUNT", "0") or 0)
     out = open(os.environ["TPFLEX_DEMO_OUT"], "a", buffering=1)
     try:
@@ -60,6 +65,7 @@ def main() -> int:
     hooks.start()
     flush_history()
     while hooks.step < _stop_step(steps, stop_file):
+        _hold(hooks, hold_file)
         t0 = time.perf_counter()
         step = hooks.step
         loss = hooks.train_step(model.batch)
@@ -87,6 +93,20 @@ def _stop_step(steps: int, stop_file: str) -> int:
         except (OSError, ValueError):
             pass
     return steps
+
+
+def _hold(hooks: TpflexHooks, hold_file: str) -> None:
+    """Wait at the hold step (see the module doc) until the held-for plan arrived, the
+    hold file is gone, or the hooks stop being active; rechecked every second."""
+    while hold_file and hooks.active:
+        try:
+            step, generation = (int(x) for x in open(hold_file).read().split())
+        except (OSError, ValueError):
+            return
+        if hooks.step < step or hooks.generation >= generation:
+            return
+        if hooks.client.wait_for_generation(generation, 1.0) is not None:
+            return
 
 
 if __name__ == "__main__":
