@@ -51,7 +51,10 @@ class RackInfo:
     tdp_w: float
     min_w: float
     max_w: float
-    gpus: tuple[GpuKey, ...]  # rack order
+    gpus: tuple[GpuKey, ...]  # rack order, distinct
+    # the rack's nodes (every node of ``gpus``, distinct), so that the planner can check
+    # a healthy rack per node rather than per GPU; () = not given (checked per GPU)
+    nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
