@@ -32,6 +32,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 
 from tpflex_proto.powermodel import DEFAULT_POWER_MODEL, PowerModel
 
@@ -65,6 +67,7 @@ from tpflex_controller.planner.stages import (
 )
 
 _NO_OVERRIDES = JobOverrides()
+_throughput_of = attrgetter("relative_throughput")
 _STATE_NAMES = {s: s.value for s in ReplicaState}  # an enum's .value is a slow descriptor
 _DECIDE = {Policy.NTP_PW: decide_ntp_pw, Policy.NTP: decide_ntp, Policy.DP_DROP: decide_dp_drop}
 
@@ -119,10 +122,14 @@ def context(
     policy: Policy | None,
     power_model: PowerModel | None,
     overrides: JobOverrides | None,
+    full_degree: int | None = None,
 ) -> PlanContext:
+    """``full_degree``: the result of ``validate(cluster, job)`` when the caller knows it
+    (the same spec object, validated on a cluster with the same racks)."""
     overrides = overrides or _NO_OVERRIDES
     eff = Policy(policy or overrides.policy or job.policy)
-    full_degree = validate(cluster, job)
+    if full_degree is None:
+        full_degree = validate(cluster, job)
     pins, invalid = _valid_pins(job, overrides.pins, full_degree)
     return PlanContext(eff, power_model or DEFAULT_POWER_MODEL, full_degree, pins, tuple(invalid))
 
@@ -212,27 +219,38 @@ def assemble(
     if base is None:
         replicas = [_outcome_or_identity(outcomes, job, i) for i in range(len(job.replicas))]
         caps: dict[GpuKey, float] = {}
-        for o in outcomes.values():
+        parts: dict[int, Mapping[GpuKey, float]] = {}
+        for i, o in outcomes.items():
             caps.update(o.caps)
+            if o.caps:
+                parts[i] = o.caps
     else:
         replaced = replaced or {}
         replicas = list(base.replicas)
         caps = dict(base.power_caps)
+        parts = dict(base.cap_parts) if base.cap_parts is not None else _parts_of(outcomes)
         for old in replaced.values():
             for g in old.caps if old is not None else ():
                 caps.pop(g, None)
         for i in replaced:
             replicas[i] = _outcome_or_identity(outcomes, job, i)
+            parts.pop(i, None)
             if i in outcomes:
                 caps.update(outcomes[i].caps)
-    reasons = tuple(line for i in sorted(outcomes) for line in outcomes[i].reasons)
+                if outcomes[i].caps:
+                    parts[i] = outcomes[i].caps
+    reasons = tuple(chain.from_iterable(outcomes[i].reasons for i in sorted(outcomes)))
     unheld = [outcomes[r].unheld for r in ctx.pins if r in outcomes and outcomes[r].unheld is not None]
     suspended = [*ctx.invalid_pins, *unheld]
-    ratio = sum(r.relative_throughput for r in replicas) / len(replicas)
+    ratio = sum(map(_throughput_of, replicas)) / len(replicas)  # in order, in C
     reasons += tuple(f"replica {p.replica}: operator pin suspended: {p.reason}" for p in suspended)
     return PlanResult(
-        job.name, ctx.policy, tuple(replicas), caps, ratio, reasons, tuple(sorted(suspended))
+        job.name, ctx.policy, tuple(replicas), caps, ratio, reasons, tuple(sorted(suspended)), parts
     )
+
+
+def _parts_of(outcomes: Mapping[int, ReplicaOutcome]) -> dict[int, Mapping[GpuKey, float]]:
+    return {i: o.caps for i, o in outcomes.items() if o.caps}
 
 
 def _outcome_or_identity(outcomes: Mapping[int, ReplicaOutcome], job: JobSpec, i: int) -> ReplicaAssignment:
