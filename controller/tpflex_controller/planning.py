@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import compress, count
-from operator import is_not
+from itertools import chain, compress, count
+from operator import attrgetter, is_not
 
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import Cmp, Op
@@ -246,9 +246,19 @@ def changed_degrees(p: Planned) -> list[tuple[int, int]]:
         return [(r.index, r.tp_degree) for r in new]
     return [
         (r.index, r.tp_degree)
-        for r, o in zip(new, old, strict=True)
-        if r is not o and r.tp_degree != o.tp_degree
+        for r, o in ((new[i], old[i]) for i in compress(count(), map(is_not, new, old)))
+        if r.tp_degree != o.tp_degree
     ]
+
+
+def rank_count(result: PlanResult) -> int:
+    """The ranks a plan runs (GPUs over every stage of every replica), counted in C."""
+    stages = chain.from_iterable(map(_stages_of, result.replicas))
+    return sum(map(len, map(_gpus_of, stages)))
+
+
+_stages_of = attrgetter("stages")
+_gpus_of = attrgetter("gpus")
 
 
 def pin_events(p: Planned, generation: int, at: float) -> list[types_pb2.Event]:

@@ -96,7 +96,7 @@ def replan(
         return plan_job(cluster, job, policy=policy, power_model=power_model, overrides=overrides)
     # the spec is the one validated for ``prev``: only its racks' presence can change
     racks = cluster.racks
-    known = all(r in racks for r in prev.index.rack_replicas) and all(r in racks for r in job.spare_racks)
+    known = racks.keys() >= prev.index.rack_replicas.keys() and all(r in racks for r in job.spare_racks)
     ctx = context(cluster, job, policy, power_model, overrides, prev.ctx.full_degree if known else None)
     old = prev.ctx
     if ctx.policy is not old.policy or ctx.model is not old.model or ctx.full_degree != old.full_degree:
