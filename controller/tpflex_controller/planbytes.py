@@ -156,18 +156,17 @@ class PlanEncoder:
         if len(last) != len(new):
             last, table = (), {}
             self._shared.discard(result.job)
-        for i in _moved(last, new) if last else range(len(new)):
-            r, old = new[i], last[i] if last else None
-            if old is not None:
-                for st in old.stages:
-                    for g in st.gpus:
-                        if table.get(g) == i:
-                            del table[g]
-            for st in r.stages:
+        moved = list(_moved(last, new)) if last else range(len(new))
+        for i in moved if last else ():  # first let go of what the changed ones held
+            for st in last[i].stages:
+                for g in st.gpus:
+                    if table.get(g) == i:
+                        del table[g]
+        for i in moved:
+            for st in new[i].stages:
                 for g in st.gpus:
                     if table.setdefault(g, i) != i:
-                        # held by another position too (or by one that lets go of it
-                        # later in this pass): place caps by this table from now on
+                        # held by another position too: caps go by this table from now on
                         self._shared.add(result.job)
                         table[g] = i
         self._layout[result.job] = (new, table)
