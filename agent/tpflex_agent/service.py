@@ -11,7 +11,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tpflex_proto import agent_pb2, agent_pb2_grpc, types_pb2
-from tpflex_proto.tls import GatedServer, ServerTls, bind_grpc
+from tpflex_proto.tls import ServerTls, bind_grpc, server_interceptors
 
 from .backend import GpuBackend
 from .core import AgentCore
@@ -105,36 +105,36 @@ class AgentServicer(agent_pb2_grpc.AgentServicer):
 def create_server(
     settings: AgentSettings, backend: GpuBackend, *, core: AgentCore | None = None,
     max_workers: int = 16,
-) -> tuple[grpc.Server | GatedServer, int]:
+) -> tuple[grpc.Server, int]:
     """Build (not start) the gRPC server bound to ``settings.listen``; returns it and the
-    bound port (with ``grpc.client_ca_file``: the server behind its mTLS gate, started and
-    stopped the same way). Without ``core`` a new :class:`AgentCore` over ``backend`` is
+    bound port (with ``grpc.client_ca_file``: gRPC's mutual TLS, and the allowed client
+    names checked per call). Without ``core`` a new :class:`AgentCore` over ``backend`` is
     started."""
+    tls = _server_tls(settings)
     if core is None:
         core = AgentCore(settings, backend).start()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="agent-grpc"))
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="agent-grpc"),
+        interceptors=server_interceptors(tls, service="agent"),
+    )
     agent_pb2_grpc.add_AgentServicer_to_server(AgentServicer(core), server)
     health_servicer = health.HealthServicer(experimental_non_blocking=True)
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     core.grpc_health = health_servicer
-    server, port = _bind(server, settings)
-    if port == 0:
-        raise OSError(f"cannot bind gRPC listen address {settings.grpc.listen}")
-    return server, port
-
-
-def _bind(server: grpc.Server, settings: AgentSettings) -> tuple[grpc.Server | GatedServer, int]:
-    """Plaintext, TLS, or mTLS through a gate that logs refused clients (tpflex_proto.tls)."""
-    g = settings.grpc
-    tls = None
-    if g.tls_cert_file:
-        tls = ServerTls(g.tls_cert_file, g.tls_key_file, g.client_ca_file, frozenset(g.client_names))
     try:
-        return bind_grpc(server, g.listen, tls, service="agent")
-    except RuntimeError as exc:
-        raise OSError(f"cannot bind gRPC listen address {g.listen}: {exc}") from None
+        return bind_grpc(server, settings.grpc.listen, tls, service="agent")
+    except OSError as exc:
+        raise OSError(f"cannot bind gRPC listen address {settings.grpc.listen}: {exc}") from None
+
+
+def _server_tls(settings: AgentSettings) -> ServerTls | None:
+    """Plaintext, TLS, or mutual TLS (tpflex_proto.tls)."""
+    g = settings.grpc
+    if not g.tls_cert_file:
+        return None
+    return ServerTls(g.tls_cert_file, g.tls_key_file, g.client_ca_file, frozenset(g.client_names))
 
 
 def enter_shutdown(core: AgentCore) -> None:

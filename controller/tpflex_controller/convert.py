@@ -47,6 +47,7 @@ def rack_info(rack: types_pb2.Rack) -> RackInfo:
         min_w=rack.gpu_min_w,
         max_w=rack.gpu_max_w,
         gpus=gpus,
+        nodes=tuple(dict.fromkeys(rack.nodes)),
     )
 
 

@@ -56,6 +56,7 @@ class ControllerMetrics:
             ["node", "gpu"],
             registry=registry,
         )
+        self._cap_children: dict[tuple[str, int], Gauge] = {}
         self.plan_generation = Gauge(
             "tpflex_plan_generation", "Current plan generation of a job", ["training_job"], registry=registry
         )
@@ -159,8 +160,14 @@ class ControllerMetrics:
         self.power_observed(node, [(c.gpu.index, c.cap_w) for c in plan.caps])
 
     def power_observed(self, node: str, caps: Iterable[tuple[int, float]]) -> None:
+        # the children are kept (this gauge's labels are never removed): labels() costs
+        # ~20 us, and a commit can set the caps of a few racks' GPUs
+        children = self._cap_children
         for index, cap in caps:
-            self.gpu_power_cap_watts.labels(node=node, gpu=str(index)).set(cap)
+            child = children.get((node, index))
+            if child is None:
+                child = children[(node, index)] = self.gpu_power_cap_watts.labels(node=node, gpu=str(index))
+            child.set(cap)
 
     def phase(self, phase: str, seconds: float) -> None:
         self.reconfiguration_seconds.labels(phase=phase).observe(max(seconds, 0.0))

@@ -11,6 +11,11 @@ deterministic encoding of ``convert.plan_to_proto`` (tested).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from itertools import compress, count
+from operator import is_not
+
 from tpflex_proto import codec, types_pb2
 
 from tpflex_controller import convert
@@ -20,6 +25,19 @@ from tpflex_controller.planner.model import (
     Policy,
     ReplicaAssignment,
 )
+
+
+def _moved(old: tuple, new: tuple) -> Iterable[int]:
+    """Positions whose object is not the same in two tuples of equal length (compared in
+    C: a generation changes a few of 4,000 replicas)."""
+    return compress(count(), map(is_not, old, new))
+
+
+@dataclass(frozen=True)
+class _Split:
+    replicas: tuple[ReplicaAssignment, ...]
+    cap_parts: Mapping[int, Mapping[GpuKey, float]]
+    parts: list[bytes]
 
 
 class PlanEncoder:
@@ -32,6 +50,9 @@ class PlanEncoder:
         self._max = max_cached
         # job -> (replicas of its last split, GPU -> position): see _positions
         self._layout: dict[str, tuple[tuple[ReplicaAssignment, ...], dict[GpuKey, int]]] = {}
+        # jobs where a GPU was claimed by two positions (then caps go by the table)
+        self._shared: set[str] = set()
+        self._last: dict[str, _Split] = {}  # job -> its last split by cap parts
 
     def encode(self, result: PlanResult, generation: int, *, cause: str = "", now: float = 0.0) -> bytes:
         bare = PlanResult(
@@ -64,6 +85,10 @@ class PlanEncoder:
         caps)."""
         positions = self._positions(result)
         caps = result.power_caps
+        if result.cap_parts is not None and result.job not in self._shared:
+            parts = self._parts_by_replica(result)
+            return self._header(result, {}, len(parts), generation, cause, now), parts
+        self._last.pop(result.job, None)
         by_pos: dict[int, list[GpuKey]] = {}
         outside: list[GpuKey] = []
         for gpu in caps:
@@ -79,19 +104,49 @@ class PlanEncoder:
             if mine:
                 data = data + b"".join(self._cap_bytes(g, caps[g]) for g in sorted(mine))
             parts.append(data)
+        return self._header(result, {g: caps[g] for g in outside}, len(parts), generation, cause, now), parts
+
+    def _parts_by_replica(self, result: PlanResult) -> list[bytes]:
+        """The parts from the planner's cap parts: with no GPU held by two replicas, the
+        caps stored with a replica are exactly its cap part (the GPUs it uses), so a part
+        is rebuilt only where the replica or its cap part is not the last split's."""
+        cap_parts = result.cap_parts or {}
+        last = self._last.get(result.job)
+        if last is None or len(last.replicas) != len(result.replicas):
+            todo: Iterable[int] = range(len(result.replicas))
+            parts: list[bytes] = [b""] * len(result.replicas)
+        else:
+            old = last.cap_parts
+            todo = sorted(
+                {*_moved(last.replicas, result.replicas),
+                 *(i for i in old.keys() | cap_parts.keys() if old.get(i) is not cap_parts.get(i))}
+            )
+            parts = list(last.parts)
+        for i in todo:
+            mine = cap_parts.get(i)
+            data = self._replica_bytes(result.replicas[i])
+            if mine:
+                data = data + b"".join(self._cap_bytes(g, mine[g]) for g in sorted(mine))
+            parts[i] = data
+        self._last[result.job] = _Split(result.replicas, cap_parts, parts)
+        return parts
+
+    def _header(
+        self, result: PlanResult, caps: dict[GpuKey, float], count: int, generation: int, cause: str, now: float
+    ) -> bytes:
         bare = PlanResult(
             job=result.job,
             policy=result.policy,
             replicas=(),
-            power_caps={g: caps[g] for g in outside},
+            power_caps=caps,
             expected_throughput_ratio=result.expected_throughput_ratio,
             reasons=result.reasons,
             suspended_pins=result.suspended_pins,
         )
         header = convert.plan_to_proto(bare, generation, cause=cause, now=now)
         header.split = True
-        header.stored_replicas = len(parts)
-        return codec.encode(header), parts
+        header.stored_replicas = count
+        return codec.encode(header)
 
     def _positions(self, result: PlanResult) -> dict[GpuKey, int]:
         """GPU -> position of the replica holding it, kept per job across generations and
@@ -100,18 +155,20 @@ class PlanEncoder:
         new = result.replicas
         if len(last) != len(new):
             last, table = (), {}
-        for i, r in enumerate(new):
-            old = last[i] if last else None
-            if old is r:
-                continue
-            if old is not None:
-                for st in old.stages:
-                    for g in st.gpus:
-                        if table.get(g) == i:
-                            del table[g]
-            for st in r.stages:
+            self._shared.discard(result.job)
+        moved = list(_moved(last, new)) if last else range(len(new))
+        for i in moved if last else ():  # first let go of what the changed ones held
+            for st in last[i].stages:
                 for g in st.gpus:
-                    table[g] = i
+                    if table.get(g) == i:
+                        del table[g]
+        for i in moved:
+            for st in new[i].stages:
+                for g in st.gpus:
+                    if table.setdefault(g, i) != i:
+                        # held by another position too: caps go by this table from now on
+                        self._shared.add(result.job)
+                        table[g] = i
         self._layout[result.job] = (new, table)
         return table
 

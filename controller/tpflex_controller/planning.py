@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain, compress, count
+from operator import attrgetter, is_not
 
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import Cmp, Op
@@ -13,7 +15,12 @@ from tpflex_proto.etcd import Cmp, Op
 from tpflex_controller.cache import ClusterView, PlanRecord
 from tpflex_controller.election import Conflict, LeaderSession
 from tpflex_controller.planbytes import PlanEncoder
-from tpflex_controller.planner.model import PlanResult, SuspendedPin
+from tpflex_controller.planner.model import (
+    GpuKey,
+    PlanResult,
+    SuspendedPin,
+    changed_cap_parts,
+)
 
 # plan(cluster, job, *, policy=None, power_model=None, overrides=None, now=0.0) -> PlanResult
 PlanFn = Callable[..., PlanResult]
@@ -68,10 +75,9 @@ def build_commit(
     generation = p.prev.generation + 1 if p.prev is not None else 1
     header, parts = encoder.split(p.result, generation, cause=p.cause, now=p.planned_at)
     old = p.prev.parts if p.prev is not None else []
-    changed = {
-        i: part for i, part in enumerate(parts)
-        if i >= len(old) or (part is not old[i] and part != old[i])
-    }
+    # the encoder gives unchanged parts as the same objects: compare those in C first
+    maybe = range(len(parts)) if len(old) != len(parts) else compress(count(), map(is_not, parts, old))
+    changed = {i: parts[i] for i in maybe if i >= len(old) or parts[i] != old[i]}
     index = view.plan_parts.get(p.job)
     oldest_kept = max(1, generation - history_size + 1)
     trims, stale = [], []
@@ -79,10 +85,11 @@ def build_commit(
         stale = index.stale(generation - 1)
         # the last part of a position beyond a shrunk replica count stays until the job's
         # plan is retired (the view does not track the kept generations' counts)
-        kept_count = max(len(parts), max(index.gens, default=-1) + 1)
+        kept_count = max(len(parts), index.top_position() + 1)
         trims = [t for t in index.dead(oldest_kept, kept_count, MAX_PART_TRIMS) if t[0] not in stale]
-    old_caps = p.prev.decision().power_caps if p.prev is not None else {}
-    power = desired_power(view, old_caps, p.result.power_caps)
+    old = p.prev.decision() if p.prev is not None else None
+    power = desired_power(view, old.power_caps if old is not None else {}, p.result.power_caps,
+                          _cap_candidates(old, p.result))
     seq = view.next_event_seq()
     event = types_pb2.Event(
         seq=seq,
@@ -174,19 +181,36 @@ def _fenced(session: LeaderSession, compare: list, ops: list, job: str) -> int:
     return res.revision
 
 
+def _cap_candidates(old: PlanResult | None, new: PlanResult) -> set[GpuKey] | None:
+    """The GPUs of the cap parts that differ between two plans (None: unknown)."""
+    changed = changed_cap_parts(old, new) if old is not None else None
+    if changed is None:
+        return None
+    out: set[GpuKey] = set()
+    for i in changed:
+        for part in (old.cap_parts.get(i), new.cap_parts.get(i)):
+            if part:
+                out.update(part)
+    return out
+
+
 def desired_power(
-    view: ClusterView, old_caps, new_caps
+    view: ClusterView, old_caps, new_caps, candidates: set[GpuKey] | None = None
 ) -> dict[str, types_pb2.NodePowerPlan]:
     """The new desired power plan of every node whose caps change.
 
-    Candidates are the nodes of GPUs whose cap differs between the old and the new plan; a
-    candidate's desired caps (every GPU of the node: the plan's cap or the rack's TDP) are
-    compared with what ``power/<node>`` holds now (all TDP when absent), so a repeated pass
-    writes nothing. O(changed GPUs), not O(boosted GPUs).
+    Candidates are the nodes of GPUs whose cap differs between the old and the new plan
+    (among ``candidates`` when given: a superset of them, such as the GPUs of the changed
+    cap parts); a candidate's desired caps (every GPU of the node: the plan's cap or the
+    rack's TDP) are compared with what ``power/<node>`` holds now (all TDP when absent),
+    so a repeated pass writes nothing. O(changed GPUs) with ``candidates``.
     """
     out: dict[str, types_pb2.NodePowerPlan] = {}
-    changed = {g for g, w in new_caps.items() if old_caps.get(g) != w}
-    changed.update(g for g in old_caps if g not in new_caps)
+    if candidates is not None:
+        changed = {g for g in candidates if old_caps.get(g) != new_caps.get(g)}
+    else:
+        changed = {g for g, w in new_caps.items() if old_caps.get(g) != w}
+        changed.update(g for g in old_caps if g not in new_caps)
     for node in sorted({g[0] for g in changed}):
         rack = view.rack_of(node)
         if rack is None:
@@ -222,9 +246,19 @@ def changed_degrees(p: Planned) -> list[tuple[int, int]]:
         return [(r.index, r.tp_degree) for r in new]
     return [
         (r.index, r.tp_degree)
-        for r, o in zip(new, old, strict=True)
-        if r is not o and r.tp_degree != o.tp_degree
+        for r, o in ((new[i], old[i]) for i in compress(count(), map(is_not, new, old)))
+        if r.tp_degree != o.tp_degree
     ]
+
+
+def rank_count(result: PlanResult) -> int:
+    """The ranks a plan runs (GPUs over every stage of every replica), counted in C."""
+    stages = chain.from_iterable(map(_stages_of, result.replicas))
+    return sum(map(len, map(_gpus_of, stages)))
+
+
+_stages_of = attrgetter("stages")
+_gpus_of = attrgetter("gpus")
 
 
 def pin_events(p: Planned, generation: int, at: float) -> list[types_pb2.Event]:

@@ -41,6 +41,7 @@ from tpflex_controller.planning import (
     changed_degrees,
     commit_plan,
     pin_events,
+    rank_count,
 )
 from tpflex_controller.rollout import Phase, Rollout, RolloutTracker
 from tpflex_controller.workqueue import Action, DirtyJob, Result, WorkQueue
@@ -397,7 +398,7 @@ class Reconciler:
             "plan committed job=%s generation=%d cause=%s ratio=%.4f nodes=%d",
             p.job, commit.generation, p.cause, p.result.expected_throughput_ratio, len(power),
         )
-        ranks = sum(len(s.gpus) for rep in p.result.replicas for s in rep.stages)
+        ranks = rank_count(p.result)
         rollout = Rollout(p.job, commit.generation, event, {n: np.generation for n, np in power.items()}, ranks)
         for phase in self._rollouts.start(rollout, p.detected_at, committed_at):
             if phase is not Phase.DETECTED:

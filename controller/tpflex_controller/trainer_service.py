@@ -27,7 +27,7 @@ from tpflex_proto import (
     types_pb2,
 )
 from tpflex_proto.etcd import Cmp, Etcd, EtcdError, EtcdUnavailable, Op
-from tpflex_proto.tls import ServerTls, bind_grpc
+from tpflex_proto.tls import ServerTls, bind_grpc, server_interceptors
 
 from tpflex_controller.liveness import LivenessPolicy, Outcome
 from tpflex_controller.liveness_service import LivenessRefused, LivenessService
@@ -338,10 +338,11 @@ def create_grpc_server(
     """A started-not-yet ``grpc.Server`` serving ``Trainer`` (and the jobs' ``Rendezvous``
     store unless ``rendezvous`` is None), bound to ``bind``; returns it and the bound port
     (``bind`` may use port 0). Call ``server.start()``. ``tls``: none = plaintext, a
-    certificate = TLS, plus a client CA = mutual TLS (see tpflex_proto.tls)."""
+    certificate = TLS, plus a client CA = mutual TLS, gRPC's own (see tpflex_proto.tls)."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="trainer-rpc"),
         options=[("grpc.max_send_message_length", 64 << 20)],
+        interceptors=server_interceptors(tls, service="trainer"),
     )
     servicer = TrainerServicer(etcd, steps=steps or StepStats(), clock=clock,
                                min_step_seconds=min_step_seconds, liveness=liveness,
@@ -352,9 +353,6 @@ def create_grpc_server(
         parked = min(rendezvous.max_parked, max_workers // 2)
         add_rendezvous(server, etcd, dataclasses.replace(rendezvous, max_parked=parked))
     try:
-        server, port = bind_grpc(server, bind, tls, service="trainer")
-    except RuntimeError as exc:
-        raise OSError(f"cannot bind the trainer gRPC server to {bind}: {exc}") from None
-    if port == 0:
-        raise OSError(f"cannot bind the trainer gRPC server to {bind}")
-    return server, port
+        return bind_grpc(server, bind, tls, service="trainer")
+    except OSError as exc:
+        raise OSError(f"cannot bind the trainer gRPC server: {exc}") from None

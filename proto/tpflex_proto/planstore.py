@@ -158,25 +158,42 @@ class Assembler:
 class PartIndex:
     """The parts of one job in etcd: position -> generations present (ascending), and the
     parts the kept history no longer needs, by the generation whose commit may delete
-    them."""
+    them. What a commit asks (``stale``, ``dead``, ``top_position``) costs O(positions
+    with more than one part + generations), not O(positions)."""
 
     gens: dict[int, list[int]] = field(default_factory=dict)
     values: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (gen, pos) -> part
+    _per_gen: dict[int, int] = field(default_factory=dict, repr=False)  # generation -> parts
+    _multi: set[int] = field(default_factory=set, repr=False)  # positions with 2+ parts
+    _top: int = field(default=-1, repr=False)  # the largest position ever added
 
     def add(self, generation: int, position: int, value: bytes) -> None:
         got = self.gens.setdefault(position, [])
         if generation not in got:
             got.append(generation)
             got.sort()
+            self._per_gen[generation] = self._per_gen.get(generation, 0) + 1
+            if len(got) > 1:
+                self._multi.add(position)
+            self._top = max(self._top, position)
         self.values[(generation, position)] = value
 
     def remove(self, generation: int, position: int) -> None:
         got = self.gens.get(position)
         if got is not None and generation in got:
             got.remove(generation)
+            left = self._per_gen.pop(generation) - 1
+            if left:
+                self._per_gen[generation] = left
+            if len(got) < 2:
+                self._multi.discard(position)
             if not got:
                 del self.gens[position]
         self.values.pop((generation, position), None)
+
+    def top_position(self) -> int:
+        """An upper bound of the positions present (-1: none): the largest ever added."""
+        return self._top if self.gens else -1
 
     def select(self, generation: int, count: int, key: str = "?") -> list[bytes]:
         """The parts of generation ``generation`` (``count`` replicas), in order; raises
@@ -195,14 +212,18 @@ class PartIndex:
     def stale(self, generation: int) -> list[int]:
         """Generations above ``generation`` that have parts (a staged write that never
         committed); they must go before ``generation + 1`` is written."""
-        return sorted({g for gs in self.gens.values() for g in gs if g > generation})
+        return sorted(g for g in self._per_gen if g > generation)
 
     def dead(self, oldest_kept: int, count: int, limit: int) -> list[tuple[int, int]]:
         """Up to ``limit`` parts (gen, position) no kept generation (>= ``oldest_kept``)
         uses: a part with a newer one at or before ``oldest_kept``, or at a position no
-        kept generation has (``count``: the most replicas any kept generation has)."""
+        kept generation has (``count``: the most replicas any kept generation has). Only
+        positions with several parts can hold the first kind; all are looked at only
+        when a position may lie at or beyond ``count`` (a job that shrank)."""
         out: list[tuple[int, int]] = []
-        for pos, gs in self.gens.items():
+        positions = self.gens if self._top >= count else sorted(self._multi)
+        for pos in positions:
+            gs = self.gens[pos]
             if pos >= count:
                 out.extend((g, pos) for g in gs if g <= oldest_kept)
             else:

@@ -1,31 +1,28 @@
 """TLS for tpflex's gRPC servers and channels, shared by the controller and the agent.
 
-Plain TLS (a server certificate only) is gRPC's own. Mutual TLS (clients must present a
-certificate signed by ``client_ca_file``) is terminated by :class:`TlsGate` in front of
-the gRPC server, which then listens on a private unix socket: gRPC's own TLS refuses an
-untrusted client without saying who it was, the gate logs every refusal with the peer's
-address and the reason (``tls client refused service=... peer=HOST:PORT reason=...``)
-and can restrict the accepted certificate common names.
+All of it is gRPC's own TLS. Plain TLS: a server certificate only. Mutual TLS (with
+``client_ca_file``): clients must present a certificate signed by that CA
+(``require_client_auth``), checked in gRPC's handshake; the allowed certificate names
+(``client_names``, the CN) are checked per call by :class:`PeerNameCheck`, which logs each
+refusal with the real peer address (``tls client refused service=... peer=HOST:PORT
+reason=...``). A client that fails the handshake itself (no certificate, another CA) is
+refused by gRPC before any call, so only gRPC's own log says so.
+
+The server's certificate, key and client CA are read again when one of the files changes
+(checked at each new connection's handshake): rotating them needs no restart.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import shutil
-import socket
-import ssl
-import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
 
 log = logging.getLogger("tpflex_proto.tls")
-
-_HANDSHAKE_TIMEOUT_S = 10.0
-_CHUNK = 256 * 1024
 
 
 def read_file(path: str) -> bytes:
@@ -55,191 +52,136 @@ def channel_credentials(
     )
 
 
-def server_context(tls: ServerTls) -> ssl.SSLContext:
-    """The gate's TLS context: TLS >= 1.2, ALPN h2 (gRPC needs it), client certificates
-    required and verified against ``tls.client_ca_file``."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.load_cert_chain(tls.cert_file, tls.key_file)
-    ctx.load_verify_locations(cafile=tls.client_ca_file)
-    ctx.verify_mode = ssl.CERT_REQUIRED
-    ctx.set_alpn_protocols(["h2"])
-    return ctx
+class CertificateFiles:
+    """The server's certificate configuration, read again when a file changes: gRPC asks
+    ``fetch`` at each new connection's handshake (None = keep the current one). A file
+    that cannot be read, or a pair gRPC rejects, keeps the last good configuration."""
 
-
-def _common_name(cert: dict | None) -> str:
-    for rdn in (cert or {}).get("subject", ()):
-        for key, value in rdn:
-            if key == "commonName":
-                return value
-    return ""
-
-
-def _reason(exc: BaseException) -> str:
-    if isinstance(exc, ssl.SSLError):
-        return exc.reason or exc.__class__.__name__
-    if isinstance(exc, TimeoutError):
-        return "handshake timeout"
-    return str(exc) or exc.__class__.__name__
-
-
-def _format_peer(peer) -> str:
-    if isinstance(peer, tuple) and len(peer) >= 2:
-        host = f"[{peer[0]}]" if ":" in str(peer[0]) else str(peer[0])
-        return f"{host}:{peer[1]}"
-    return str(peer)
-
-
-class TlsGate:
-    """Accepts TLS connections on ``listen`` (HOST:PORT, port 0 = any free port), verifies
-    the client certificate and relays the bytes to the gRPC server on ``backend`` (a unix
-    socket path). One asyncio thread serves every connection."""
-
-    def __init__(self, listen: str, backend: str, tls: ServerTls, *, service: str) -> None:
-        self._host, _, port = listen.rpartition(":")
-        self._host = self._host.strip("[]")
-        self._port = int(port)
-        self._backend = backend
+    def __init__(self, tls: ServerTls) -> None:
         self._tls = tls
-        self._ctx = server_context(tls)
+        self._paths = [p for p in (tls.cert_file, tls.key_file, tls.client_ca_file) if p]
+        self._lock = threading.Lock()
+        self._stamp = self._stamps()
+        self.initial = self._config()
+        self.reloads = 0
+
+    def _stamps(self) -> tuple:
+        out = []
+        for path in self._paths:
+            try:
+                st = os.stat(path)
+                out.append((st.st_mtime_ns, st.st_size, st.st_ino))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def _config(self):
+        t = self._tls
+        return grpc.ssl_server_certificate_configuration(
+            [(read_file(t.key_file), read_file(t.cert_file))],
+            root_certificates=read_file(t.client_ca_file) if t.client_ca_file else None,
+        )
+
+    def fetch(self):
+        with self._lock:
+            stamp = self._stamps()
+            if stamp == self._stamp:
+                return None
+            self._stamp = stamp
+            try:
+                config = self._config()
+            except (OSError, ValueError) as exc:
+                log.warning("tls certificate reload failed cert=%s error=%s", self._tls.cert_file, exc)
+                return None
+            self.reloads += 1
+            log.info("tls certificate reloaded cert=%s reloads=%d", self._tls.cert_file, self.reloads)
+            return config
+
+
+def server_credentials(tls: ServerTls) -> tuple[grpc.ServerCredentials, CertificateFiles]:
+    """gRPC's TLS credentials for ``tls``, reloading changed files; with a client CA the
+    client must present a certificate it signed."""
+    files = CertificateFiles(tls)
+    creds = grpc.dynamic_ssl_server_credentials(
+        files.initial, files.fetch, require_client_authentication=bool(tls.client_ca_file)
+    )
+    return creds, files
+
+
+def peer_address(peer: str) -> str:
+    """gRPC's ``context.peer()`` (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``) as
+    HOST:PORT."""
+    kind, _, rest = peer.partition(":")
+    return rest if kind in ("ipv4", "ipv6") and rest else peer
+
+
+class PeerNameCheck(grpc.ServerInterceptor):
+    """Refuses a call whose client certificate's CN is not in ``names`` (PERMISSION_DENIED)
+    and logs it with the peer's address; every call passes when ``names`` is empty."""
+
+    def __init__(self, names: frozenset[str], service: str) -> None:
+        self._names = names
         self._service = service
-        self._loop = asyncio.new_event_loop()
-        self._server: asyncio.base_events.Server | None = None
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"tls-gate-{service}", daemon=True)
         self.refused = 0
 
-    def start(self) -> int:
-        """Bind and serve; returns the bound port. Raises OSError if it cannot bind."""
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self._host, self._port))
-        except OSError:
-            sock.close()
-            raise
-        sock.listen(128)
-        sock.setblocking(False)
-        self._thread.start()
-        fut = asyncio.run_coroutine_threadsafe(
-            asyncio.start_server(self._handle, sock=sock, limit=_CHUNK), self._loop
-        )
-        self._server = fut.result(timeout=10)
-        return sock.getsockname()[1]
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or not self._names:
+            return handler
+        return _guarded(handler, self._check)
 
-    def stop_accepting(self) -> None:
-        if self._server is not None and self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._server.close)
-
-    def close(self) -> None:
-        """Stop accepting and drop every relayed connection."""
-        if not self._loop.is_running():
+    def _check(self, context: grpc.ServicerContext) -> None:
+        names = context.auth_context().get("x509_common_name") or [b""]
+        name = names[0].decode(errors="replace")
+        if name in self._names:
             return
-
-        async def _shutdown() -> None:
-            if self._server is not None:
-                self._server.close()
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(_shutdown(), self._loop).result(timeout=10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
-        self._loop.close()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = _format_peer(writer.get_extra_info("peername"))
-        try:
-            await writer.start_tls(self._ctx, ssl_handshake_timeout=_HANDSHAKE_TIMEOUT_S)
-            name = _common_name(writer.get_extra_info("peercert"))
-            if self._tls.client_names and name not in self._tls.client_names:
-                raise PermissionError(f"certificate CN {name!r} is not an allowed client")
-        except (OSError, ssl.SSLError, TimeoutError) as exc:
-            self.refused += 1
-            log.warning("tls client refused service=%s peer=%s reason=%s", self._service, peer, _reason(exc))
-            writer.transport.abort()
-            return
-        log.debug("tls client accepted service=%s peer=%s cn=%s", self._service, peer, name)
-        try:
-            b_reader, b_writer = await asyncio.open_unix_connection(self._backend, limit=_CHUNK)
-        except OSError as exc:
-            log.warning("tls gate backend unreachable service=%s reason=%s", self._service, exc)
-            writer.transport.abort()
-            return
-        pipes = [
-            asyncio.ensure_future(_pipe(reader, b_writer)),
-            asyncio.ensure_future(_pipe(b_reader, writer)),
-        ]
-        try:
-            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for p in pipes:
-                p.cancel()
-            for w in (writer, b_writer):
-                w.transport.abort()
+        self.refused += 1
+        reason = f"certificate CN {name!r} is not an allowed client"
+        log.warning("tls client refused service=%s peer=%s reason=%s",
+                    self._service, peer_address(context.peer()), reason)
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, reason)
 
 
-async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+def _guarded(handler: grpc.RpcMethodHandler, check: Callable[[grpc.ServicerContext], None]):
+    """``handler`` with ``check(context)`` run before its behaviour."""
+    kinds = (
+        ("unary_unary", grpc.unary_unary_rpc_method_handler),
+        ("unary_stream", grpc.unary_stream_rpc_method_handler),
+        ("stream_unary", grpc.stream_unary_rpc_method_handler),
+        ("stream_stream", grpc.stream_stream_rpc_method_handler),
+    )
+    for attr, make in kinds:
+        behaviour = getattr(handler, attr)
+        if behaviour is not None:
+            def guarded(request, context, _behaviour=behaviour):
+                check(context)
+                return _behaviour(request, context)
+
+            return make(guarded, request_deserializer=handler.request_deserializer,
+                        response_serializer=handler.response_serializer)
+    return handler
+
+
+def server_interceptors(tls: ServerTls | None, *, service: str) -> list[grpc.ServerInterceptor]:
+    """The interceptors a server with ``tls`` needs: the name check under mutual TLS with
+    allowed names (pass them to ``grpc.server(..., interceptors=...)``)."""
+    if tls is None or not tls.client_ca_file or not tls.client_names:
+        return []
+    return [PeerNameCheck(tls.client_names, service)]
+
+
+def bind_grpc(server: grpc.Server, listen: str, tls: ServerTls | None, *, service: str) -> tuple[grpc.Server, int]:
+    """Bind ``server`` to ``listen`` with ``tls``: none -> plaintext, no client CA -> TLS,
+    a client CA -> mutual TLS (build the server with ``server_interceptors(tls)`` for the
+    name check). Returns the server and the bound port; raises OSError naming the address
+    when it cannot bind."""
     try:
-        while data := await src.read(_CHUNK):
-            dst.write(data)
-            await dst.drain()
-    except (OSError, ssl.SSLError):
-        pass
-
-
-class GatedServer:
-    """A ``grpc.Server`` behind a :class:`TlsGate`; ``stop()`` also stops the gate."""
-
-    def __init__(self, server: grpc.Server, gate: TlsGate, socket_dir: str) -> None:
-        self._server = server
-        self.gate = gate
-        self._socket_dir = socket_dir
-
-    def __getattr__(self, name: str):
-        return getattr(self._server, name)
-
-    def start(self) -> None:
-        self._server.start()
-
-    def stop(self, grace: float | None) -> threading.Event:
-        self.gate.stop_accepting()
-        done = self._server.stop(grace)
-
-        def _finish() -> None:
-            done.wait()
-            self.gate.close()
-            shutil.rmtree(self._socket_dir, ignore_errors=True)
-
-        threading.Thread(target=_finish, name="tls-gate-stop", daemon=True).start()
-        return done
-
-    def wait_for_termination(self, timeout: float | None = None) -> bool:
-        return self._server.wait_for_termination(timeout)
-
-
-def bind_grpc(
-    server: grpc.Server, listen: str, tls: ServerTls | None, *, service: str
-) -> tuple[grpc.Server | GatedServer, int]:
-    """Bind ``server`` to ``listen`` with ``tls``: none -> plaintext, no client CA ->
-    gRPC's TLS, a client CA -> mutual TLS through a :class:`TlsGate`. Returns the server
-    to start/stop (the gated one for mTLS) and the bound port; raises OSError."""
-    if tls is None:
-        return server, server.add_insecure_port(listen)
-    if not tls.client_ca_file:
-        creds = grpc.ssl_server_credentials([(read_file(tls.key_file), read_file(tls.cert_file))])
-        return server, server.add_secure_port(listen, creds)
-    socket_dir = tempfile.mkdtemp(prefix=f"tpflex-{service}-")
-    os.chmod(socket_dir, 0o700)
-    backend = os.path.join(socket_dir, "grpc.sock")
-    if not server.add_insecure_port(f"unix:{backend}"):
-        raise OSError(f"cannot bind the {service} gRPC server to unix:{backend}")
-    gate = TlsGate(listen, backend, tls, service=service)
-    try:
-        port = gate.start()
-    except OSError as exc:
-        shutil.rmtree(socket_dir, ignore_errors=True)
-        raise OSError(f"cannot bind {listen}: {exc.strerror or exc}") from None
-    return GatedServer(server, gate, socket_dir), port
+        if tls is None:
+            port = server.add_insecure_port(listen)
+        else:
+            port = server.add_secure_port(listen, server_credentials(tls)[0])
+    except RuntimeError as exc:
+        raise OSError(f"cannot bind {listen}: {exc}") from None
+    if port == 0:
+        raise OSError(f"cannot bind {listen}")
+    return server, port

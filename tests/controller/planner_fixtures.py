@@ -18,7 +18,8 @@ MAX_W = 1000.0
 
 def make_rack(name: str, size: int = 4, gpus_per_node: int = 2, headroom: float = 0.3) -> RackInfo:
     gpus = tuple((f"{name}-n{i // gpus_per_node}", i % gpus_per_node) for i in range(size))
-    return RackInfo(name, size, size * TDP * (1 + headroom), TDP, TDP / 2, MAX_W, gpus)
+    nodes = tuple(dict.fromkeys(g[0] for g in gpus))
+    return RackInfo(name, size, size * TDP * (1 + headroom), TDP, TDP / 2, MAX_W, gpus, nodes)
 
 
 def make_racks(n: int, size: int = 4, headroom: float = 0.3) -> dict[str, RackInfo]:

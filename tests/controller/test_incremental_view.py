@@ -53,3 +53,32 @@ def test_view_changes_drive_replan_to_the_whole_job_plan(batches):
                 view.fold("put", keys.node(node), codec.encode(synthetic.node(node, rack, 2)), rev)
         prev = replan(prev, view.state, view.job_spec("j"), view.take_changes("j"))
         assert prev.result == plan(view.state, view.job_spec("j"))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.lists(events, min_size=1, max_size=4), min_size=1, max_size=10))
+def test_cap_parts_shortcuts_equal_the_whole_caps(batches):
+    """desired_power over the GPUs of the changed cap parts, and same_decision by parts,
+    equal their answers over the whole caps."""
+    from tpflex_controller.planning import _cap_candidates, desired_power
+
+    view = _view()
+    prev = plan_job(view.state, view.job_spec("j"))
+    view.take_changes("j")
+    rev = 10
+    for batch in batches:
+        for kind, node, failed in batch:
+            rev += 1
+            if kind == "health":
+                view.fold("put", keys.health(node), codec.encode(synthetic.failed_health(node, 2, failed, rev)), rev)
+        old = prev.result
+        prev = replan(prev, view.state, view.job_spec("j"), view.take_changes("j"))
+        new = prev.result
+        candidates = _cap_candidates(old, new)
+        assert candidates is not None
+        assert desired_power(view, old.power_caps, new.power_caps, candidates) == desired_power(
+            view, old.power_caps, new.power_caps
+        )
+        same = (old.policy, old.replicas, old.power_caps, old.suspended_pins) == (
+            new.policy, new.replicas, new.power_caps, new.suspended_pins)
+        assert new.same_decision(old) == same

@@ -116,21 +116,29 @@ def test_controller_agent_client_pushes_power_plans_over_mtls(stack):
     (None, "CERTIFICATE_REQUIRED|PEER_DID_NOT_RETURN_A_CERTIFICATE"),  # no client certificate
     ("trainer", "not an allowed client"),  # our CA, but not the controller's CN
 ])
-def test_untrusted_clients_are_refused_by_the_agent_and_logged_with_the_peer(stack, rogue_certs, who, reason):
+def test_untrusted_clients_are_refused_by_the_agent_and_logged(stack, rogue_certs, who, reason):
+    """gRPC's own mTLS: a client without a certificate of the CA fails the handshake
+    (UNAVAILABLE; gRPC's own log says why, without the peer); a certificate of the CA
+    with a name the agent does not allow is refused per call (PERMISSION_DENIED) and
+    logged with the peer's address."""
     certs = rogue_certs if who and who.startswith("rogue") else stack.certs
     name = who.removeprefix("rogue-") if who else None
-    before = len(_refusals(stack))
+    in_handshake = who != "trainer"
+    before, output_before = len(_refusals(stack)), len(stack.agent.output())
     ch, stub = _agent_stub(stack, certs, name)
     try:
         with pytest.raises(grpc.RpcError) as exc:
             stub.GetDevices(agent_pb2.GetDevicesRequest(), timeout=5)
-        # refused in the handshake: UNAVAILABLE; refused after it (a CA-signed certificate
-        # whose name is not allowed): gRPC may retry until the deadline
-        assert exc.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        want = grpc.StatusCode.UNAVAILABLE if in_handshake else grpc.StatusCode.PERMISSION_DENIED
+        assert exc.value.code() == want, exc.value
     finally:
         ch.close()
-    new = wait_until(lambda: _refusals(stack)[before:], 10, "the agent's refusal log line")
-    assert re.search(reason, new[0][1]), new
+    if in_handshake:
+        handshake = re.compile(rf"Handshake failed .*({reason})")
+        wait_until(lambda: handshake.search(stack.agent.output()[output_before:]), 10, "gRPC's handshake log line")
+    else:
+        new = wait_until(lambda: _refusals(stack)[before:], 10, "the agent's refusal log line")
+        assert re.search(reason, new[0][1]), new
     ch, stub = _agent_stub(stack, stack.certs, "controller")  # the trusted controller still gets in
     try:
         assert stub.GetDevices(agent_pb2.GetDevicesRequest(), timeout=5).node == stack.agent_node

@@ -220,3 +220,30 @@ def test_hooks_refuse_plans_that_do_not_fit_and_keep_training(etcd, one_rank_hoo
     hooks.client.flush(10)
     kv = etcd.get(keys.job_ack(JOB, 0))
     assert codec.decode(types_pb2.Ack, kv.value, kv.key).generation == 4
+
+
+def test_plan_stream_reconnects_wait_a_jittered_exponential_pause(caplog):
+    """The reconnect loop's pauses come from the shared jittered backoff: each within
+    [half, all] of the doubling step, capped, and not the bare step every time (ranks
+    that lost the same controller must not retry in lockstep)."""
+    import re
+
+    from tests.support.wait import wait_until
+
+    caplog.set_level(logging.INFO, logger="tpflex_trainer.hooks.control")
+    dead = f"127.0.0.1:{_unused_port()}"
+    client = ControlClient(ControlConfig(endpoints=(dead,), job=JOB, rank=0, call_timeout_s=0.2,
+                                         backoff_initial_s=0.02, backoff_max_s=0.08)).start()
+
+    def pauses() -> list[float]:
+        return [float(m.group(1)) for r in caplog.records
+                if (m := re.search(r"plan stream interrupted .* retry_in=([0-9.]+)s", r.getMessage()))]
+
+    try:
+        wait_until(lambda: len(pauses()) >= 6, 20, "six plan stream reconnect attempts")
+    finally:
+        client.close()
+    got = pauses()[:6]
+    steps = [0.02, 0.04, 0.08, 0.08, 0.08, 0.08]
+    assert all(step / 2 - 0.005 <= p <= step + 0.005 for p, step in zip(got, steps, strict=True)), got
+    assert any(abs(p - step) > 0.006 for p, step in zip(got, steps, strict=True)), got

@@ -16,4 +16,4 @@ from tpflex_controller.planner.model import (  # noqa: F401
     StageAssignment,
     StageSpec,
 )
-from tpflex_controller.planner.planner import plan  # noqa: E402,F401
+from tpflex_controller.planner.planner import plan  # noqa: F401

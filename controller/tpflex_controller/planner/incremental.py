@@ -94,7 +94,10 @@ def replan(
     result equals ``plan(cluster, job, ...)``."""
     if prev is None or changes is None or prev.job is not job:
         return plan_job(cluster, job, policy=policy, power_model=power_model, overrides=overrides)
-    ctx = context(cluster, job, policy, power_model, overrides)
+    # the spec is the one validated for ``prev``: only its racks' presence can change
+    racks = cluster.racks
+    known = racks.keys() >= prev.index.rack_replicas.keys() and all(r in racks for r in job.spare_racks)
+    ctx = context(cluster, job, policy, power_model, overrides, prev.ctx.full_degree if known else None)
     old = prev.ctx
     if ctx.policy is not old.policy or ctx.model is not old.model or ctx.full_degree != old.full_degree:
         return plan_job(cluster, job, policy=policy, power_model=power_model, overrides=overrides)

@@ -51,7 +51,10 @@ class RackInfo:
     tdp_w: float
     min_w: float
     max_w: float
-    gpus: tuple[GpuKey, ...]  # rack order
+    gpus: tuple[GpuKey, ...]  # rack order, distinct
+    # the rack's nodes (every node of ``gpus``, distinct), so that the planner can check
+    # a healthy rack per node rather than per GPU; () = not given (checked per GPU)
+    nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,11 @@ class PlanResult:
     reasons: tuple[str, ...]
     # operator pins that cannot hold now (a failed or drained GPU, a changed spec)
     suspended_pins: tuple[SuspendedPin, ...] = ()
+    # ``power_caps`` by replica (index -> the caps of the GPUs it uses; a replica without
+    # any is absent), as the planner built it: a re-plan shares the parts of the replicas
+    # it did not plan again, so two plans' caps differ only in the parts that are not the
+    # same objects (``changed_cap_parts``). None when unknown (a plan read from etcd).
+    cap_parts: Mapping[int, Mapping[GpuKey, float]] | None = field(default=None, compare=False, repr=False)
 
     def same_decision(self, other: PlanResult | None) -> bool:
         """Whether two results decide the same thing (reasons and wording aside)."""
@@ -157,9 +165,31 @@ class PlanResult:
             other is not None
             and self.policy == other.policy
             and self.replicas == other.replicas
-            and dict(self.power_caps) == dict(other.power_caps)
+            and _same_caps(self, other)
             and _pin_keys(self.suspended_pins) == _pin_keys(other.suspended_pins)
         )
+
+
+def changed_cap_parts(old: PlanResult, new: PlanResult) -> list[int] | None:
+    """The replicas whose cap parts differ between two plans (by identity, then value);
+    None when either plan does not know its parts."""
+    a, b = old.cap_parts, new.cap_parts
+    if a is None or b is None:
+        return None
+    if len(a) == len(b) and all(b.get(i) is part for i, part in a.items()):
+        return []
+    return sorted(i for i in a.keys() | b.keys() if a.get(i) is not b.get(i) and a.get(i) != b.get(i))
+
+
+def _same_caps(a: PlanResult, b: PlanResult) -> bool:
+    if changed_cap_parts(a, b) == []:
+        return True
+    x, y = a.power_caps, b.power_caps
+    return len(x) == len(y) and _as_dict(x) == _as_dict(y)
+
+
+def _as_dict(m: Mapping) -> dict:
+    return m if type(m) is dict else dict(m)
 
 
 def _pin_keys(pins: tuple[SuspendedPin, ...]) -> tuple[tuple[int, int], ...]:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from itertools import chain
+from operator import attrgetter
 
 from tpflex_proto.powermodel import DEFAULT_POWER_MODEL, PowerModel
 
@@ -55,18 +57,18 @@ from tpflex_controller.planner.reasons import replica_reasons
 from tpflex_controller.planner.stages import (
     ReplicaDraft,
     StageDraft,
+    Survey,
     decide_dp_drop,
     decide_ntp,
     decide_ntp_pw,
     decide_spare,
-    replica_clean,
     replica_draft,
     spare_pool,
-    touched_gpus,
-    unusable_gpus,
 )
 
 _NO_OVERRIDES = JobOverrides()
+_throughput_of = attrgetter("relative_throughput")
+_STATE_NAMES = {s: s.value for s in ReplicaState}  # an enum's .value is a slow descriptor
 _DECIDE = {Policy.NTP_PW: decide_ntp_pw, Policy.NTP: decide_ntp, Policy.DP_DROP: decide_dp_drop}
 
 
@@ -120,10 +122,14 @@ def context(
     policy: Policy | None,
     power_model: PowerModel | None,
     overrides: JobOverrides | None,
+    full_degree: int | None = None,
 ) -> PlanContext:
+    """``full_degree``: the result of ``validate(cluster, job)`` when the caller knows it
+    (the same spec object, validated on a cluster with the same racks)."""
     overrides = overrides or _NO_OVERRIDES
     eff = Policy(policy or overrides.policy or job.policy)
-    full_degree = validate(cluster, job)
+    if full_degree is None:
+        full_degree = validate(cluster, job)
     pins, invalid = _valid_pins(job, overrides.pins, full_degree)
     return PlanContext(eff, power_model or DEFAULT_POWER_MODEL, full_degree, pins, tuple(invalid))
 
@@ -136,41 +142,43 @@ def plan_replicas(
     replica the ones planned are coupled with (a rack whose budget they share, the spare
     pool): ``plan`` passes all, ``incremental.replan`` the coupled ones."""
     pins = {r: t for r, t in ctx.pins.items()}
-    drafts = _drafts(cluster, job, pins, ctx.full_degree, indices)
+    survey = Survey(cluster)
+    curve = power.Curve(ctx.model)
+    drafts = _drafts(survey, job, pins, ctx.full_degree, indices)
     lost = {d.index for d in drafts if d.lost_any}
     _decide(ctx.policy, drafts, cluster, job)
     unheld = _unheld_pins(drafts, pins)
     if unheld:  # plan those replicas again as if unpinned (pins never change spare moves)
         gone = {p.replica for p in unheld}
         pins = {r: t for r, t in pins.items() if r not in gone}
-        drafts = _drafts(cluster, job, pins, ctx.full_degree, indices)
+        drafts = _drafts(survey, job, pins, ctx.full_degree, indices)
         _decide(ctx.policy, drafts, cluster, job)
     if ctx.policy is Policy.NTP_PW:
         power.plan_boosts(
             (s for d in drafts if d.state is not ReplicaState.DROPPED for s in d.stages),
             cluster,
             job.base_tp,
-            ctx.model,
+            curve,
         )
     held = {p.replica: p for p in unheld}
-    plain = _plain_ntp_alternatives(ctx, cluster, job, drafts, pins)
+    plain = _plain_ntp_alternatives(ctx, survey, job, drafts, pins)
     out: dict[int, ReplicaOutcome] = {}
     for d in drafts:
-        assignment, caps = _assign(d, cluster, job, ctx.model)
+        assignment, caps = _assign(d, cluster, job, curve)
         alt = plain.get(d.index)
         if alt is not None:
-            alt_assignment, alt_caps = _assign(alt, cluster, job, ctx.model)
+            alt_assignment, alt_caps = _assign(alt, cluster, job, curve)
             if alt_assignment.relative_throughput > assignment.relative_throughput + 1e-12:
                 d, assignment, caps = alt, alt_assignment, alt_caps
         reasons = replica_reasons(
-            d, assignment, job, ctx.policy, caps, cluster.gpu_speed, cluster.power_pins, ctx.model
+            d, assignment, job, ctx.policy, caps, cluster.gpu_speed, cluster.power_pins, curve
         )
         out[d.index] = ReplicaOutcome(assignment, caps, tuple(reasons), held.get(d.index), d.index in lost)
     return out
 
 
 def _plain_ntp_alternatives(
-    ctx: PlanContext, cluster: ClusterState, job: JobSpec, drafts: list[ReplicaDraft],
+    ctx: PlanContext, survey: Survey, job: JobSpec, drafts: list[ReplicaDraft],
     pins: Mapping[int, int],
 ) -> dict[int, ReplicaDraft]:
     """ntp-pw only: the plain-ntp drafts of the replicas that use a GPU pinned below TDP or
@@ -178,13 +186,14 @@ def _plain_ntp_alternatives(
     valid ntp-pw layout, and it can be the faster one when a stage kept at full degree
     holds such a GPU; the caller keeps whichever is faster. Dropping a replica's boost only
     frees rack budget, so the other replicas' caps stay valid."""
+    cluster = survey.cluster
     if ctx.policy is not Policy.NTP_PW or not (cluster.power_pins or cluster.gpu_speed):
         return {}
     candidates = [d.index for d in drafts if d.state is not ReplicaState.DROPPED
                   and any(_holds_slow_gpu(s, cluster) for s in d.stages)]
     if not candidates:
         return {}
-    alts = _drafts(cluster, job, pins, ctx.full_degree, candidates)
+    alts = _drafts(survey, job, pins, ctx.full_degree, candidates)
     _decide(Policy.NTP, alts, cluster, job)
     return {a.index: a for a in alts if a.state is not ReplicaState.DROPPED}
 
@@ -210,27 +219,38 @@ def assemble(
     if base is None:
         replicas = [_outcome_or_identity(outcomes, job, i) for i in range(len(job.replicas))]
         caps: dict[GpuKey, float] = {}
-        for o in outcomes.values():
+        parts: dict[int, Mapping[GpuKey, float]] = {}
+        for i, o in outcomes.items():
             caps.update(o.caps)
+            if o.caps:
+                parts[i] = o.caps
     else:
         replaced = replaced or {}
         replicas = list(base.replicas)
         caps = dict(base.power_caps)
+        parts = dict(base.cap_parts) if base.cap_parts is not None else _parts_of(outcomes)
         for old in replaced.values():
             for g in old.caps if old is not None else ():
                 caps.pop(g, None)
         for i in replaced:
             replicas[i] = _outcome_or_identity(outcomes, job, i)
+            parts.pop(i, None)
             if i in outcomes:
                 caps.update(outcomes[i].caps)
-    reasons = tuple(line for i in sorted(outcomes) for line in outcomes[i].reasons)
+                if outcomes[i].caps:
+                    parts[i] = outcomes[i].caps
+    reasons = tuple(chain.from_iterable(outcomes[i].reasons for i in sorted(outcomes)))
     unheld = [outcomes[r].unheld for r in ctx.pins if r in outcomes and outcomes[r].unheld is not None]
     suspended = [*ctx.invalid_pins, *unheld]
-    ratio = sum(r.relative_throughput for r in replicas) / len(replicas)
+    ratio = sum(map(_throughput_of, replicas)) / len(replicas)  # in order, in C
     reasons += tuple(f"replica {p.replica}: operator pin suspended: {p.reason}" for p in suspended)
     return PlanResult(
-        job.name, ctx.policy, tuple(replicas), caps, ratio, reasons, tuple(sorted(suspended))
+        job.name, ctx.policy, tuple(replicas), caps, ratio, reasons, tuple(sorted(suspended)), parts
     )
+
+
+def _parts_of(outcomes: Mapping[int, ReplicaOutcome]) -> dict[int, Mapping[GpuKey, float]]:
+    return {i: o.caps for i, o in outcomes.items() if o.caps}
 
 
 def _outcome_or_identity(outcomes: Mapping[int, ReplicaOutcome], job: JobSpec, i: int) -> ReplicaAssignment:
@@ -239,19 +259,17 @@ def _outcome_or_identity(outcomes: Mapping[int, ReplicaOutcome], job: JobSpec, i
 
 
 def _drafts(
-    cluster: ClusterState, job: JobSpec, pins: Mapping[int, int], full_degree: int, indices: Iterable[int]
+    survey: Survey, job: JobSpec, pins: Mapping[int, int], full_degree: int, indices: Iterable[int]
 ) -> list[ReplicaDraft]:
     """A draft per replica of ``indices`` that may differ from the identity plan."""
-    touched = touched_gpus(cluster)
-    unusable = unusable_gpus(cluster)
-    live = cluster.live_nodes
     can_be_identity = full_degree == job.base_tp
     out = []
     for i in indices:
-        rep = job.replicas[i]
-        if can_be_identity and i not in pins and replica_clean(rep, touched, live):
-            continue
-        out.append(replica_draft(cluster, job, i, rep, touched, unusable, pins.get(i), full_degree))
+        pin = pins.get(i)
+        skip = can_be_identity and pin is None
+        d = replica_draft(survey, i, job.replicas[i], pin, full_degree, none_if_clean=skip)
+        if d is not None:
+            out.append(d)
     return out
 
 
@@ -364,17 +382,21 @@ def _build_identity(spec: ReplicaSpec, index: int, t: int, batch: int) -> Replic
 
 
 def _assign(
-    d: ReplicaDraft, cluster: ClusterState, job: JobSpec, model: PowerModel
+    d: ReplicaDraft, cluster: ClusterState, job: JobSpec, model: power.Curve
 ) -> tuple[ReplicaAssignment, dict[GpuKey, float]]:
     if d.state is ReplicaState.DROPPED:
         return ReplicaAssignment(d.index, d.state, (), 0, 0, 0.0, f"dropped: {d.why}"), {}
     caps: dict[GpuKey, float] = {}
     rels: list[float] = []
+    pins = cluster.power_pins
     for s in d.stages:
-        stage_caps = power.gpu_caps(s, cluster.power_pins)
-        speed = power.stage_speed(s, stage_caps, cluster.gpu_speed, model)
+        stage_caps = power.gpu_caps(s, pins)
+        speed = power.stage_speed(s, stage_caps, cluster.gpu_speed, model, pins)
         rels.append(min(1.0, s.degree * speed / job.base_tp))
-        caps.update(stage_caps)
+        if not caps:
+            caps = stage_caps  # a fresh dict of this stage's (the common single stage)
+        else:
+            caps.update(stage_caps)
     rel = min(rels)
     batch = max(1, math.floor(job.local_batch * rel + 1e-9))
     stages = tuple(StageAssignment(s.rack.name, s.degree, s.used, s.spec_index) for s in d.stages)
@@ -382,5 +404,5 @@ def _assign(
     state = d.state
     if state is ReplicaState.HEALTHY and rel < 1.0 - 1e-12:
         state = ReplicaState.DEGRADED
-    why = "healthy" if state is ReplicaState.HEALTHY else f"{state.value}: TP {tp}, {rel:.3f}x throughput"
+    why = "healthy" if state is ReplicaState.HEALTHY else f"{_STATE_NAMES[state]}: TP {tp}, {rel:.3f}x throughput"
     return ReplicaAssignment(d.index, state, stages, tp, batch, rel, why), caps

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from itertools import filterfalse, repeat
 
 from tpflex_proto.powermodel import PowerModel
 
@@ -28,6 +29,33 @@ from tpflex_controller.planner.model import ClusterState, GpuKey, RackInfo
 from tpflex_controller.planner.stages import StageDraft
 
 _EPS = 1e-9
+_MISSING = object()
+
+
+class Curve:
+    """A power model's lookups memoised for one plan call: the stages of a plan need only
+    a few distinct speeds and caps (one per lost-GPU count), so each is computed once.
+    Built fresh by every plan call; answers exactly what the model answers."""
+
+    __slots__ = ("_power", "_throughput", "max_power_ratio", "model")
+
+    def __init__(self, model: PowerModel) -> None:
+        self.model = model
+        self.max_power_ratio = model.max_power_ratio
+        self._throughput: dict[float, float] = {}
+        self._power: dict[float, float | None] = {}
+
+    def throughput(self, power_ratio: float) -> float:
+        out = self._throughput.get(power_ratio)
+        if out is None:
+            out = self._throughput[power_ratio] = self.model.throughput(power_ratio)
+        return out
+
+    def power_for(self, throughput_ratio: float) -> float | None:
+        out = self._power.get(throughput_ratio, _MISSING)
+        if out is _MISSING:
+            out = self._power[throughput_ratio] = self.model.power_for(throughput_ratio)
+        return out  # type: ignore[return-value]
 
 
 def pinned_w(rack: RackInfo, pin_w: float) -> float:
@@ -45,7 +73,7 @@ def stage_speed_need(stage: StageDraft, base_tp: int, speeds: Mapping[GpuKey, fl
 
 
 def plan_boosts(
-    stages: Iterable[StageDraft], cluster: ClusterState, base_tp: int, model: PowerModel
+    stages: Iterable[StageDraft], cluster: ClusterState, base_tp: int, model: PowerModel | Curve
 ) -> None:
     """Set ``cap_w`` and ``needed_speed`` on every stage (of running replicas) that needs
     more than 1x speed."""
@@ -59,29 +87,44 @@ def plan_boosts(
         _fill_rack(group, cluster, model)
 
 
-def _fill_rack(group: list[StageDraft], cluster: ClusterState, model: PowerModel) -> None:
+def _fill_rack(group: list[StageDraft], cluster: ClusterState, model: PowerModel | Curve) -> None:
     rack = group[0].rack
     tdp = rack.tdp_w
     limit_w = math.floor(min(rack.max_w, tdp * model.max_power_ratio) + 1e-6)
     pins = cluster.power_pins
     wants, counts = [], []
-    boosted: set[GpuKey] = set()
     for s in group:
         ratio = model.power_for(s.needed_speed)
         want = limit_w if ratio is None else min(math.ceil(ratio * tdp - 1e-6), limit_w)
         wants.append(max(want, tdp))
-        own = [g for g in s.used if g not in pins]
-        counts.append(len(own))
-        boosted.update(own)
-    fixed_w = sum(
-        pinned_w(rack, pins[g]) if g in pins else tdp
-        for g in rack.gpus
-        if g not in boosted and cluster.usable(g)
-    )
-    level = water_level(wants, counts, rack.power_budget_w - fixed_w)
+        counts.append(len(list(filterfalse(pins.__contains__, s.used))) if pins else len(s.used))
+    level = water_level(wants, counts, rack.power_budget_w - _fixed_w(group, cluster))
     for s, want in zip(group, wants, strict=True):
         cap = max(tdp, min(want, level))
         s.cap_w = None if cap == tdp else float(cap)
+
+
+def _fixed_w(group: list[StageDraft], cluster: ClusterState) -> float:
+    """Watts of the rack's usable GPUs this plan does not boost (at TDP or their pin), in
+    rack order."""
+    rack, pins = group[0].rack, cluster.power_pins
+    s = group[0]
+    if len(group) == 1 and not pins and _whole_rack(s.spec_gpus, rack):
+        # one stage over the whole rack: its usable GPUs beyond its degree are the rest
+        return sum(repeat(rack.tdp_w, len(s.usable) - s.degree))
+    boosted: set[GpuKey] = set()
+    for s in group:
+        boosted.update(filterfalse(pins.__contains__, s.used) if pins else s.used)
+    # the boosted GPUs are skipped in C: a reduced stage boosts all but a few of its rack's
+    return sum(
+        pinned_w(rack, pins[g]) if g in pins else rack.tdp_w
+        for g in filterfalse(boosted.__contains__, rack.gpus)
+        if cluster.usable(g)
+    )
+
+
+def _whole_rack(gpus: tuple[GpuKey, ...], rack: RackInfo) -> bool:
+    return gpus is rack.gpus or gpus == rack.gpus
 
 
 def water_level(wants: list[float], counts: list[int], available_w: float) -> float:
@@ -114,12 +157,15 @@ def stage_speed(
     stage: StageDraft,
     caps: Mapping[GpuKey, float],
     speeds: Mapping[GpuKey, float],
-    model: PowerModel,
+    model: PowerModel | Curve,
+    pins: Mapping[GpuKey, float],
 ) -> float:
     """Relative speed of the stage's slowest used GPU (TP is synchronous): its own speed
     times the model's throughput at its cap. ``caps`` holds the non-TDP caps only."""
     tdp = stage.rack.tdp_w
-    at_cap = {w: model.throughput(w / tdp) for w in set(caps.values())}
+    # without pins every cap of the stage is its uniform boost (gpu_caps)
+    watts = (stage.cap_w,) if caps and not pins else set(caps.values())
+    at_cap = {w: model.throughput(w / tdp) for w in watts}
     slowest = min(at_cap.values()) if len(caps) == stage.degree else min([1.0, *at_cap.values()])
     if speeds:
         for g in speeds.keys() & set(stage.used):

@@ -8,9 +8,9 @@ A draft is the planner's working copy of one replica; ``planner.plan`` turns dra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import filterfalse
 from operator import itemgetter
 
-from tpflex_controller.planner.memo import IdentityMemo
 from tpflex_controller.planner.model import (
     ClusterState,
     GpuKey,
@@ -23,24 +23,60 @@ from tpflex_controller.planner.model import (
 
 _node_of = itemgetter(0)
 _NOT_USABLE = (GpuStatus.FAILED, GpuStatus.DRAINED)
-_STAGE_SETS: IdentityMemo[tuple[frozenset[GpuKey], frozenset[str]]] = IdentityMemo()
+_STATUS_NAMES = {s: s.value for s in GpuStatus}  # an enum's .value is a slow descriptor
 
 
-def _stage_sets(gpus: tuple[GpuKey, ...]) -> tuple[frozenset[GpuKey], frozenset[str]]:
-    return frozenset(gpus), frozenset(map(_node_of, gpus))
+class Survey:
+    """What one plan call looks up per stage, computed once from the cluster: the GPUs
+    that need a per-GPU look (non-healthy, slow or power-pinned), the unusable ones and
+    their nodes, and which racks are clean (memoised per rack name for this call only)."""
+
+    __slots__ = ("_racks", "cluster", "live", "touched", "touched_nodes", "unusable")
+
+    def __init__(self, cluster: ClusterState) -> None:
+        self.cluster = cluster
+        self.live = cluster.live_nodes
+        self.touched = touched_gpus(cluster)
+        self.touched_nodes = set(map(_node_of, self.touched))
+        self.unusable = unusable_gpus(cluster)
+        self._racks: dict[str, bool] = {}
+
+    def lost(self, gpus: tuple[GpuKey, ...], rack: RackInfo) -> set[GpuKey] | None:
+        """The unusable GPUs of a stage (failed, drained, or on a dead node); None when
+        the stage is clean: no GPU of it touched, all its nodes live. A stage on its
+        rack's first GPUs is found clean per node of the rack (once per rack); the other
+        checks are set operations (in C: no Python work per GPU)."""
+        if rack.nodes and self._rack_clean(rack) and _rack_prefix(gpus, rack):
+            return None
+        out = self.unusable.intersection(gpus)
+        if not self.all_live(gpus, rack):
+            live = self.live
+            out.update(g for g in gpus if g[0] not in live)
+        if not out and self.touched.isdisjoint(gpus):
+            return None
+        return out
+
+    def _rack_clean(self, rack: RackInfo) -> bool:
+        clean = self._racks.get(rack.name)
+        if clean is None:
+            live = self.live
+            clean = self.touched_nodes.isdisjoint(rack.nodes) and (
+                live is None or live.issuperset(rack.nodes)
+            )
+            self._racks[rack.name] = clean
+        return clean
+
+    def all_live(self, gpus: tuple[GpuKey, ...], rack: RackInfo) -> bool:
+        live = self.live
+        if live is None:
+            return True
+        if rack.nodes and _rack_prefix(gpus, rack) and live.issuperset(rack.nodes):
+            return True
+        return live.issuperset(map(_node_of, gpus))
 
 
-def stage_clean(gpus: tuple[GpuKey, ...], touched: set[GpuKey], live: frozenset[str] | None) -> bool:
-    """No GPU of the stage is touched and all its nodes are live. Set-to-set checks cost
-    O(min size): O(touched) and O(nodes), not O(GPUs)."""
-    gpu_set, nodes = _STAGE_SETS.get(gpus, _stage_sets)
-    return gpu_set.isdisjoint(touched) and (live is None or live.issuperset(nodes))
-
-
-def replica_clean(
-    spec: ReplicaSpec, touched: set[GpuKey], live: frozenset[str] | None
-) -> bool:
-    return all(stage_clean(st.gpus, touched, live) for st in spec.stages)
+def _rack_prefix(gpus: tuple[GpuKey, ...], rack: RackInfo) -> bool:
+    return gpus is rack.gpus or gpus == rack.gpus[: len(gpus)]
 
 
 @dataclass(slots=True)
@@ -88,40 +124,33 @@ def touched_gpus(cluster: ClusterState) -> set[GpuKey]:
 
 
 def replica_draft(
-    cluster: ClusterState,
-    job: JobSpec,
-    index: int,
-    spec: ReplicaSpec,
-    touched: set[GpuKey],
-    unusable: set[GpuKey],
-    pin: int | None,
-    full_degree: int,
-) -> ReplicaDraft:
-    """The draft of one replica with every stage at its full usable degree.
+    survey: Survey, index: int, spec: ReplicaSpec, pin: int | None, full_degree: int,
+    *, none_if_clean: bool = False,
+) -> ReplicaDraft | None:
+    """The draft of one replica with every stage at its full usable degree; None when
+    ``none_if_clean`` and every stage is clean (it gets the identity assignment).
 
-    Fast path: a stage none of whose GPUs is touched and whose nodes are all live needs
-    no per-GPU Python work."""
-    live = cluster.live_nodes
+    A clean stage (see ``Survey.lost``) needs no per-GPU work; in any other the unusable
+    GPUs are found by set operations, and only they are looked at one by one."""
+    cluster = survey.cluster
     stages: list[StageDraft] = []
+    clean = True
     for s_idx, stage in enumerate(spec.stages):
         rack = cluster.racks[stage.rack]
         gpus = stage.gpus
-        if stage_clean(gpus, touched, live):
-            stages.append(StageDraft(s_idx, rack, gpus, gpus, (), full_degree))
-            continue
-        usable = tuple(g for g in gpus if g not in unusable and (live is None or g[0] in live))
-        lost = _lost(cluster, gpus, usable)
+        out = survey.lost(gpus, rack)
+        clean = clean and out is None
+        if out:
+            usable = tuple(filterfalse(out.__contains__, gpus))
+            # in spec order: one lost GPU held once needs no second pass over the stage
+            order = out if len(out) == 1 and len(usable) == len(gpus) - 1 else filter(out.__contains__, gpus)
+            lost = tuple((g, cluster.status(g)) for g in order)
+        else:
+            usable, lost = gpus, ()
         stages.append(StageDraft(s_idx, rack, gpus, usable, lost, min(len(usable), full_degree)))
+    if clean and none_if_clean:
+        return None
     return ReplicaDraft(index, stages, pin)
-
-
-def _lost(
-    cluster: ClusterState, gpus: tuple[GpuKey, ...], usable: tuple[GpuKey, ...]
-) -> tuple[tuple[GpuKey, GpuStatus], ...]:
-    if len(usable) == len(gpus):
-        return ()
-    keep = set(usable)
-    return tuple((g, cluster.status(g)) for g in gpus if g not in keep)
 
 
 def cap_degrees(draft: ReplicaDraft) -> None:
@@ -233,4 +262,4 @@ def spare_pool(cluster: ClusterState, job: JobSpec) -> list[RackInfo]:
 
 
 def describe_lost(lost: tuple[tuple[GpuKey, GpuStatus], ...]) -> str:
-    return ", ".join(f"{g[0]}:{g[1]} {st.value}" for g, st in lost) or "none lost"
+    return ", ".join(f"{g[0]}:{g[1]} {_STATUS_NAMES[st]}" for g, st in lost) or "none lost"

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 from tpflex_proto import controller_pb2, controller_pb2_grpc, types_pb2
+from tpflex_proto.backoff import Backoff
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +239,7 @@ class ControlClient:
             self.on_restart(plan)
 
     def _watch_loop(self) -> None:
-        backoff = self.config.backoff_initial_s
+        backoff = self._backoff()
         attempt = 0
         while not self._stop.is_set():
             endpoint = self.config.endpoints[attempt % len(self.config.endpoints)]
@@ -253,18 +254,25 @@ class ControlClient:
                     if not self.connected.is_set():
                         log.info("plan stream connected endpoint=%s rank=%d", endpoint, self.config.rank)
                     self.connected.set()
-                    backoff = self.config.backoff_initial_s
+                    backoff.reset()
                     self._offer(plan)
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     return
+                pause = backoff.next()
                 log.info(
                     "plan stream interrupted endpoint=%s code=%s retry_in=%.2fs",
-                    endpoint, exc.code().name, backoff,
+                    endpoint, exc.code().name, pause,
                 )
+            else:
+                pause = backoff.next()
             self.connected.clear()
-            self._stop.wait(backoff)
-            backoff = min(backoff * 2, self.config.backoff_max_s)
+            self._stop.wait(pause)
+
+    def _backoff(self) -> Backoff:
+        """The jittered pause of a reconnect loop (the ranks of a job must not all retry
+        at the same instant after a controller failover)."""
+        return Backoff(self.config.backoff_initial_s, self.config.backoff_max_s)
 
     # ---- heartbeats: one stream on the plan stream's channel ----
 
@@ -303,7 +311,7 @@ class ControlClient:
                 pass
 
     def _beat_loop(self) -> None:
-        backoff, attempt = self.config.backoff_initial_s, 0
+        backoff, attempt = self._backoff(), 0
         while not self._stop.is_set():
             endpoint = self.config.endpoints[attempt % len(self.config.endpoints)]
             attempt += 1
@@ -314,10 +322,10 @@ class ControlClient:
                 if self._stop.is_set():
                     return
                 level = logging.INFO if exc.code() == grpc.StatusCode.UNAVAILABLE else logging.WARNING
+                pause = backoff.next()
                 log.log(level, "heartbeat stream interrupted endpoint=%s code=%s detail=%s retry_in=%.2fs",
-                        endpoint, exc.code().name, exc.details(), backoff)
-            self._stop.wait(backoff)
-            backoff = min(backoff * 2, self.config.backoff_max_s)
+                        endpoint, exc.code().name, exc.details(), pause)
+            self._stop.wait(pause)
 
     # ---- acks and step reports (queued, never blocking the caller) ----
 
@@ -361,7 +369,7 @@ class ControlClient:
                 self._outbox.task_done()
 
     def _send(self, method: str, msg, tries: int) -> None:
-        backoff = self.config.backoff_initial_s
+        backoff = self._backoff()
         for attempt in range(tries):
             if self._stop.is_set():
                 return
@@ -371,8 +379,7 @@ class ControlClient:
             except grpc.RpcError as exc:
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     if attempt + 1 < tries:
-                        self._stop.wait(backoff)
-                        backoff = min(backoff * 2, self.config.backoff_max_s)
+                        self._stop.wait(backoff.next())
                     continue
                 log.warning("control call refused method=%s code=%s detail=%s",
                             method, exc.code().name, exc.details())

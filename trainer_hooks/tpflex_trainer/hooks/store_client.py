@@ -10,7 +10,6 @@ serve any call. Refusals (bad input, unknown job, a full key space) raise
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +17,7 @@ from collections.abc import Callable, Sequence
 import grpc
 from tpflex_proto import rendezvous_pb2 as pb
 from tpflex_proto import rendezvous_pb2_grpc
+from tpflex_proto.backoff import Backoff
 
 from tpflex_trainer.hooks.control import ControlConfig, open_channel
 
@@ -83,7 +83,7 @@ class RendezvousClient:
     def call(self, method: str, request, deadline: float, extra_s: float = 0.0):
         """``method`` on the first endpoint that answers; retried until ``deadline``
         (monotonic). ``extra_s``: how long the server may legitimately hold the call."""
-        pause = self.config.backoff_initial_s
+        backoff = Backoff(self.config.backoff_initial_s, self.config.backoff_max_s)
         endpoints = self.config.endpoints
         while True:
             endpoint = endpoints[self._current % len(endpoints)]
@@ -97,14 +97,14 @@ class RendezvousClient:
                     raise kind(code, f"rendezvous {method} refused: {code.name}: {exc.details()}") from None
                 if code != grpc.StatusCode.ABORTED:
                     self._current += 1  # try the next replica
+                pause = backoff.next()
                 if time.monotonic() + pause > deadline:
                     raise StoreUnreachable(
                         f"rendezvous {method}: no controller answered ({code.name}: {exc.details()}) "
                         f"at {','.join(endpoints)}"
                     ) from None
                 log.debug("rendezvous call retried method=%s endpoint=%s code=%s", method, endpoint, code.name)
-                time.sleep(random.uniform(pause / 2, pause))
-                pause = min(pause * 2, self.config.backoff_max_s)
+                time.sleep(pause)
 
     # ---- operations (deadline: monotonic seconds) ----
 
@@ -114,7 +114,7 @@ class RendezvousClient:
     def get(self, key: str, deadline: float, stop: Callable[[], bool] | None = None) -> bytes | None:
         """The value, or None when it did not appear before ``deadline`` (or ``stop()``
         turned true: checked between shorter parked calls)."""
-        pause = self.config.backoff_initial_s
+        backoff = Backoff(self.config.backoff_initial_s, self.config.backoff_max_s)
         while True:
             if stop is not None and stop():
                 return None
@@ -126,11 +126,10 @@ class RendezvousClient:
             if time.monotonic() >= deadline:
                 return None
             if r.busy:  # the server parks no more calls: poll gently
-                time.sleep(random.uniform(pause / 2, pause))
-                pause = min(pause * 2, self.config.backoff_max_s)
+                time.sleep(backoff.next())
 
     def wait(self, keys: Sequence[str], deadline: float, stop: Callable[[], bool] | None = None) -> bool:
-        pause = self.config.backoff_initial_s
+        backoff = Backoff(self.config.backoff_initial_s, self.config.backoff_max_s)
         while True:
             if stop is not None and stop():
                 return False
@@ -142,8 +141,7 @@ class RendezvousClient:
             if time.monotonic() >= deadline:
                 return False
             if r.busy:
-                time.sleep(random.uniform(pause / 2, pause))
-                pause = min(pause * 2, self.config.backoff_max_s)
+                time.sleep(backoff.next())
 
     def add(self, key: str, delta: int, deadline: float) -> int:
         return self.call("Add", pb.StoreAddRequest(job=self.job, key=key, delta=delta), deadline).value

@@ -1,0 +1,44 @@
+"""PartIndex answers a commit's questions from what it maintains (positions with several
+parts, parts per generation, the top position); on random add/remove sequences the
+answers equal a scan of every position."""
+
+from __future__ import annotations
+
+import random
+
+from tpflex_proto.planstore import PartIndex
+
+
+def _dead_by_scan(ix: PartIndex, oldest_kept: int, count: int) -> list[tuple[int, int]]:
+    out = []
+    for pos, gs in ix.gens.items():
+        if pos >= count:
+            out.extend((g, pos) for g in gs if g <= oldest_kept)
+        else:
+            live = max((g for g in gs if g <= oldest_kept), default=0)
+            out.extend((g, pos) for g in gs if g < live)
+    return sorted(out)
+
+
+def test_index_answers_equal_a_scan_of_every_position():
+    rng = random.Random(11)
+    for _ in range(200):
+        ix = PartIndex()
+        for _ in range(rng.randrange(1, 60)):
+            gen, pos = rng.randrange(1, 9), rng.randrange(0, 12)
+            if rng.random() < 0.7:
+                ix.add(gen, pos, b"v")
+            else:
+                ix.remove(gen, pos)
+        top = ix.top_position()
+        assert top >= max(ix.gens, default=-1) and (top == -1) == (not ix.gens)
+        for generation in range(0, 10):
+            assert ix.stale(generation) == sorted({g for gs in ix.gens.values() for g in gs if g > generation})
+        for oldest_kept in range(1, 10):
+            for count in (max(top + 1, 1), rng.randrange(0, 13)):
+                want = _dead_by_scan(ix, oldest_kept, count)
+                got = ix.dead(oldest_kept, count, 1000)
+                assert got == want
+                # under a limit: a subset of the dead parts, of that size
+                few = ix.dead(oldest_kept, count, 3)
+                assert set(few) <= set(want) and len(few) == min(3, len(want))
