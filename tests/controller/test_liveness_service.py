@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 import threading
+import time
 from concurrent import futures
 
 import grpc
