@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 SOAK = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
-KEYS = {"faults_injected", "faults_by_kind", "lost_steps", "weights_rel_l2", "max_pause_s",
-        "p50_pause_s", "checkpoint_restarts", "torn_steps_replayed"}
+KEYS = {"faults_injected", "faults_by_kind", "lost_steps", "weights_rel_l2", "weights_rel_l2_vs_fixed_layout",
+        "max_pause_s", "p50_pause_s", "checkpoint_restarts", "torn_steps_replayed"}
 
 
 @pytest.mark.slow
@@ -65,3 +65,37 @@ def test_a_replayed_torn_step_is_not_a_lost_step():
     assert lost_steps([*before, *whole, _round(5, 9.0)]) == (1, 0, 0)
     assert lost_steps([*before, *torn, _step(0, 6, 6.0), _round(5, 9.0, "checkpoint")]) == (1, 1, 1)
     assert lost_steps([*before, *torn, _round(6, 9.0)]) == (0, 0, 0)  # resumed from the newest copies
+
+
+def _plan(generation: int, gpus: list[int]):
+    from tpflex_proto import types_pb2
+
+    plan = types_pb2.Plan(job="soak", generation=generation)
+    plan.replicas.add(index=0, tp_degree=len(gpus)).stages.add(gpus=[types_pb2.GpuRef(node="n", index=i) for i in gpus])
+    return plan
+
+
+def _applied(rank: int, pid: int, generation: int, epoch: int, step: int, at: float, source: str = "live") -> dict:
+    return {"kind": "applied", "rank": rank, "pid": pid, "generation": generation, "epoch": epoch, "step": step,
+            "at": at, "t": at + 5, "source": source}
+
+
+def test_the_replay_follows_the_chaos_runs_rounds_with_their_restarted_ranks():
+    from bench.soak_replay import ReplayUnsupported, one_layout, rounds_from
+
+    plans = {1: _plan(1, [0, 1, 2, 3]), 2: _plan(2, [0, 1, 2]), 3: _plan(3, [0, 1, 2, 3])}
+    records = [_applied(r, 100 + r, 1, 0, 0, 1.0, "init") for r in range(4)]
+    records += [_applied(r, 100 + r if r != 2 else 202, 1, 1, 5, 2.0) for r in range(4)]  # rank 2 restarted
+    records += [_applied(r, 100 + r if r != 2 else 202, 2, 1, 8, 3.0) for r in range(3)]  # XID: rank 3 out
+    records += [_applied(3, 303, 2, 1, 8, 3.1, "idle")]
+    records += [_applied(r, {2: 202, 3: 303}.get(r, 100 + r), 3, 2, 10, 4.0) for r in range(4)]
+    rounds = rounds_from(records, plans, 12)
+    assert [(r.step, r.end, r.generation, r.fresh) for r in rounds] == [
+        (0, 5, 1, (0, 1, 2, 3)), (5, 8, 1, (2,)), (8, 10, 2, ()), (10, 12, 3, (3,))]
+    assert not one_layout(rounds) and one_layout(rounds[:2])
+    with pytest.raises(ReplayUnsupported, match="generation 3"):
+        rounds_from(records, {1: plans[1], 2: plans[2]}, 12)
+    with pytest.raises(ReplayUnsupported, match="checkpoint"):
+        rounds_from([*records, _applied(0, 100, 3, 3, 0, 5.0, "checkpoint")], plans, 12)
+    with pytest.raises(ReplayUnsupported, match="went back"):
+        rounds_from(records, plans, 9)
