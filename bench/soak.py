@@ -18,19 +18,25 @@ return to full health:
 Repeated soft failures of one GPU are the soak's doing, so its controllers never drain a
 GPU for them (``[liveness] max_soft_failures`` 1000; tests/controller cover the drain).
 
-Then every rank stops at the same step N, and the same job runs N steps uninterrupted on a
-fresh cluster: the baseline. Its arithmetic is the chaos run's exactly when the faults
-left the layout and the data alone (a rank death, a hang, the controller or etcd faults
-recover bit for bit: ``weights_rel_l2`` is then 0). An XID 79 is different by design: NTP
-runs the degraded replica at TP 3 on fewer samples (``local_batch x`` its throughput), so
-the job no longer sees the baseline's data and ``weights_rel_l2`` measures that. stderr
-then also gives each run against the single-process reference on its own per-step batches
-(the same data), the chaos run and the fault-free baseline side by side, with ``--reference``. Prints one JSON line: ``faults_injected``, ``faults_by_kind``,
-``lost_steps`` (completed steps that had to be run again), ``weights_rel_l2`` (final
-weights vs the baseline's, relative L2 over the whole model), ``max_pause_s`` and
-``p50_pause_s`` (per fault: the gap in the job's progress around it), ``checkpoint_restarts``
-(rounds that loaded a checkpoint), ``torn_steps_replayed`` (steps some ranks had applied and
-others not when a rank died, run again from the undo state without a checkpoint). Details to stderr; ``--keep`` keeps the work directory.
+Then every rank stops at the same step N, and two references are trained to N without
+faults: the **same-layout reference** (``bench/soak_replay.py``: the chaos run's rounds
+replayed in 8 gloo processes, each round's recorded plan from the step the chaos run
+resumed at, the ranks restarted in a round starting empty as they did; when every round
+used one layout this is the fixed-layout baseline itself) and the **fixed-layout
+baseline** (the same job through a fresh control plane, never re-planned). A rank death, a
+hang, the controller or etcd faults recover bit for bit; an XID 79 re-plans the degraded
+replica at TP 3 on fewer samples (``local_batch x`` its throughput), whose arithmetic only
+the same-layout reference repeats. With ``--reference``, stderr also gives each run
+against the single-process reference on its own per-step batches. Prints one JSON line:
+``faults_injected``, ``faults_by_kind``, ``lost_steps`` (completed steps that had to be
+run again), ``weights_rel_l2`` (final weights vs the same-layout reference, relative L2
+over the whole model: what the faults cost; null when the run cannot be replayed, e.g.
+after a checkpoint restart), ``weights_rel_l2_vs_fixed_layout`` (vs the fixed-layout
+baseline: what the layout changes cost on top), ``max_pause_s`` and ``p50_pause_s`` (per
+fault: the gap in the job's progress around it), ``checkpoint_restarts`` (rounds that
+loaded a checkpoint), ``torn_steps_replayed`` (steps some ranks had applied and others not
+when a rank died, run again from the undo state without a checkpoint). Details to stderr;
+``--keep`` keeps the work directory (with ``plans.json``, the recorded plans).
 """
 
 from __future__ import annotations

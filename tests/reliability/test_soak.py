@@ -3,7 +3,8 @@
 rank frozen, agent frozen, leader controller killed, etcd member killed; XID 79 runs in
 the 10-minute soak, and its recovery in the demo tests); the job must lose no completed
 step, need no checkpoint, and end bit for bit with the weights of the same job run
-without faults. Paced steps keep the fault-free replay short."""
+without faults (bench/soak.py's same-layout reference). Paced steps keep the fault-free
+replay short. A fixed seed fixes the fault schedule, not the timing."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ def test_two_minute_soak_loses_nothing():
     # every kind but XID 79, which changes the data by design (see bench/soak.py): then the
     # chaos run must end bit for bit where the fault-free baseline does
     kinds = "rank_sigkill,rank_hang,agent_freeze,controller_leader_kill,etcd_member_kill"
-    proc = subprocess.run([sys.executable, str(SOAK), "--faults", "5", "--step-min-s", "0.4", "--kinds", kinds],
-                          capture_output=True, text=True, timeout=880)
+    # a fixed fault schedule (which kinds in which order, which ranks); the timing is the
+    # machine's: on a loaded one the recovery paths run slower, which they must survive
+    proc = subprocess.run([sys.executable, str(SOAK), "--faults", "5", "--step-min-s", "0.4", "--kinds", kinds,
+                           "--seed", "13"], capture_output=True, text=True, timeout=880)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout
@@ -35,7 +38,10 @@ def test_two_minute_soak_loses_nothing():
     assert set(got) == KEYS
     assert got["faults_injected"] == 5 and got["faults_by_kind"] == dict.fromkeys(sorted(kinds.split(",")), 1), got
     assert got["lost_steps"] == 0 and got["checkpoint_restarts"] == 0
-    assert got["weights_rel_l2"] <= 1e-5
+    # vs the same-layout reference (without XID 79 the layout stays: the fixed-layout
+    # baseline, which then must match too)
+    assert got["weights_rel_l2"] is not None and got["weights_rel_l2"] <= 1e-5
+    assert isinstance(got["weights_rel_l2_vs_fixed_layout"], float)
     # no pause reached the collective timeout (60 s here): survivors never waited one out
     assert 0 < got["p50_pause_s"] <= got["max_pause_s"] < 60, got
 
