@@ -85,12 +85,21 @@ def _batches_of(records: list[dict]) -> dict[int, int]:
 def replay(spec: types_pb2.JobSpec, rounds: list[Round], batches: dict[int, int], final_dir: Path,
            timeout_s: float = 3600.0) -> None:
     """Run the rounds in 8 gloo processes; the final state goes to ``final_dir``."""
+    import torch.distributed as dist
+
     from tests.support.ports import free_port
     from tests.trainer.harness import run_workers
 
     n = sum(len(st.ranks) for rep in spec.replicas for st in rep.stages)
-    run_workers(_worker, n, (spec.SerializeToString(), rounds, batches, str(final_dir), free_port()),
-                timeout_s=timeout_s)
+    port = free_port()
+    # the rounds' store lives here: a worker that finishes first must not take it along
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=600))
+    try:
+        run_workers(_worker, n, (spec.SerializeToString(), rounds, batches, str(final_dir), port),
+                    timeout_s=timeout_s)
+    finally:
+        del store
 
 
 def _worker(rank: int, world_size: int, spec_bytes: bytes, rounds: list[Round], batches: dict[int, int],
@@ -105,7 +114,7 @@ def _worker(rank: int, world_size: int, spec_bytes: bytes, rounds: list[Round], 
 
     spec = types_pb2.JobSpec.FromString(spec_bytes)
     me = _spec_ranks(spec)[rank][0]
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0, timeout=timedelta(seconds=600))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600))
     dist.destroy_process_group()  # the harness's group: each round forms its own
     runtime: NtpRuntime | None = None
     for k, rnd in enumerate(rounds):
