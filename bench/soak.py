@@ -18,19 +18,25 @@ return to full health:
 Repeated soft failures of one GPU are the soak's doing, so its controllers never drain a
 GPU for them (``[liveness] max_soft_failures`` 1000; tests/controller cover the drain).
 
-Then every rank stops at the same step N, and the same job runs N steps uninterrupted on a
-fresh cluster: the baseline. Its arithmetic is the chaos run's exactly when the faults
-left the layout and the data alone (a rank death, a hang, the controller or etcd faults
-recover bit for bit: ``weights_rel_l2`` is then 0). An XID 79 is different by design: NTP
-runs the degraded replica at TP 3 on fewer samples (``local_batch x`` its throughput), so
-the job no longer sees the baseline's data and ``weights_rel_l2`` measures that. stderr
-then also gives each run against the single-process reference on its own per-step batches
-(the same data), the chaos run and the fault-free baseline side by side, with ``--reference``. Prints one JSON line: ``faults_injected``, ``faults_by_kind``,
-``lost_steps`` (completed steps that had to be run again), ``weights_rel_l2`` (final
-weights vs the baseline's, relative L2 over the whole model), ``max_pause_s`` and
-``p50_pause_s`` (per fault: the gap in the job's progress around it), ``checkpoint_restarts``
-(rounds that loaded a checkpoint), ``torn_steps_replayed`` (steps some ranks had applied and
-others not when a rank died, run again from the undo state without a checkpoint). Details to stderr; ``--keep`` keeps the work directory.
+Then every rank stops at the same step N, and two references are trained to N without
+faults: the **same-layout reference** (``bench/soak_replay.py``: the chaos run's rounds
+replayed in 8 gloo processes, each round's recorded plan from the step the chaos run
+resumed at, the ranks restarted in a round starting empty as they did; when every round
+used one layout this is the fixed-layout baseline itself) and the **fixed-layout
+baseline** (the same job through a fresh control plane, never re-planned). A rank death, a
+hang, the controller or etcd faults recover bit for bit; an XID 79 re-plans the degraded
+replica at TP 3 on fewer samples (``local_batch x`` its throughput), whose arithmetic only
+the same-layout reference repeats. With ``--reference``, stderr also gives each run
+against the single-process reference on its own per-step batches. Prints one JSON line:
+``faults_injected``, ``faults_by_kind``, ``lost_steps`` (completed steps that had to be
+run again), ``weights_rel_l2`` (final weights vs the same-layout reference, relative L2
+over the whole model: what the faults cost; null when the run cannot be replayed, e.g.
+after a checkpoint restart), ``weights_rel_l2_vs_fixed_layout`` (vs the fixed-layout
+baseline: what the layout changes cost on top), ``max_pause_s`` and ``p50_pause_s`` (per
+fault: the gap in the job's progress around it), ``checkpoint_restarts`` (rounds that
+loaded a checkpoint), ``torn_steps_replayed`` (steps some ranks had applied and others not
+when a rank died, run again from the undo state without a checkpoint). Details to stderr;
+``--keep`` keeps the work directory (with ``plans.json``, the recorded plans).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -61,6 +68,9 @@ from tpflex_trainer.hooks.config import write_spec
 from tpflex_trainer.ntp.adapter import as_adapter
 from tpflex_trainer.ntp.checkpoint import read_full_state
 from tpflex_trainer.ntp.reference import reference_state, state_rel_l2
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.soak_replay, tests.trainer.harness
+from bench.soak_replay import ReplayUnsupported, one_layout, replay, rounds_from  # noqa: E402
 
 JOB, LOCAL_BATCH = "soak", 4
 RACKS = (RackLayout("rack-0", "node-0", 4), RackLayout("rack-1", "node-1", 4))
@@ -129,10 +139,12 @@ class SoakCluster(DemoCluster):
         return "controller-2" if "controller-2" in ident else "controller"
 
     def plan(self) -> tuple[int, set[tuple[str, int]]]:
-        """The job's plan generation and the GPUs it uses."""
+        """The job's plan generation and the GPUs it uses (each generation seen is kept in
+        ``plans``: the same-layout replay applies them)."""
         plan = planstore.read_plan(self.etcd, JOB)  # header + per-replica parts
         if plan is None:
             return 0, set()
+        self.__dict__.setdefault("plans", {}).setdefault(plan.generation, plan)
         return plan.generation, {(g.node, g.index) for rep in plan.replicas if rep.tp_degree
                                  for st in rep.stages for g in st.gpus}
 
@@ -363,13 +375,24 @@ def vs_reference(records: list[dict], state: dict) -> float:
     return state_rel_l2(state["param"], ref["param"])
 
 
+def record_plans(cluster: SoakCluster, stop: threading.Event) -> None:
+    """Read the job's plan every 0.1 s, so that every generation is kept (``plan``)."""
+    while not stop.wait(0.1):
+        try:
+            cluster.plan()
+        except Exception as exc:  # noqa: BLE001 -- an etcd member down: the next read
+            log(f"plan not read: {type(exc).__name__}")
+
+
 def chaos_run(work: Path, minutes: float, rng: random.Random, kinds: tuple[str, ...], max_faults: int = 0,
               pace_s: float = 0.0) -> dict:
     cluster = SoakCluster(free_demo_ports(), RACKS, work / "cluster")
     stop_file = work / "stop-at"
     procs = []
+    stop_plans = threading.Event()
     try:
         cluster.start()
+        threading.Thread(target=record_plans, args=(cluster, stop_plans), daemon=True).start()
         spec, procs = run_job(cluster, work, 10**9, stop_file=stop_file, checkpoints=True, pace_s=pace_s)
         records = Records(work / "steps.jsonl")
         chaos = Chaos(cluster, work, records, rng, kinds)
@@ -385,8 +408,11 @@ def chaos_run(work: Path, minutes: float, rng: random.Random, kinds: tuple[str, 
         statuses = [p.wait(timeout=300) for p in procs]
         if statuses != [0, 0]:
             raise RuntimeError(f"launchers exited {statuses}; logs in {work}")
-        return dict(spec=spec, steps=stop_at, faults=chaos.faults, records=records.poll())
+        plans = dict(cluster.__dict__.get("plans", {}))
+        (work / "plans.json").write_text(json.dumps({g: p.SerializeToString().hex() for g, p in plans.items()}))
+        return dict(spec=spec, steps=stop_at, faults=chaos.faults, records=records.poll(), plans=plans)
     finally:
+        stop_plans.set()
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
@@ -409,6 +435,27 @@ def baseline_run(work: Path, steps: int) -> None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         cluster.stop()
+
+
+def same_layout_l2(work: Path, chaos: dict, adapter, state_c: dict, state_b: dict) -> float | None:
+    """The chaos run's final weights against the same-layout reference (``soak_replay``):
+    the fixed-layout baseline itself when every round used one layout, else the replay of
+    the chaos run's rounds. None (and why, on stderr) when the run cannot be replayed."""
+    try:
+        rounds = rounds_from(chaos["records"], chaos["plans"], chaos["steps"])
+    except ReplayUnsupported as exc:
+        log(f"no same-layout reference: {exc}")
+        return None
+    if one_layout(rounds):
+        log(f"one layout in all {len(rounds)} rounds: the fixed-layout baseline is the same-layout reference")
+        return state_rel_l2(state_c["param"], state_b["param"])
+    batches = {r["step"]: r["global_batch"] for r in chaos["records"] if r["kind"] == "step"}
+    log(f"replaying {len(rounds)} rounds ({sum(1 for r in rounds if r.fresh)} with restarted ranks)")
+    replay(chaos["spec"], rounds, batches, work / "replay")
+    step_r, state_r = read_full_state(work / "replay", adapter)
+    if step_r != chaos["steps"]:
+        raise RuntimeError(f"the replay ended at step {step_r}, the chaos run at {chaos['steps']}")
+    return state_rel_l2(state_c["param"], state_r["param"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -449,8 +496,10 @@ def main(argv: list[str] | None = None) -> int:
         raise RuntimeError(f"the runs ended at steps {step_c} and {step_b}")
     lost, restarts, torn = lost_steps(chaos["records"])
     gaps = pauses(chaos["records"], chaos["faults"])
-    log(f"steps={chaos['steps']} chaos_s={t1 - t0:.0f} baseline_s={time.monotonic() - t1:.0f} "
-        f"pauses={[round(g, 2) for g in gaps]}")
+    t2 = time.monotonic()
+    same_layout = same_layout_l2(work, chaos, adapter, state_c, state_b)
+    log(f"steps={chaos['steps']} chaos_s={t1 - t0:.0f} baseline_s={t2 - t1:.0f} "
+        f"replay_s={time.monotonic() - t2:.0f} pauses={[round(g, 2) for g in gaps]}")
     if args.reference:  # e.g. after XID 79 faults (the data differed): how far each run is
         log(f"vs the single-process reference on each run's own batches: chaos "
             f"{vs_reference(chaos['records'], state_c):.3g} baseline "
@@ -459,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
         "faults_injected": len(chaos["faults"]),
         "faults_by_kind": dict(sorted(Counter(f["kind"] for f in chaos["faults"]).items())),
         "lost_steps": lost,
-        "weights_rel_l2": state_rel_l2(state_c["param"], state_b["param"]),
+        "weights_rel_l2": same_layout,
+        "weights_rel_l2_vs_fixed_layout": state_rel_l2(state_c["param"], state_b["param"]),
         "max_pause_s": round(max(gaps), 3) if gaps else 0.0,
         "p50_pause_s": round(statistics.median(gaps), 3) if gaps else 0.0,
         "checkpoint_restarts": restarts,

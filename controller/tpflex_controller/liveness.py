@@ -11,6 +11,12 @@ record in and write what comes out (``liveness_service`` does, with a compare-an
 - The same death seen twice (the launcher's report and the missed beats, or two
   controller replicas) counts once: a failure of a rank whose incarnation is not newer
   than one already in ``recent`` is a duplicate.
+- A rank declared failed that beats at the job's current restart epoch was alive after
+  the declaration (it took part in a round formed since): the declaration was false (its
+  stream broke on a replica's error, a beat gap), so the failure is withdrawn from
+  ``recent``. Its process's real death later is then a new failure that raises the epoch
+  again; kept, it would be a "duplicate" and the round the process joined would wait for
+  it forever (its successor does not join a round its predecessor was in).
 - A rank that dies while its GPU is outside the plan (the GPU failed, or the rank was
   handing its units over after a re-plan) raises the epoch too -- peers may be blocked on
   it -- but counts against no GPU.
@@ -194,6 +200,28 @@ def apply_failure(record: types_pb2.Liveness | None, job: str, failure: types_pb
     drain = (f"liveness: {len(same_gpu)} soft failures of the rank on {failure.node}:{failure.gpu} "
              f"within {policy.window_s:g}s ({reasons})")
     return Outcome("hard", _next(record, job, recent, failure.rank, f"hard failure: {what}", now), drain)
+
+
+def apply_revival(record: types_pb2.Liveness | None, rank: int, incarnation: int,
+                  applied_epoch: int) -> Outcome:
+    """A beat of ``rank``'s process ``incarnation`` that applied restart epoch
+    ``applied_epoch``: when that process is in ``recent`` and the epoch is the record's
+    current one (raised by its failure or later), the failure is withdrawn (``revived``);
+    else nothing changes (``none``)."""
+    if record is None or applied_epoch < record.restart.epoch:
+        return Outcome("none")
+    keep = [f for f in record.recent if (f.rank, f.incarnation) != (rank, incarnation)]
+    if len(keep) == len(record.recent):
+        return Outcome("none")
+    out = types_pb2.Liveness(job=record.job)
+    out.restart.CopyFrom(record.restart)
+    out.recent.extend(keep)
+    return Outcome("revived", out)
+
+
+def declared(record: types_pb2.Liveness | None, rank: int, incarnation: int) -> bool:
+    """Whether ``recent`` holds a failure of this process."""
+    return record is not None and any((f.rank, f.incarnation) == (rank, incarnation) for f in record.recent)
 
 
 def apply_hang(record: types_pb2.Liveness | None, job: str, rank: int, applied_epoch: int,

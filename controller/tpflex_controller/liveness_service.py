@@ -27,8 +27,10 @@ from tpflex_controller.liveness import (
     TokenBucket,
     apply_failure,
     apply_hang,
+    apply_revival,
     check_beat,
     clean_reason,
+    declared,
     plan_gpus,
     rank_gpus,
 )
@@ -36,6 +38,10 @@ from tpflex_controller.spec_checks import InputError, check_job_name
 from tpflex_controller.store import Store
 
 log = logging.getLogger(__name__)
+
+
+def _epoch_of(record: types_pb2.Liveness | None) -> int:
+    return record.restart.epoch if record is not None else 0
 
 
 class LivenessRefused(Exception):
@@ -59,7 +65,7 @@ class LivenessService:
         self.clock, self.on_outcome = clock, on_outcome
         self.tracker = BeatTracker(policy.beat_timeout_s)
         self._lock = threading.Lock()
-        self._epochs: dict[str, tuple[int, float]] = {}
+        self._records: dict[str, tuple[types_pb2.Liveness | None, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._monitor, name="liveness-monitor", daemon=True)
 
@@ -88,17 +94,25 @@ class LivenessService:
 
     def epoch(self, job: str, at_least: int = 0) -> int:
         """The job's restart epoch, cached for a second (re-read when a beat names a newer one)."""
+        record = self.cached_record(job, at_least)
+        return record.restart.epoch if record is not None else 0
+
+    def cached_record(self, job: str, at_least_epoch: int = 0) -> types_pb2.Liveness | None:
+        """The job's record, at most a second old (re-read when a newer epoch is asked for)."""
         now = time.monotonic()
         with self._lock:
-            hit = self._epochs.get(job)
-        if hit is not None and now - hit[1] < 1.0 and hit[0] >= at_least:
+            hit = self._records.get(job)
+        if hit is not None and now - hit[1] < 1.0 and _epoch_of(hit[0]) >= at_least_epoch:
             return hit[0]
-        epoch = self.restart(job).epoch
+        record, _ = self.record(job)
+        self._remember(job, record, now)
+        return record
+
+    def _remember(self, job: str, record: types_pb2.Liveness | None, at: float) -> None:
         with self._lock:
-            if len(self._epochs) > 4096:
-                self._epochs.clear()
-            self._epochs[job] = (epoch, now)
-        return epoch
+            if len(self._records) > 4096:
+                self._records.clear()
+            self._records[job] = (record, at)
 
     def _update(self, job: str, decide: Callable[[types_pb2.Liveness | None], Outcome]) -> Outcome:
         for _ in range(8):
@@ -109,10 +123,10 @@ class LivenessService:
             key = keys.liveness(job)
             guard = Cmp.mod_revision(key, "==", rev) if rev else Cmp.create_revision(key, "==", 0)
             if self.etcd.txn([guard], [Op.put(key, codec.encode(out.record))]).succeeded:
-                with self._lock:
-                    self._epochs[job] = (out.record.restart.epoch, time.monotonic())
-                log.warning("rank restart job=%s kind=%s epoch=%d reason=%s", job, out.kind,
-                            out.record.restart.epoch, out.record.restart.reason)
+                self._remember(job, out.record, time.monotonic())
+                if out.kind != "revived":  # (no epoch change: the caller logs it)
+                    log.warning("rank restart job=%s kind=%s epoch=%d reason=%s", job, out.kind,
+                                out.record.restart.epoch, out.record.restart.reason)
                 if out.drain:
                     self._drain(out.record.recent[-1], out.drain)
                 self.on_outcome(job, out)
@@ -200,6 +214,7 @@ class LivenessService:
                 self._check(beat)
                 who = (beat.job, beat.rank, beat.incarnation)
                 self.tracker.beat(beat.job, beat.rank, beat.incarnation, time.monotonic())
+                self._revive(beat)
                 if beat.hung_s > 0:
                     self._update(beat.job, lambda rec, b=beat: apply_hang(rec, b.job, b.rank, b.epoch,
                                                                           b.hung_s, self.clock()))
@@ -208,6 +223,12 @@ class LivenessService:
             if who is not None:
                 self.tracker.forget(who[0], who[1])
             raise
+        except EtcdError as exc:
+            # this replica cannot serve the stream (etcd unreachable from here); the rank
+            # moves to another replica: that is no silence of the rank's
+            if who is not None:
+                self.tracker.forget(who[0], who[1])
+            raise LivenessRefused(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}") from None
         except Exception as exc:  # the connection broke under the iterator
             log.info("heartbeat stream broken job=%s error=%s", who[0] if who else "?", type(exc).__name__)
             context = None
@@ -217,6 +238,16 @@ class LivenessService:
             else:
                 self.tracker.closed(who[0], who[1], who[2], time.monotonic())
         return controller_pb2.HeartbeatSummary(beats=n)
+
+    def _revive(self, beat: controller_pb2.Beat) -> None:
+        """A beat of a process the record lists as failed, at the current epoch: it lived on
+        after the declaration, which is withdrawn (``liveness.apply_revival``)."""
+        if not declared(self.cached_record(beat.job), beat.rank, beat.incarnation):
+            return
+        out = self._update(beat.job, lambda rec: apply_revival(rec, beat.rank, beat.incarnation, beat.epoch))
+        if out.kind == "revived":
+            log.warning("rank declared failed is alive; failure withdrawn job=%s rank=%d incarnation=%d epoch=%d",
+                        beat.job, beat.rank, beat.incarnation, beat.epoch)
 
     def _check(self, beat: controller_pb2.Beat) -> None:
         self._job(beat.job)

@@ -14,8 +14,10 @@ from tpflex_controller.liveness import (
     TokenBucket,
     apply_failure,
     apply_hang,
+    apply_revival,
     check_beat,
     clean_reason,
+    declared,
     plan_gpus,
     rank_gpus,
 )
@@ -104,6 +106,31 @@ def test_escalation_matches_a_count_of_the_window(events):
         assert len(out.record.recent) <= POLICY.max_recent
         seen = live + [(rank, inc, now)]
         rec = out.record
+
+
+def test_a_false_declaration_is_withdrawn_so_the_real_death_counts():
+    """Seen in the 10-minute soak: rank 0's beat stream broke on a replica's etcd error,
+    the replica declared it (epoch 1) though it lived on and joined the epoch-1 round; its
+    SIGKILL a few seconds later, the same incarnation, was a duplicate and no round
+    followed: its successor would not join the round it had been in, the survivors waited
+    60 s and gave up. A beat at the current epoch withdraws the declaration."""
+    first = apply_failure(None, "j", fail(rank=0, gpu=0, inc=1, reason="stream_closed"), POLICY, 10.0, in_plan=True)
+    assert declared(first.record, 0, 1) and not declared(first.record, 0, 2) and not declared(None, 0, 1)
+    # a beat still at the epoch before the declaration proves nothing (it may predate it)
+    assert apply_revival(first.record, 0, 1, applied_epoch=0).kind == "none"
+    assert apply_revival(first.record, 0, 2, applied_epoch=1).kind == "none"  # another process
+    assert apply_revival(None, 0, 1, applied_epoch=0).kind == "none"
+    revived = apply_revival(first.record, 0, 1, applied_epoch=1)
+    assert revived.kind == "revived" and revived.record.restart == first.record.restart
+    assert list(revived.record.recent) == [] and not revived.drain
+    death = apply_failure(revived.record, "j", fail(rank=0, gpu=0, inc=1), POLICY, 16.0, in_plan=True)
+    assert death.kind == "soft" and death.record.restart.epoch == 2
+    # without the withdrawal the death is swallowed (what the soak hit)
+    assert apply_failure(first.record, "j", fail(rank=0, gpu=0, inc=1), POLICY, 16.0, in_plan=True).kind == "duplicate"
+    # other ranks' failures stay
+    two = apply_failure(first.record, "j", fail(rank=3, gpu=3, inc=0), POLICY, 11.0, in_plan=True).record
+    assert [(f.rank, f.incarnation) for f in apply_revival(two, 0, 1, applied_epoch=2).record.recent] == [(3, 0)]
+    assert apply_revival(two, 0, 1, applied_epoch=1).kind == "none"  # not yet at the current epoch
 
 
 def test_a_hang_bumps_the_epoch_once():

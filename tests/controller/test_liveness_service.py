@@ -4,8 +4,10 @@ stream, escalation to a drain, and the bounds on what a trainer can send."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -15,18 +17,22 @@ from tpflex_controller.liveness import LivenessPolicy
 from tpflex_controller.steps import StepStats
 from tpflex_controller.trainer_service import TrainerServicer
 from tpflex_proto import codec, controller_pb2, controller_pb2_grpc, keys, types_pb2
+from tpflex_proto.etcd import Etcd
 
 from tests.controller.controller_harness import small_cluster
+from tests.reliability.proxy import CuttableProxy
 from tests.support.wait import wait_until
 
 POLICY = LivenessPolicy(beat_timeout_s=0.6, window_s=60.0, max_soft_failures=3, beat_burst=5, beats_per_s=20.0)
 GPUS = [("rack0-n00", 0), ("rack0-n00", 1), ("rack0-n01", 0), ("rack0-n01", 1)]
 
 
-@pytest.fixture
-def live(etcd):
+@contextlib.contextmanager
+def _serve(etcd, servicer_etcd):
+    """A trainer service on ``servicer_etcd`` (``etcd`` itself, or a client through a proxy)
+    with job j (4 ranks) registered and planned."""
     outcomes: list[tuple[str, str]] = []
-    servicer = TrainerServicer(etcd, steps=StepStats(), liveness=POLICY,
+    servicer = TrainerServicer(servicer_etcd, steps=StepStats(), liveness=POLICY,
                                on_liveness=lambda j, o: outcomes.append((j, o.kind)))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
     controller_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
@@ -48,6 +54,12 @@ def live(etcd):
         servicer.liveness.stop()
         channel.close()
         server.stop(grace=1).wait()
+
+
+@pytest.fixture
+def live(etcd):
+    with _serve(etcd, etcd) as served:
+        yield served
 
 
 def _record(etcd) -> types_pb2.Liveness | None:
@@ -213,3 +225,62 @@ def test_a_gpu_outside_the_plan_re_forms_the_groups_but_counts_nothing(etcd, liv
                                                     reason="exit:1"), timeout=5)
     assert _epoch(etcd) == 4 and etcd.get(keys.gpu_override("rack0-n01", 1)) is None
     assert outcomes == [("j", "outside_plan")] * 4
+
+
+def test_a_rank_declared_failed_that_beats_on_is_revived_and_its_death_counts(etcd, live):
+    """The 10-minute soak's checkpoint restart: rank 0 was declared failed while the process
+    lived on (there: its stream broke on a replica's etcd error; here: a beat gap; epoch 1); it joined the epoch-1 round and beat at
+    epoch 1; its SIGKILL later (the same incarnation) must raise the epoch again, or the
+    round it was in waits for it forever."""
+    stub, outcomes, tracker = live
+    beats = Beats(stub, rank=0, incarnation=1)
+    beats.beat()
+    wait_until(lambda: _epoch(etcd) == 1, 30, "the declaration of the beat gap")
+    assert [(f.rank, f.incarnation) for f in _record(etcd).recent] == [(0, 1)]
+    beats.beat(epoch=1)  # it applied the round its declaration raised: it was alive
+    wait_until(lambda: not _record(etcd).recent, 10, "the declaration withdrawn")
+    beats.end()  # (a goodbye: no second beat gap to time)
+    assert beats.future.result(timeout=5).beats == 2 and tracker.watched() == 0
+    assert _epoch(etcd) == 1
+    stub.ReportRankExit(controller_pb2.RankExit(job="j", node="rack0-n00", gpu=0, incarnation=1,
+                                                reason="signal:SIGKILL"), timeout=5)
+    assert _epoch(etcd) == 2 and "rank 0 on rack0-n00:0 signal:SIGKILL" in _record(etcd).restart.reason
+    assert outcomes == [("j", "soft"), ("j", "revived"), ("j", "soft")]
+
+
+def test_a_beat_at_an_older_epoch_withdraws_nothing(etcd, live):
+    stub, outcomes, tracker = live
+    stub.ReportRankExit(controller_pb2.RankExit(job="j", node="rack0-n00", gpu=1, incarnation=0,
+                                                reason="signal:SIGKILL"), timeout=5)
+    late = Beats(stub, rank=1, incarnation=0)
+    late.beat(epoch=0)  # sent before the death: proves nothing
+    late.end()
+    assert late.future.result(timeout=5).beats == 1
+    assert [(f.rank, f.incarnation) for f in _record(etcd).recent] == [(1, 0)]
+    assert outcomes == [("j", "soft")]
+
+
+def test_an_etcd_error_under_a_beat_is_no_silence_of_the_rank(etcd, etcd_server):
+    """A replica that cannot read etcd (a member just killed) ends the beat stream with
+    UNAVAILABLE and stops watching the rank, which beats on to another replica: declaring
+    it silent (what the soak saw) restarts the whole job's groups for nothing."""
+    proxy = CuttableProxy(etcd_server.endpoints[0])
+    via = Etcd([proxy.endpoint], timeout=1.0)
+    try:
+        with _serve(etcd, via) as (stub, outcomes, tracker):
+            beats = Beats(stub, rank=2, incarnation=0)
+            beats.beat()
+            wait_until(lambda: tracker.watched() == 1, 5, "the beat reaching the server")
+            proxy.cut()
+            time.sleep(1.1)  # the replica's cached epoch (1 s) expires: the next beat reads etcd
+            beats.beat()
+            with pytest.raises(grpc.RpcError) as err:
+                beats.future.result(timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "etcd" in err.value.details()
+            proxy.heal()
+            assert tracker.watched() == 0
+            time.sleep(POLICY.beat_timeout_s * 3)  # the monitor runs every 0.15 s: a declaration would be made
+            assert _record(etcd) is None and outcomes == []
+    finally:
+        via.close()
+        proxy.close()

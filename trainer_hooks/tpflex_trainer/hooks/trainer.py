@@ -79,6 +79,7 @@ class AppliedPlan:
     after_failure: bool
     applied_at: float
     bytes_sent: int = 0  # by this rank in the reshard (0: it was not a source)
+    epoch: int = 0  # the plan's restart epoch (the round is (generation, epoch))
 
 
 def spec_stages(spec: types_pb2.JobSpec) -> int:
@@ -418,7 +419,7 @@ class TpflexHooks:
             generation=plan.generation, tp_degree=self.tp_degree, world_size=len(self.world),
             source=report.source, step=report.step, reshard_s=seconds, bytes_moved=report.bytes_moved,
             peer_units=report.peer_units, after_failure=mode == "failure", applied_at=time.time(),
-            bytes_sent=report.bytes_sent,
+            bytes_sent=report.bytes_sent, epoch=plan.restart.epoch,
         )
         self.history.append(applied)
         self.client.ack(plan.generation, seconds)
@@ -434,7 +435,7 @@ class TpflexHooks:
             dist.destroy_process_group()
         self.generation, self.epoch, self.plan, self.world = plan.generation, plan.restart.epoch, plan, {}
         applied = AppliedPlan(plan.generation, 0, 0, "idle", report.step if report else self.step,
-                              0.0, 0, 0, mode == "failure", time.time())
+                              0.0, 0, 0, mode == "failure", time.time(), epoch=plan.restart.epoch)
         self.history.append(applied)
         self.client.ack(plan.generation, 0.0)
         log.info("rank idle job=%s rank=%d generation=%d", self.config.job, self.rank, plan.generation)
