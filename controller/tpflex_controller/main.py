@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import CollectorRegistry
 from tpflex_proto.etcd import Etcd, EtcdTls
+from tpflex_proto.informer import Informer
 from tpflex_proto.tls import ServerTls, channel_credentials
 
 from tpflex_controller.election import Elector
@@ -115,7 +116,8 @@ class _Rest:
 
 
 def _start_rest(
-    s: ControllerSettings, etcd: Etcd, registry: CollectorRegistry, steps: StepStats | None = None
+    s: ControllerSettings, etcd: Etcd, registry: CollectorRegistry, steps: StepStats | None = None,
+    informer: Informer | None = None,
 ) -> _Rest:
     import uvicorn
 
@@ -126,7 +128,7 @@ def _start_rest(
     tokens = load_tokens(
         r.admin_tokens_file or None, r.readonly_tokens_file or None, protect_reads=r.protect_reads
     )
-    cache = ApiStateCache(etcd)
+    cache = ApiStateCache(etcd, informer=informer)
     app = create_app(ApiDeps(
         store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry, steps=steps,
         state=cache, max_in_flight=r.max_in_flight, busy_wait_s=r.busy_wait_s,
@@ -165,6 +167,7 @@ class ControllerProcess:
         self.registry = CollectorRegistry()
         self.metrics = ControllerMetrics(self.registry)
         self.etcd = create_etcd(settings)
+        self.informer = Informer(self.etcd)  # the process's one watch of /tpflex/v1/
         self.steps = StepStats(stale_after_s=settings.trainer.step_report_stale_s)
         self.registry.register(GoodputCollector(self.steps))
         c = settings.controller
@@ -178,6 +181,7 @@ class ControllerProcess:
             default_policy=c.default_policy,
             flap_hold_down_s=c.flap_hold_down_s,
             override_coalesce_s=c.override_coalesce_s,
+            informer=self.informer,
         )
         self.grpc_server = None
         self.rest: _Rest | None = None
@@ -196,9 +200,10 @@ class ControllerProcess:
             liveness=s.liveness.policy(),
             on_liveness=self.metrics.liveness_outcome,
         )
-        self.rest = _start_rest(s, self.etcd, self.registry, self.steps)
+        self.rest = _start_rest(s, self.etcd, self.registry, self.steps, self.informer)
         self.grpc_server.start()
         self.reconciler.start()
+        self.informer.start()
         self.elector = Elector(
             self.etcd,
             s.controller.name,
@@ -223,6 +228,7 @@ class ControllerProcess:
             self.rest.server.should_exit = True
             self.rest.thread.join(timeout=5)
             self.rest.cache.stop()
+        self.informer.stop()
         self.etcd.close()
         log.info("controller stopped id=%s", self.settings.controller.name)
 

@@ -144,7 +144,8 @@ class Informer:
         self._watch: Watch | None = None
         self._relist = threading.Event()
         self._stop = threading.Event()
-        self.synced = threading.Event()  # listed once
+        self._listed = False
+        self.synced = threading.Event()  # listed once and the watch established after it
         self._thread = threading.Thread(target=self._run, name="informer", daemon=True)
 
     # ---- lifecycle ----
@@ -176,26 +177,35 @@ class Informer:
                 self.prefix, self._on_events, start_revision=self._revision + 1,
                 on_resync=self._on_compacted,
             )
+            if not self.synced.is_set():
+                self._sync_when_watching(self._watch)
             self._relist.wait()
+
+    def _sync_when_watching(self, watch: Watch) -> None:
+        """Synced once the first watch is established: handlers get the state then."""
+        while not watch.established.wait(0.05):
+            if self._stop.is_set() or self._relist.is_set():
+                return
+        with self._changed:
+            self.synced.set()
+            self._changed.notify_all()
+            log.info("informer synced prefix=%s revision=%d keys=%d", self.prefix, self._revision, len(self._items))
+            self._publish(Batch(self._snapshot(), self._revision, initial=True))
 
     def _list(self) -> None:
         kvs, rev = self.etcd.get_prefix(self.prefix)
         with self._changed:
-            first = not self.synced.is_set()
-            if first:
+            if not self._listed:
                 changes = [decode_change(Op.PUT, kv.key, kv.value, kv.mod_revision) for kv in kvs]
             else:
                 changes = diff(self._items, kvs, rev)
             self._apply(changes)
             self._revision = max(self._revision, rev)
-            self.synced.set()
             self._changed.notify_all()
-            if not first:
+            if self._listed and self.synced.is_set():
                 log.warning("informer re-listed after compaction revision=%d changes=%d", rev, len(changes))
                 self._publish(Batch(tuple(changes), self._revision, resync=True))
-            else:
-                log.info("informer listed prefix=%s revision=%d keys=%d", self.prefix, rev, len(kvs))
-                self._publish(Batch(self._snapshot(), self._revision, initial=True))
+            self._listed = True
 
     def _on_compacted(self) -> None:
         """On the watch's thread: the history it needs is gone; list again (our thread)."""
@@ -218,7 +228,8 @@ class Informer:
             self._apply(changes)
             self._revision = max(self._revision, changes[-1].mod_revision)
             self._changed.notify_all()
-            self._publish(Batch(tuple(changes), self._revision))
+            if self.synced.is_set():  # else the initial batch will hold them
+                self._publish(Batch(tuple(changes), self._revision))
 
     def _apply(self, changes: list[Change]) -> None:
         for c in changes:
@@ -232,8 +243,8 @@ class Informer:
             _call(handler, batch)
 
     def add_handler(self, handler: Handler) -> Unregister:
-        """Register ``handler``; if the informer has listed, it gets the current state
-        first (on this thread), else with the first list. Returns the unregister call."""
+        """Register ``handler``; if the informer is synced, it gets the current state
+        first (on this thread), else when it syncs. Returns the unregister call."""
         with self._lock:
             if self.synced.is_set():
                 _call(handler, Batch(self._snapshot(), self._revision, initial=True))
