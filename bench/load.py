@@ -395,6 +395,8 @@ def _run(args, workdir: Path) -> dict:
         rest_rss = {"start": _rss_mb(rest_pid) if rest_pid else -1.0}
         single = []
         with httpx.Client(base_url=url, timeout=30) as http:
+            # the REST process has its own informer: it answers 503 until that has synced
+            _wait(lambda: http.get("/readyz").status_code == 200, 120, "REST view synced")
             paths = [f"/v1/jobs/{j}/plan" for j in jobs] + [f"/v1/jobs/{j}" for j in jobs]
             for i in range(50):
                 t = time.monotonic()
