@@ -82,3 +82,15 @@ def test_rest_child_exits_when_the_controller_is_killed(etcd_server, etcd, tmp_p
         wait_until(lambda: not _alive(child), 10, "orphaned REST child exited")
     finally:
         proc.kill()
+
+
+def test_rest_child_started_just_before_the_controller_dies_exits(etcd_server, tmp_path):
+    """The controller is killed while its child is still starting (before the child
+    could ask to be signalled when its parent dies): the child must not stay behind."""
+    proc = ControllerProc(etcd_server.endpoints, "c1", tmp_path)
+    try:
+        [child] = wait_until(lambda: _rest_pids(proc), 30, "the REST child spawned")
+        proc.kill()
+        wait_until(lambda: not _alive(child), 15, "the REST child of a killed controller exited")
+    finally:
+        proc.kill()

@@ -53,7 +53,7 @@ class RestSupervisor:
         mine, theirs = socket.socketpair()
         fds = (self.sock.fileno(), theirs.fileno())
         cmd = [sys.executable, "-m", "tpflex_controller.api.process",
-               "--listen-fd", str(fds[0]), "--link-fd", str(fds[1])]
+               "--listen-fd", str(fds[0]), "--link-fd", str(fds[1]), "--parent-pid", str(os.getpid())]
         child = subprocess.Popen(cmd, pass_fds=fds, stdin=subprocess.PIPE)
         theirs.close()
         self._link = LinkServer(mine, self.registry, self.steps)
@@ -98,7 +98,7 @@ class RestSupervisor:
 # ---- the child ----
 
 
-def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int) -> int:
+def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: int) -> int:
     import uvicorn
 
     from tpflex_controller.api import ApiDeps, create_app, load_tokens
@@ -125,8 +125,6 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int) -> int:
         ssl_keyfile=r.tls_key_file or None, lifespan="off",
         timeout_graceful_shutdown=2,  # open console streams never end by themselves
     ))
-    parent = os.getppid()
-    _die_with_parent()
     threading.Thread(target=_exit_with_parent, args=(parent, server), daemon=True).start()
     sock = socket.socket(fileno=listen_fd)
     try:
@@ -162,11 +160,15 @@ def main(argv: list[str] | None = None) -> int:
                                 "process (started by tpflex-controller; settings as JSON on stdin)")
     p.add_argument("--listen-fd", type=int, required=True)
     p.add_argument("--link-fd", type=int, required=True)
+    p.add_argument("--parent-pid", type=int, required=True)
     ns = p.parse_args(argv)
+    _die_with_parent()
+    if os.getppid() != ns.parent_pid:  # it died before the line above took effect
+        return 1
     settings = ControllerSettings.model_validate(json.loads(sys.stdin.read()))
     logging.basicConfig(level=settings.controller.log_level,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    return _serve(settings, ns.listen_fd, ns.link_fd)
+    return _serve(settings, ns.listen_fd, ns.link_fd, ns.parent_pid)
 
 
 if __name__ == "__main__":
