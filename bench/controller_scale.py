@@ -31,8 +31,8 @@ import time
 
 from prometheus_client import CollectorRegistry
 from tpflex_controller import convert, synthetic
+from tpflex_controller.cache import ClusterView
 from tpflex_controller.election import Elector
-from tpflex_controller.loader import load_view
 from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.planner import plan
 from tpflex_controller.planner.model import ClusterState, GpuStatus
@@ -112,7 +112,9 @@ def _full_replan_ms(etcd: Etcd, racks: list[types_pb2.Rack], rng: random.Random)
     """Median planner time over the whole job: cold (a freshly converted spec each run, so
     nothing memoised by object identity helps) and warm (the same spec objects, as the
     running loop calls it)."""
-    view, _ = load_view(etcd)
+    view = ClusterView()
+    for kv in etcd.get_prefix(keys.PREFIX)[0]:
+        view.fold("put", kv.key, kv.value, kv.mod_revision)
     failed = {}
     for _ in range(len(racks) * TP // 100):
         r = rng.choice(racks)

@@ -17,7 +17,9 @@ Prints one JSON line: ``nodes``, ``decisions_checked``, ``decisions_wrong``,
 ``invariant_violations``, ``failure_to_commit_p99_ms`` (health write of a failed GPU the
 job's plan uses -> the first plan of that job without it, seen by a watcher),
 ``rss_after_warmup_mb`` (controller VmRSS after the first minute of injection),
-``rss_start_mb`` / ``rss_end_mb`` (controller VmRSS after the first plans / at the end),
+``rss_start_mb`` / ``rss_end_mb`` (controller VmRSS after the first plans / at the end; the
+controller process only: the REST API runs in its child process, whose VmRSS is
+``rest_rss_*_mb``),
 ``rest_p99_ms`` (200 concurrent clients), plus the run's parameters and baselines measured
 in the same run (``etcd_put_p99_ms``, ``rest_single_client_p99_ms``).
 
@@ -336,10 +338,24 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _rest_pid(pid: int) -> int | None:
+    """The controller's REST child process (api/process.py), None if there is none."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return kids[0] if kids else None
+
+
 def _rest_into(out: dict, url: str, paths: list[str], args, pid: int) -> None:
+    child = _rest_pid(pid)
     out["start"], cpu = time.monotonic(), _cpu_s(pid)
+    rest_cpu = _cpu_s(child) if child else 0.0
     out["lat"], out["errors"] = asyncio.run(_rest_load(url, paths, args.rest_clients, args.rest_requests))
     out["end"], out["cpu_s"] = time.monotonic(), _cpu_s(pid) - cpu
+    out["rest_cpu_s"] = _cpu_s(child) - rest_cpu if child else -1.0
     # baseline, same clients right after: /healthz (async, no state, no in-flight bound)
     # measures the HTTP stack (uvicorn h11 + httpx on loopback) without the API's work
     out["healthz_lat"], _ = asyncio.run(
@@ -375,8 +391,12 @@ def _run(args, workdir: Path) -> dict:
         procs.append(ctl)
         _wait(lambda: len(log.plans) == len(jobs), 120, "initial plans")
         rss_start = _rss_mb(ctl.pid)
+        rest_pid = _rest_pid(ctl.pid)
+        rest_rss = {"start": _rss_mb(rest_pid) if rest_pid else -1.0}
         single = []
         with httpx.Client(base_url=url, timeout=30) as http:
+            # the REST process has its own informer: it answers 503 until that has synced
+            _wait(lambda: http.get("/readyz").status_code == 200, 120, "REST view synced")
             paths = [f"/v1/jobs/{j}/plan" for j in jobs] + [f"/v1/jobs/{j}" for j in jobs]
             for i in range(50):
                 t = time.monotonic()
@@ -398,6 +418,7 @@ def _run(args, workdir: Path) -> dict:
             fleet.inject(rng)
             if rss_warm < 0 and time.monotonic() >= warmup_at:
                 rss_warm = _rss_mb(ctl.pid)  # after the first minute of injection
+                rest_rss["warm"] = _rss_mb(rest_pid) if rest_pid else -1.0
             if rest_thread is None and time.monotonic() >= rest_at:
                 rest["rss_before_mb"] = _rss_mb(ctl.pid)
                 rest_thread = threading.Thread(target=_rest_into, args=(rest, url, paths, args, ctl.pid), daemon=True)
@@ -420,6 +441,7 @@ def _run(args, workdir: Path) -> dict:
         _wait(settled, 120, "controller settled")
         settle_ms = (time.monotonic() - injected_at) * 1000
         rss_end = _rss_mb(ctl.pid)
+        rest_rss["end"] = _rss_mb(rest_pid) if rest_pid else -1.0
         checked = wrong = final_wrong = 0
         for job in jobs:
             c, w = checker.check(job, log.plans.get(job, []), fleet.events, fleet.node_rack)
@@ -459,6 +481,10 @@ def _run(args, workdir: Path) -> dict:
             "rest_healthz_p99_ms": _pct(rest.get("healthz_lat", []), 0.99),
             "rest_healthz_p50_ms": _pct(rest.get("healthz_lat", []), 0.5),
             "controller_cpu_s_during_rest_load": round(rest.get("cpu_s", -1.0), 1),
+            "rest_process_cpu_s_during_rest_load": round(rest.get("rest_cpu_s", -1.0), 1),
+            "rest_process": rest_pid is not None,
+            "rest_rss_start_mb": rest_rss["start"], "rest_rss_after_warmup_mb": rest_rss.get("warm", -1.0),
+            "rest_rss_end_mb": rest_rss["end"],
             "lease_keepalives": fleet.keepalive_acks, "leases_expired": fleet.expired,
             "controller_alive": alive, "controller_log_errors": log_errors, "last_event_revision": last_rev,
             "settle_after_injection_ms": round(settle_ms, 1),

@@ -15,8 +15,10 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from google.protobuf.message import Message
 from tpflex_proto import codec, keys, planstore, types_pb2
 from tpflex_proto.etcd import KeyValue
+from tpflex_proto.informer import Change
 from tpflex_proto.keys import Key, Kind
 
 from tpflex_controller import convert
@@ -190,8 +192,16 @@ class ClusterView:
 
     # ---- folding ----
 
-    def fold(self, kind: str, key: str, value: bytes, mod_revision: int) -> Dirty:
-        """Fold one watch event (or one key of a full read) into the view."""
+    def fold_change(self, c: Change) -> Dirty:
+        """Fold one change record of the informer (its value decoded there, once). A
+        malformed value (logged there) keeps what the view had; an event's key still
+        counts (the sequence numbers in use)."""
+        if c.malformed and c.parsed.kind is not Kind.EVENT:
+            return []
+        return self.fold(c.kind, c.key, c.value, c.mod_revision, c.msg)
+
+    def fold(self, kind: str, key: str, value: bytes, mod_revision: int, msg: Message | None = None) -> Dirty:
+        """Fold one key's change into the view; ``msg``: its value decoded already."""
         k = keys.parse(key)
         if k is None:
             if key.startswith(keys.GPU_OVERRIDES):
@@ -208,7 +218,7 @@ class ClusterView:
             if mod_revision < self._key_revs.get(key, 0):
                 return []
             self._key_revs[key] = mod_revision
-        return fold(self, k, key, value, mod_revision, kind == "delete")
+        return fold(self, k, key, value, mod_revision, kind == "delete", msg)
 
     def _kv(self, key: str, value: bytes, mod_revision: int) -> KeyValue:
         return KeyValue(key, value, 0, mod_revision, 0, 0)
@@ -223,16 +233,16 @@ class ClusterView:
                     self._changed_nodes.setdefault(job, set()).add(n)
         return [(j, cause) for j in sorted(jobs)]
 
-    def _fold_health_key(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
-        return self._fold_health(k.name, value, deleted)
+    def _fold_health_key(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
+        return self._fold_health(k.name, value, deleted, msg)
 
-    def _fold_health(self, node: str, value: bytes, deleted: bool) -> Dirty:
+    def _fold_health(self, node: str, value: bytes, deleted: bool, msg=None) -> Dirty:
         new_status: dict[GpuKey, GpuStatus] = {}
         new_speed: dict[GpuKey, float] = {}
         if deleted:
             self.snap.health.pop(node, None)
         else:
-            nh = decode_or_skip(types_pb2.NodeHealth, self._kv(keys.health(node), value, 0))
+            nh = msg if msg is not None else decode_or_skip(types_pb2.NodeHealth, self._kv(keys.health(node), value, 0))
             if nh is None:
                 return []
             self.snap.health[node] = nh
@@ -305,7 +315,7 @@ class ClusterView:
         else:
             _set(self.gpu_status, gpu, health)
 
-    def _fold_node(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+    def _fold_node(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
         node = k.name
         if deleted:
             self.snap.nodes.pop(node, None)
@@ -313,16 +323,16 @@ class ClusterView:
                 return []
             self.live_nodes.discard(node)
             return self._jobs_of_nodes([node], "node_lost")
-        if not apply_kv(self.snap, self._kv(keys.node(node), value, rev)):
+        if not apply_kv(self.snap, self._kv(keys.node(node), value, rev), msg=msg):
             return []
         if node in self.live_nodes:
             return []
         self.live_nodes.add(node)
         return self._jobs_of_nodes([node], "node_joined")
 
-    def _fold_rack(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+    def _fold_rack(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
         name = k.name
-        if not apply_kv(self.snap, self._kv(key, value, rev), deleted) and not deleted:
+        if not apply_kv(self.snap, self._kv(key, value, rev), deleted, msg) and not deleted:
             return []  # malformed: keep what we had
         old = self.racks.pop(name, None)
         if old is not None:
@@ -339,17 +349,18 @@ class ClusterView:
             self._job_specs.pop(j, None)
         return [(j, "rack_changed") for j in sorted(jobs)]
 
-    def _fold_power(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+    def _fold_power(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
         node = k.name
         if deleted:
             self.power.pop(node, None)
             return []
-        msg = decode_or_skip(types_pb2.NodePowerPlan, self._kv(key, value, rev))
+        if msg is None:
+            msg = decode_or_skip(types_pb2.NodePowerPlan, self._kv(key, value, rev))
         if msg is not None:
             self.power[node] = (msg, rev)
         return []
 
-    def _fold_event(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+    def _fold_event(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
         seq = k.number
         if deleted:
             if seq in self.event_seqs:
@@ -358,15 +369,15 @@ class ClusterView:
             self.event_seqs.append(seq)
         return []
 
-    def _fold_job_override(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
-        if apply_kv(self.snap, self._kv(key, value, rev), deleted):
+    def _fold_job_override(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
+        if apply_kv(self.snap, self._kv(key, value, rev), deleted, msg):
             return [(k.name, "override")]
         return []
 
-    def _fold_gpu_override(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+    def _fold_gpu_override(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
         gpu_key = (k.name, k.number)
         before = self.snap.gpu_overrides.get(gpu_key)
-        apply_kv(self.snap, self._kv(key, value, rev), deleted)
+        apply_kv(self.snap, self._kv(key, value, rev), deleted, msg)
         after = self.snap.gpu_overrides.get(gpu_key)
         was_drained, is_drained = bool(before and before.drained), bool(after and after.drained)
         pin_before = before.power_cap_w if before else 0.0
@@ -383,9 +394,9 @@ class ClusterView:
             return self._jobs_of_nodes([gpu_key[0]], "power_pin")
         return []
 
-    def _fold_spec(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+    def _fold_spec(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
         job = k.name
-        if not apply_kv(self.snap, self._kv(key, value, rev), deleted) and not deleted:
+        if not apply_kv(self.snap, self._kv(key, value, rev), deleted, msg) and not deleted:
             return []  # malformed: keep what we had
         for jobs in self.rack_jobs.values():
             jobs.discard(job)
@@ -398,7 +409,7 @@ class ClusterView:
             self.rack_jobs.setdefault(name, set()).add(job)
         return [(job, "job_spec")]
 
-    def _fold_plan(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+    def _fold_plan(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
         job = k.name
         if deleted:
             self.plans.pop(job, None)
@@ -423,12 +434,12 @@ class ClusterView:
         self.snap.plans[job] = proto
         return [(job, "resync")]
 
-    def _fold_ack(self, k: Key, key: str, value: bytes, rev: int, deleted: bool) -> Dirty:
+    def _fold_ack(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
         acks = self.acks.setdefault(k.name, {})
         if deleted:
             acks.pop(k.number, None)
             return []
-        ack = decode_or_skip(types_pb2.Ack, self._kv(key, value, 0))
+        ack = msg if msg is not None else decode_or_skip(types_pb2.Ack, self._kv(key, value, 0))
         if ack is not None:
             acks[k.number] = ack.generation
         return []

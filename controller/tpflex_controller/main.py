@@ -1,7 +1,9 @@
 """``tpflex-controller``: one controller replica.
 
 Every replica serves the trainer gRPC service and the REST API and keeps its view of etcd
-warm; the elected leader also plans, commits and pushes power caps. SIGTERM/SIGINT: resign
+warm (one informer: tpflex_proto.informer); the elected leader also plans, commits and
+pushes power caps. The REST API runs in a child process this one supervises
+(api/process.py): REST load does not share the decision loop's GIL. SIGTERM/SIGINT: resign
 the leadership (a standby takes over at once), stop serving, exit 0. Bad configuration or
 an address that cannot be bound: a message on stderr and exit 2.
 """
@@ -15,19 +17,19 @@ import signal
 import socket
 import sys
 import threading
-from dataclasses import dataclass
 
 import grpc
 from prometheus_client import CollectorRegistry
 from tpflex_proto.etcd import Etcd, EtcdTls
+from tpflex_proto.informer import Informer
 from tpflex_proto.tls import ServerTls, channel_credentials
 
+from tpflex_controller.api.process import RestSupervisor
 from tpflex_controller.election import Elector
 from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.reconcile import Reconciler
 from tpflex_controller.settings import ConfigError, ControllerSettings, load_settings
 from tpflex_controller.steps import GoodputCollector, StepStats
-from tpflex_controller.store import Store
 from tpflex_controller.trainer_service import create_grpc_server
 
 log = logging.getLogger("tpflex_controller")
@@ -106,33 +108,16 @@ def _trainer_tls(s: ControllerSettings) -> ServerTls | None:
     return ServerTls(t.tls_cert_file, t.tls_key_file, t.client_ca_file, frozenset(t.client_names))
 
 
-@dataclass
-class _Rest:
-    server: object
-    thread: threading.Thread
-    port: int
-    cache: object  # api.cache.ApiStateCache: the watch-fed view the routes read
-
-
 def _start_rest(
-    s: ControllerSettings, etcd: Etcd, registry: CollectorRegistry, steps: StepStats | None = None
-) -> _Rest:
-    import uvicorn
-
-    from tpflex_controller.api import ApiDeps, create_app, load_tokens
-    from tpflex_controller.api.cache import ApiStateCache
+    s: ControllerSettings, registry: CollectorRegistry, steps: StepStats | None = None
+) -> RestSupervisor:
+    """Bind the REST socket here (a bad address exits 2 at start) and serve it from a
+    supervised child process (api/process.py)."""
+    from tpflex_controller.api import load_tokens
 
     r = s.rest
-    tokens = load_tokens(
-        r.admin_tokens_file or None, r.readonly_tokens_file or None, protect_reads=r.protect_reads
-    )
-    cache = ApiStateCache(etcd)
-    app = create_app(ApiDeps(
-        store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry, steps=steps,
-        state=cache, max_in_flight=r.max_in_flight, busy_wait_s=r.busy_wait_s,
-        max_body_bytes=r.max_body_bytes, max_bodies=r.max_concurrent_bodies,
-        body_timeout_s=r.body_timeout_s,
-    ))
+    # read here too: a bad token file is a start-up error, not a crash-looping child
+    load_tokens(r.admin_tokens_file or None, r.readonly_tokens_file or None, protect_reads=r.protect_reads)
     family = socket.AF_INET6 if ":" in s.rest.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -141,20 +126,10 @@ def _start_rest(
     except OSError as exc:
         sock.close()
         raise OSError(f"cannot bind the REST API to {s.rest.listen}: {exc.strerror}") from None
-    sock.listen(2048)  # connections queue from now on, not only once uvicorn's loop runs
-    config = uvicorn.Config(
-        app,
-        log_level="warning",
-        ssl_certfile=s.rest.tls_cert_file or None,
-        ssl_keyfile=s.rest.tls_key_file or None,
-        lifespan="off",
-        timeout_graceful_shutdown=2,  # open console streams never end by themselves
-    )
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rest", daemon=True)
-    cache.start()
-    thread.start()
-    return _Rest(server, thread, sock.getsockname()[1], cache)
+    sock.listen(2048)  # connections queue from now on, not only once the child serves
+    rest = RestSupervisor(s, sock, registry, steps)
+    rest.start()
+    return rest
 
 
 class ControllerProcess:
@@ -165,6 +140,7 @@ class ControllerProcess:
         self.registry = CollectorRegistry()
         self.metrics = ControllerMetrics(self.registry)
         self.etcd = create_etcd(settings)
+        self.informer = Informer(self.etcd)  # the process's one watch of /tpflex/v1/
         self.steps = StepStats(stale_after_s=settings.trainer.step_report_stale_s)
         self.registry.register(GoodputCollector(self.steps))
         c = settings.controller
@@ -178,9 +154,10 @@ class ControllerProcess:
             default_policy=c.default_policy,
             flap_hold_down_s=c.flap_hold_down_s,
             override_coalesce_s=c.override_coalesce_s,
+            informer=self.informer,
         )
         self.grpc_server = None
-        self.rest: _Rest | None = None
+        self.rest: RestSupervisor | None = None
         self.elector: Elector | None = None
 
     def start(self) -> None:
@@ -196,9 +173,10 @@ class ControllerProcess:
             liveness=s.liveness.policy(),
             on_liveness=self.metrics.liveness_outcome,
         )
-        self.rest = _start_rest(s, self.etcd, self.registry, self.steps)
+        self.rest = _start_rest(s, self.registry, self.steps)
         self.grpc_server.start()
         self.reconciler.start()
+        self.informer.start()
         self.elector = Elector(
             self.etcd,
             s.controller.name,
@@ -220,9 +198,8 @@ class ControllerProcess:
         if self.grpc_server is not None:
             self.grpc_server.stop(grace=2.0).wait(5)
         if self.rest is not None:
-            self.rest.server.should_exit = True
-            self.rest.thread.join(timeout=5)
-            self.rest.cache.stop()
+            self.rest.stop()
+        self.informer.stop()
         self.etcd.close()
         log.info("controller stopped id=%s", self.settings.controller.name)
 

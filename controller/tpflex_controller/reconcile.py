@@ -1,11 +1,12 @@
 """The reconcile loop: watch ``/tpflex/v1/``, re-plan dirty jobs, commit, roll out.
 
-Level-triggered (controller-runtime style): one etcd watch folds every change into the
+Level-triggered (controller-runtime style): the process's shared informer
+(tpflex_proto.informer) hands every change to this loop, which folds it into the
 :class:`~tpflex_controller.cache.ClusterView` and marks job *identities* dirty; the loop
 re-reads the view, calls the pure planner, and commits a new generation only when the
 decision changed. Every replica keeps its view warm; only the elected leader plans and
 writes (through its fenced :class:`~tpflex_controller.election.LeaderSession`). One thread
-owns the view; the watch, the elector and the agent pusher talk to it through its inbox.
+owns the view; the informer, the elector and the agent pusher talk to it through its inbox.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from collections.abc import Callable
 
 import grpc
 from tpflex_proto import keys, types_pb2
-from tpflex_proto.backoff import Backoff
-from tpflex_proto.etcd import Etcd, EtcdError, WatchEvent
+from tpflex_proto.etcd import Etcd, EtcdError
+from tpflex_proto.informer import Batch, Change, Informer
 from tpflex_proto.keys import Kind
 
 from tpflex_controller import convert
@@ -29,7 +30,6 @@ from tpflex_controller.cache import ClusterView
 from tpflex_controller.damping import FlapDamper
 from tpflex_controller.election import Conflict, LeaderSession, NotLeader
 from tpflex_controller.events import append_event, store_phases
-from tpflex_controller.loader import load_view
 from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.planbytes import PlanEncoder
 from tpflex_controller.planner.incremental import JobPlan, replan
@@ -63,8 +63,13 @@ class Reconciler:
         clock: Callable[[], float] = time.time,
         flap_hold_down_s: float = 0.0,
         override_coalesce_s: float = 0.0,
+        informer: Informer | None = None,
     ) -> None:
         self.etcd = etcd
+        # the process's informer; without one, the reconciler runs (and stops) its own
+        self._own_informer = informer is None
+        self.informer = informer if informer is not None else Informer(etcd)
+        self._unregister = None
         self.metrics = metrics
         self._job_plans: dict[str, JobPlan] = {}  # the last plan of each job (incremental)
         self._event_log_size = event_log_size
@@ -80,9 +85,7 @@ class Reconciler:
         self._conflict_nodes: dict[str, list[str]] = {}  # power keys of a lost CAS
         self._unplannable: dict[str, str] = {}
         self._rollouts = RolloutTracker()
-        self._loaded_rev = 0
-        self._need_load = True
-        self._watch = None
+        self._need_load = True  # until the informer's initial state is folded
         self._stop = threading.Event()
         self.ready = threading.Event()  # the view has been loaded once
         self.pusher = AgentPusher(
@@ -101,6 +104,11 @@ class Reconciler:
 
     def start(self) -> None:
         self._thread.start()
+        self._unregister = self.informer.add_handler(
+            lambda batch: self._inbox.put(("informer", batch, time.time()))
+        )
+        if self._own_informer:
+            self.informer.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -109,8 +117,10 @@ class Reconciler:
             self._thread.join(timeout=10)
         self._session = None
         self.metrics.is_leader.set(0)
-        if self._watch is not None:
-            self._watch.cancel()
+        if self._unregister is not None:
+            self._unregister()
+        if self._own_informer:
+            self.informer.stop()
         self.pusher.close()
 
     def on_elected(self, session: LeaderSession) -> None:
@@ -122,16 +132,7 @@ class Reconciler:
     # ---- the loop ----
 
     def _run(self) -> None:
-        backoff = Backoff(0.05, 2.0)
         while not self._stop.is_set():
-            if self._need_load:
-                try:
-                    self._load()
-                    backoff.reset()
-                except EtcdError as exc:
-                    log.warning("controller state read failed error=%s", exc)
-                    self._drain(backoff.next())
-                    continue
             self._drain(self._wait_time())
             self._release_held()
             if self._leading():
@@ -175,18 +176,16 @@ class Reconciler:
         s = self._session
         return s is not None and s.active and not self._need_load
 
-    def _load(self) -> None:
-        view, rev = load_view(self.etcd, self._event_log_size, self._default_policy)
+    def _load(self, batch: Batch) -> None:
+        """A fresh view of the informer's whole state (its first batch to this loop)."""
+        view = ClusterView(self._event_log_size, self._default_policy)
+        for c in batch.changes:
+            if c.parsed is not None and c.parsed.kind is not Kind.JOB_HISTORY:
+                view.fold_change(c)
         view.attach_damper(self._damper, time.monotonic)  # held GPUs stay held across re-reads
-        self.view, self._loaded_rev, self._need_load = view, rev, False
+        rev = batch.revision
+        self.view, self._need_load = view, False
         self._job_plans.clear()  # a fresh view: every job is planned whole once
-        if self._watch is None:
-            self._watch = self.etcd.watch_prefix(
-                keys.PREFIX,
-                lambda evs: self._inbox.put(("watch", evs, time.time())),
-                start_revision=rev + 1,
-                on_resync=lambda: self._inbox.put(("resync", None, time.time())),
-            )
         now = self._clock()
         for job, spec in view.snap.jobs.items():
             self.metrics.job_seen(job, len(spec.replicas))
@@ -205,13 +204,10 @@ class Reconciler:
     # ---- messages ----
 
     def _handle(self, kind: str, payload, at: float) -> None:
-        if kind == "watch":
-            self._on_watch(payload, at)
+        if kind == "informer":
+            self._on_batch(payload, at)
         elif kind == "push":
             self._on_push(payload)
-        elif kind == "resync":
-            log.warning("etcd history compacted: re-reading controller state")
-            self._need_load = True
         elif kind == "elected":
             self._session = payload
             self.metrics.is_leader.set(1)
@@ -231,15 +227,21 @@ class Reconciler:
             self._unwritten.clear()
             log.warning("controller stopped acting reason=%s", payload)
 
-    def _on_watch(self, events: list[WatchEvent], at: float) -> None:
+    def _on_batch(self, batch: Batch, at: float) -> None:
+        if batch.initial:
+            self._load(batch)
+            return
+        if self._need_load:
+            return  # the initial batch comes first; nothing to fold into yet
+        if batch.resync:  # the differences a re-list found after a compaction
+            log.warning("controller folds the re-listed differences revision=%d changes=%d",
+                        batch.revision, len(batch.changes))
         racks: set[str] = set()
         acked: dict[str, set[int]] = {}
-        for ev in events:
-            if ev.mod_revision <= self._loaded_rev:
-                continue
+        for ev in batch.changes:
             if not self._leading():
                 self._forget_handled(ev)
-            for job, cause in self.view.fold(ev.kind, ev.key, ev.value, ev.mod_revision):
+            for job, cause in self.view.fold_change(ev):
                 self._mark(job, cause, at, ev.mod_revision)
             self._after_fold(ev, racks, acked)
         for rack in racks:
@@ -250,8 +252,8 @@ class Reconciler:
             if r is not None:
                 self._phase_reached(r, Phase.ACKED)
 
-    def _after_fold(self, ev: WatchEvent, racks: set[str], acked: dict[str, set[int]]) -> None:
-        k = keys.parse(ev.key)
+    def _after_fold(self, ev: Change, racks: set[str], acked: dict[str, set[int]]) -> None:
+        k = ev.parsed
         if k is None:
             return
         kind, name = k.kind, k.name
@@ -277,10 +279,10 @@ class Reconciler:
     def _mark(self, job: str, cause: str, at: float, revision: int = 0) -> None:
         self._queue.mark(job, cause, at, time.monotonic(), revision)
 
-    def _forget_handled(self, ev: WatchEvent) -> None:
+    def _forget_handled(self, ev: Change) -> None:
         """A follower sees the leader commit a plan: the changes before it are handled
         (kept only so that a new leader reports the right cause)."""
-        k = keys.parse(ev.key)
+        k = ev.parsed
         if k is not None and k.kind is Kind.JOB_PLAN:
             d = self._queue.get(k.name)
             if d is not None and d.revision < ev.mod_revision:

@@ -218,20 +218,20 @@ def _unchanged(key: str, mod_revision: int):
     return Cmp.create_revision(key, "==", 0)
 
 
-def apply_kv(snap: Snapshot, kv: KeyValue, deleted: bool = False) -> bool:
+def apply_kv(snap: Snapshot, kv: KeyValue, deleted: bool = False, msg: Message | None = None) -> bool:
     """Fold one key-value (or its deletion) into a snapshot; returns whether the key is
-    one the planner cares about. Used for the initial read and for every watch event."""
+    one the planner cares about. ``msg``: the value decoded already (the informer's)."""
     k = keys.parse(kv.key)
     if k is None:
         if kv.key.startswith(keys.GPU_OVERRIDES):
             log.warning("skipping malformed etcd key key=%s", kv.key)
         return False
     if k.kind is Kind.GPU_OVERRIDE:
-        return _fold(snap.gpu_overrides, (k.name, k.number), types_pb2.GpuOverride, kv, deleted)
+        return _fold(snap.gpu_overrides, (k.name, k.number), types_pb2.GpuOverride, kv, deleted, msg)
     table = _TABLES.get(k.kind)
     if table is not None:
         attr, cls = table
-        return _fold(getattr(snap, attr), k.name, cls, kv, deleted)
+        return _fold(getattr(snap, attr), k.name, cls, kv, deleted, msg)
     if k.kind in (Kind.JOB_PLAN, Kind.JOB_ASSIGN):
         pk = planstore.PlanKey("header" if k.kind is Kind.JOB_PLAN else "part", k.name, k.number, k.position)
         return fold_plan_key(snap, pk, kv, deleted)
@@ -272,10 +272,11 @@ def fold_plan_key(snap: Snapshot, pk: planstore.PlanKey, kv: KeyValue, deleted: 
     return True
 
 
-def _fold(table: dict, name, cls, kv: KeyValue, deleted: bool) -> bool:
+def _fold(table: dict, name, cls, kv: KeyValue, deleted: bool, msg: Message | None = None) -> bool:
     if deleted:
         return table.pop(name, None) is not None
-    msg = decode_or_skip(cls, kv)
+    if msg is None:
+        msg = decode_or_skip(cls, kv)
     if msg is None:
         return False
     table[name] = msg

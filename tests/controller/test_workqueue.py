@@ -9,7 +9,7 @@ import time
 
 from tpflex_controller.workqueue import OUTCOMES, Action, Result, WorkQueue
 from tpflex_proto import keys
-from tpflex_proto.etcd import WatchEvent
+from tpflex_proto.informer import Batch, Op, decode_change
 
 from tests.controller.controller_harness import controller_on_job, eventually, fail_gpu
 
@@ -57,13 +57,14 @@ def test_lost_cas_rereads_that_job_only(etcd_server, etcd, caplog):
     with controller_on_job(etcd_server, etcd) as (_, watcher, ctl):
         first = watcher.wait_generation(1)
         rec = ctl.reconciler
-        rec._watch.cancel()  # the view stops seeing etcd: what it holds goes stale
+        rec._unregister()  # the view stops seeing etcd: what it holds goes stale
         kv = etcd.get(keys.job_plan("job1"))
         etcd.put(keys.job_plan("job1"), kv.value)  # the plan key moves under the view
         fail_gpu(etcd, "rack1-n01", 2, {1})
         health = etcd.get(keys.health("rack1-n01"))
-        # the failure reaches the loop the way the watch would deliver it
-        rec._inbox.put(("watch", [WatchEvent("put", health.key, health.value, health.mod_revision)], time.time()))
+        # the failure reaches the loop the way the informer would deliver it
+        change = decode_change(Op.PUT, health.key, health.value, health.mod_revision)
+        rec._inbox.put(("informer", Batch((change,), health.mod_revision), time.time()))
         second = watcher.wait_generation(2)
         assert second.cause == "gpu_failed" and [r.tp_degree for r in second.replicas] == [4, 3]
         assert first.generation == 1

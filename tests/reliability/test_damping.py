@@ -172,7 +172,7 @@ def test_a_re_read_view_keeps_held_gpus_held():
     view = _view(5.0, lambda: now[0])
     _health(view, {0}, 10)
     _health(view, set(), 11)
-    fresh = ClusterView()  # what load_view builds: folded without the damper
+    fresh = ClusterView()  # what the reconciler builds from the informer's state: folded without the damper
     for key, value in ((keys.rack("rack0"), view.snap.racks["rack0"].SerializeToString()),
                        (keys.health("rack0-n00"), view.snap.health["rack0-n00"].SerializeToString())):
         fresh.fold("put", key, value, 12)

@@ -1,14 +1,15 @@
-"""The REST API's read-only view of ``/tpflex/v1/``, fed by its own etcd prefix watch.
+"""The REST API's read-only view of ``/tpflex/v1/``, fed by the process's shared informer.
 
 REST reads are served from memory: no etcd round trip per request, and a one-object read
 costs O(that object) (per-key dicts, a node -> rack index), a list read O(its result).
-The watch thread folds events under a lock held only for the dict updates; readers take
+The informer's thread folds changes under a lock held only for the dict updates; readers take
 the same lock for a lookup or a shallow dict copy (C speed) and never mutate what they get
 (stored protobufs are shared, treat them as read-only).
 
-Until the first full read, and while the watch is disconnected from etcd, reads raise a
-503 (``ETCD_UNAVAILABLE``) with a message; the watch resumes from the next revision, so
-nothing is lost across an outage. A compacted history triggers a full re-read.
+Until the informer's first list, and while its watch is disconnected from etcd, reads
+raise a 503 (``ETCD_UNAVAILABLE``) with a message; the informer resumes from the next
+revision, so nothing is lost across an outage, and after a compaction it lists again and
+hands over the differences (tpflex_proto.informer).
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from __future__ import annotations
 import logging
 import threading
 
+from google.protobuf.message import Message
 from tpflex_proto import keys, types_pb2
-from tpflex_proto.etcd import Etcd, EtcdError, KeyValue, Watch, WatchEvent
+from tpflex_proto.etcd import Etcd, KeyValue
+from tpflex_proto.informer import Batch, Informer
+from tpflex_proto.informer import Change as KeyChange
 from tpflex_proto.keys import Kind as KeyKind
 
 from tpflex_controller.api.errors import ApiError, ErrorCode
@@ -40,30 +44,40 @@ class _Tables:
         self.leader: types_pb2.LeaderRecord | None = None
         self.leader_present = False
 
-    def fold(self, kv: KeyValue, deleted: bool) -> None:
+    def fold_change(self, c: KeyChange) -> None:
+        """One informer change record (decoded there; a malformed value was logged there
+        and keeps what the tables had, except that a leader key still means a leader)."""
+        if c.malformed and c.parsed.kind is not KeyKind.LEADER:
+            return
+        self.fold(c.key_value(), c.deleted, c.msg)
+
+    def fold(self, kv: KeyValue, deleted: bool, msg: Message | None = None) -> None:
         k = keys.parse(kv.key)
         kind = k.kind if k is not None else None
         if kind is KeyKind.LEADER:
-            self._fold_leader(kv, deleted)
+            self._fold_leader(kv, deleted, msg)
         elif kind is KeyKind.EVENT:
-            _fold_int(self.events, k.number, types_pb2.Event, kv, deleted)
+            _fold_int(self.events, k.number, types_pb2.Event, kv, deleted, msg)
         elif kind is KeyKind.RACK:
             old = self.snap.racks.get(k.name)
-            apply_kv(self.snap, kv, deleted)
+            apply_kv(self.snap, kv, deleted, msg)
             self._index_rack(k.name, old)
         elif kind is KeyKind.GPU_OVERRIDE:
-            apply_kv(self.snap, kv, deleted)
+            apply_kv(self.snap, kv, deleted, msg)
             self._index_override(k.name, k.number)
         elif kind is KeyKind.JOB_ACK:
-            _fold_int(self.acks.setdefault(k.name, {}), k.number, types_pb2.Ack, kv, deleted)
+            _fold_int(self.acks.setdefault(k.name, {}), k.number, types_pb2.Ack, kv, deleted, msg)
         elif k is None and not deleted and (kv.key.startswith(keys.EVENTS) or "/acks/" in kv.key):
             log.warning("skipping malformed etcd key key=%s", kv.key)
         else:
-            apply_kv(self.snap, kv, deleted)
+            apply_kv(self.snap, kv, deleted, msg)
 
-    def _fold_leader(self, kv: KeyValue, deleted: bool) -> None:
+    def _fold_leader(self, kv: KeyValue, deleted: bool, msg: Message | None = None) -> None:
         self.leader_present = not deleted
-        self.leader = None if deleted else decode_or_skip(types_pb2.LeaderRecord, kv)
+        if deleted:
+            self.leader = None
+        else:
+            self.leader = msg if msg is not None else decode_or_skip(types_pb2.LeaderRecord, kv)
         if self.leader_present and self.leader is None:  # unreadable, but a leader is elected
             self.leader = types_pb2.LeaderRecord(id="<unreadable>")
 
@@ -82,11 +96,12 @@ class _Tables:
             self.node_overrides.get(node, set()).discard(index)
 
 
-def _fold_int(table: dict, number: int, cls, kv: KeyValue, deleted: bool) -> None:
+def _fold_int(table: dict, number: int, cls, kv: KeyValue, deleted: bool, msg=None) -> None:
     if deleted:
         table.pop(number, None)
         return
-    msg = decode_or_skip(cls, kv)
+    if msg is None:
+        msg = decode_or_skip(cls, kv)
     if msg is not None:
         table[number] = msg
 
@@ -109,21 +124,21 @@ def node_subset(snap: Snapshot, node: str, rack: types_pb2.Rack | None,
 
 
 class ApiStateCache:
-    """``start()`` reads ``/tpflex/v1/`` once (retrying while etcd is away) and watches it;
-    ``stop()`` cancels the watch. Read methods raise ApiError(503) until synced.
+    """Read methods over the tables the process's informer feeds (``informer``; without
+    one the cache runs its own on ``etcd``). ``start()`` registers with the informer (and
+    starts an own one), ``stop()`` undoes it. Reads raise ApiError(503) until synced.
     ``subscribe(handler)``: the :class:`tpflex_controller.api.feed.ChangeFeed` of what it
     folds (live views such as the console's stream)."""
 
-    def __init__(self, etcd: Etcd, *, retry_s: float = 0.5) -> None:
+    def __init__(self, etcd: Etcd, *, retry_s: float = 0.5, informer: Informer | None = None) -> None:
         self.etcd = etcd
-        self._retry_s = retry_s
+        self._own_informer = informer is None
+        self.informer = informer if informer is not None else Informer(etcd, retry_s=retry_s)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._t = _Tables()
         self._synced = False
-        self._watch: Watch | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._unregister = None
         self._subscribers = Subscribers()
 
     def subscribe(self, handler: Handler) -> Unsubscribe:
@@ -132,81 +147,51 @@ class ApiStateCache:
     # ---- lifecycle ----
 
     def start(self) -> ApiStateCache:
-        self._thread = threading.Thread(target=self._sync_loop, name="api-cache-sync", daemon=True)
-        self._thread.start()
+        self._unregister = self.informer.add_handler(self._on_batch)
+        if self._own_informer:
+            self.informer.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-        if self._watch is not None:
-            self._watch.cancel()
+        if self._unregister is not None:
+            self._unregister()
+        if self._own_informer:
+            self.informer.stop()
 
-    def _sync_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                rev = self._reread()
-            except EtcdError as exc:
-                log.info("api cache cannot read etcd; retrying error=%s", exc)
-                self._stop.wait(self._retry_s)
-                continue
-            self._watch = self.etcd.watch_prefix(
-                keys.PREFIX, self._on_events, start_revision=rev + 1, on_resync=self._on_resync
-            )
-            while not self._watch.established.wait(self._retry_s):
-                if self._stop.is_set():
-                    return
+    def _on_batch(self, batch: Batch) -> None:
+        """On the informer's thread: the whole state, a watch response, or the
+        differences of a re-list after a compaction."""
+        if batch.initial:
+            tables = _Tables(batch.revision)
+            for c in batch.changes:
+                tables.fold_change(c)
             with self._changed:
-                self._synced = True
+                self._t, self._synced = tables, True
                 self._changed.notify_all()
-            log.info("api cache synced revision=%d", rev)
+            log.info("api cache synced revision=%d", batch.revision)
+            self._subscribers.publish([Change(Kind.RESYNC, "", batch.revision)])
             return
-
-    def _reread(self) -> int:
-        kvs, rev = self.etcd.get_prefix(keys.PREFIX)
-        tables = _Tables(rev)
-        for kv in kvs:
-            tables.fold(kv, False)
-        with self._changed:
-            self._t = tables
-            self._changed.notify_all()
-        self._subscribers.publish([Change(Kind.RESYNC, "", rev)])
-        return rev
-
-    def _on_resync(self) -> None:
-        log.warning("api cache history compacted: re-reading state")
-        while not self._stop.is_set():
-            try:
-                rev = self._reread()
-            except EtcdError as exc:
-                log.info("api cache cannot re-read etcd; retrying error=%s", exc)
-                self._stop.wait(self._retry_s)
-                continue
-            if self._watch is not None:  # resume right after the re-read, not "from now"
-                self._watch._next_rev = rev + 1
-            return
-
-    def _on_events(self, events: list[WatchEvent]) -> None:
         with self._changed:
             t = self._t
-            for ev in events:
-                kv = KeyValue(ev.key, ev.value, 0, ev.mod_revision, 0, 0)
-                t.fold(kv, ev.kind == "delete")
-            t.snap.revision = max(t.snap.revision, events[-1].mod_revision)
+            for c in batch.changes:
+                t.fold_change(c)
+            t.snap.revision = max(t.snap.revision, batch.revision)
             self._changed.notify_all()
-        if len(self._subscribers):
+        if not len(self._subscribers):
+            return
+        if batch.resync:
+            self._subscribers.publish([Change(Kind.RESYNC, "", batch.revision)])
+        else:
             self._subscribers.publish(
-                [classify(ev.key, ev.mod_revision, ev.kind == "delete") for ev in events]
+                [classify(c.key, c.mod_revision, c.deleted) for c in batch.changes]
             )
 
     # ---- state ----
 
     @property
     def ready(self) -> bool:
-        """Synced once and the watch connected to etcd now."""
-        w = self._watch
-        return self._synced and w is not None and w.established.is_set()
+        """Synced once and the informer's watch connected to etcd now."""
+        return self._synced and self.informer.connected
 
     def wait_revision(self, revision: int, timeout: float) -> bool:
         """Block until the cache has folded ``revision`` (tests, read-your-writes)."""

@@ -1,0 +1,297 @@
+"""One etcd informer per process: the list-and-watch of ``/tpflex/v1/`` (client-go's
+SharedInformer is the model).
+
+The informer lists the prefix once, then watches it from the next revision. It keeps the
+current items (key, parsed key, value, mod revision, decoded message), tracks the revision
+it has folded, and hands typed change records to registered handlers:
+
+- a handler registered at any time first gets the current state (one ``initial`` batch
+  of puts, in key order: a plan's parts sort before its header), then every later batch;
+- each watch response becomes one batch of changes in revision order;
+- when etcd has compacted the history the watch needs, the informer lists again at a
+  fresh revision and delivers the differences (puts of new or changed keys, deletes of
+  vanished ones) as one ``resync`` batch, then watches on from that revision.
+
+Values are decoded once, here (``keys.parse`` + the message type of the key kind; plan
+headers and parts stay bytes: tpflex_proto.planstore assembles them). Change records are
+frozen; the messages in them are shared by every handler and must be treated as
+read-only. Handlers run on the informer's feeder thread, one after the other, and must be
+quick (hand the batch to a queue); one that raises is logged and the others still run.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from google.protobuf.message import Message
+
+from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.backoff import Backoff
+from tpflex_proto.etcd import Etcd, EtcdError, KeyValue, Watch, WatchEvent
+from tpflex_proto.keys import Key, Kind
+
+log = logging.getLogger(__name__)
+
+# the message type of each key kind; kinds not listed keep their bytes only
+MESSAGE_TYPES: dict[Kind, type[Message]] = {
+    Kind.NODE: types_pb2.Node,
+    Kind.HEALTH: types_pb2.NodeHealth,
+    Kind.RACK: types_pb2.Rack,
+    Kind.JOB_SPEC: types_pb2.JobSpec,
+    Kind.JOB_ACK: types_pb2.Ack,
+    Kind.GPU_OVERRIDE: types_pb2.GpuOverride,
+    Kind.JOB_OVERRIDE: types_pb2.JobOverride,
+    Kind.POWER: types_pb2.NodePowerPlan,
+    Kind.EVENT: types_pb2.Event,
+    Kind.LEADER: types_pb2.LeaderRecord,
+}
+
+
+class Op(enum.Enum):
+    PUT = "put"
+    DELETE = "delete"
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One key's change. ``msg`` is the decoded value (None for a delete, a kind kept as
+    bytes, or a malformed value: ``malformed`` says which)."""
+
+    op: Op
+    key: str
+    parsed: Key | None
+    value: bytes
+    mod_revision: int
+    msg: Message | None = None
+    malformed: bool = False
+
+    @property
+    def deleted(self) -> bool:
+        return self.op is Op.DELETE
+
+    @property
+    def kind(self) -> str:
+        """"put" or "delete" (the etcd watch's spelling)."""
+        return self.op.value
+
+    def key_value(self) -> KeyValue:
+        return KeyValue(self.key, self.value, 0, self.mod_revision, 0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """What a handler gets: ``changes`` in order, the informer's ``revision`` after them;
+    ``initial``: the whole current state (the handler's first batch); ``resync``: the
+    differences found by a list after a compaction."""
+
+    changes: tuple[Change, ...]
+    revision: int
+    initial: bool = False
+    resync: bool = False
+
+
+Handler = Callable[[Batch], None]
+Unregister = Callable[[], None]
+
+
+def decode_change(op: Op, key: str, value: bytes, mod_revision: int) -> Change:
+    """The change record of one key (pure apart from a log line for a malformed value)."""
+    parsed = keys.parse(key)
+    if op is Op.DELETE or parsed is None:
+        return Change(op, key, parsed, b"" if op is Op.DELETE else value, mod_revision)
+    cls = MESSAGE_TYPES.get(parsed.kind)
+    if cls is None:
+        return Change(op, key, parsed, value, mod_revision)
+    try:
+        msg = codec.decode(cls, value, key)
+    except codec.MalformedValue as exc:
+        log.warning("skipping malformed etcd value key=%s error=%s", key, exc)
+        return Change(op, key, parsed, value, mod_revision, None, True)
+    return Change(op, key, parsed, value, mod_revision, msg)
+
+
+def diff(items: dict[str, Change], listed: list[KeyValue], revision: int) -> list[Change]:
+    """What changed between the items held and a fresh list at ``revision`` (pure)."""
+    out: list[Change] = []
+    seen: set[str] = set()
+    for kv in listed:
+        seen.add(kv.key)
+        old = items.get(kv.key)
+        if old is None or old.mod_revision != kv.mod_revision:
+            out.append(decode_change(Op.PUT, kv.key, kv.value, kv.mod_revision))
+    for key in sorted(set(items) - seen):
+        out.append(Change(Op.DELETE, key, items[key].parsed, b"", revision))
+    return out
+
+
+class Informer:
+    """``start()`` lists and watches ``prefix`` (retrying while etcd is away);
+    ``add_handler(h)`` registers a handler (current state first); ``stop()`` ends it."""
+
+    def __init__(self, etcd: Etcd, prefix: str = keys.PREFIX, *, retry_s: float = 0.5) -> None:
+        self.etcd = etcd
+        self.prefix = prefix
+        self._backoff = Backoff(min(0.05, retry_s), retry_s)
+        self._lock = threading.RLock()  # items, revision and handler calls
+        self._changed = threading.Condition(self._lock)
+        self._items: dict[str, Change] = {}
+        self._revision = 0
+        self._handlers: list[Handler] = []
+        self._watch: Watch | None = None
+        self._relist = threading.Event()
+        self._stop = threading.Event()
+        self._listed = False
+        self.synced = threading.Event()  # listed once and the watch established after it
+        self._thread = threading.Thread(target=self._run, name="informer", daemon=True)
+
+    # ---- lifecycle ----
+
+    def start(self) -> Informer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._relist.set()
+        if self._thread.ident is not None:
+            self._thread.join(timeout=5)
+        w = self._watch
+        if w is not None:
+            w.cancel()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._list()
+            except EtcdError as exc:
+                log.info("informer cannot list etcd; retrying prefix=%s error=%s", self.prefix, exc)
+                self._stop.wait(self._backoff.next())
+                continue
+            self._backoff.reset()
+            self._relist.clear()
+            self._watch = self.etcd.watch_prefix(
+                self.prefix, self._on_events, start_revision=self._revision + 1,
+                on_resync=self._on_compacted,
+            )
+            if not self.synced.is_set():
+                self._sync_when_watching(self._watch)
+            self._relist.wait()
+
+    def _sync_when_watching(self, watch: Watch) -> None:
+        """Synced once the first watch is established: handlers get the state then."""
+        while not watch.established.wait(0.05):
+            if self._stop.is_set() or self._relist.is_set():
+                return
+        with self._changed:
+            self.synced.set()
+            self._changed.notify_all()
+            log.info("informer synced prefix=%s revision=%d keys=%d", self.prefix, self._revision, len(self._items))
+            self._publish(Batch(self._snapshot(), self._revision, initial=True))
+
+    def _list(self) -> None:
+        kvs, rev = self.etcd.get_prefix(self.prefix)
+        with self._changed:
+            if not self._listed:
+                changes = [decode_change(Op.PUT, kv.key, kv.value, kv.mod_revision) for kv in kvs]
+            else:
+                changes = diff(self._items, kvs, rev)
+            self._apply(changes)
+            self._revision = max(self._revision, rev)
+            self._changed.notify_all()
+            if self._listed and self.synced.is_set():
+                log.warning("informer re-listed after compaction revision=%d changes=%d", rev, len(changes))
+                self._publish(Batch(tuple(changes), self._revision, resync=True))
+            self._listed = True
+
+    def _on_compacted(self) -> None:
+        """On the watch's thread: the history it needs is gone; list again (our thread)."""
+        log.warning("etcd history compacted: informer lists again prefix=%s", self.prefix)
+        w = self._watch
+        if w is not None:
+            w.cancel()  # from its own thread: it ends after this callback
+        self._relist.set()
+
+    # ---- folding and delivery ----
+
+    def _on_events(self, events: list[WatchEvent]) -> None:
+        changes = [
+            decode_change(Op.DELETE if ev.kind == "delete" else Op.PUT, ev.key, ev.value, ev.mod_revision)
+            for ev in events
+        ]
+        with self._changed:
+            if self._stop.is_set() or self._relist.is_set():
+                return  # a stale watch's last events: the re-list covers them
+            self._apply(changes)
+            self._revision = max(self._revision, changes[-1].mod_revision)
+            self._changed.notify_all()
+            if self.synced.is_set():  # else the initial batch will hold them
+                self._publish(Batch(tuple(changes), self._revision))
+
+    def _apply(self, changes: list[Change]) -> None:
+        for c in changes:
+            if c.deleted:
+                self._items.pop(c.key, None)
+            else:
+                self._items[c.key] = c
+
+    def _publish(self, batch: Batch) -> None:
+        for handler in list(self._handlers):
+            _call(handler, batch)
+
+    def add_handler(self, handler: Handler) -> Unregister:
+        """Register ``handler``; if the informer is synced, it gets the current state
+        first (on this thread), else when it syncs. Returns the unregister call."""
+        with self._lock:
+            if self.synced.is_set():
+                _call(handler, Batch(self._snapshot(), self._revision, initial=True))
+            self._handlers.append(handler)
+
+        def unregister() -> None:
+            with self._lock:
+                if handler in self._handlers:
+                    self._handlers.remove(handler)
+
+        return unregister
+
+    def _snapshot(self) -> tuple[Change, ...]:
+        return tuple(self._items[k] for k in sorted(self._items))
+
+    # ---- reads ----
+
+    @property
+    def revision(self) -> int:
+        with self._lock:
+            return self._revision
+
+    @property
+    def connected(self) -> bool:
+        """Listed and watching etcd now (the watch is established)."""
+        w = self._watch
+        return self.synced.is_set() and not self._relist.is_set() and w is not None and w.established.is_set()
+
+    def get(self, key: str) -> Change | None:
+        with self._lock:
+            return self._items.get(key)
+
+    def items(self, prefix: str = "") -> list[Change]:
+        """The current items under ``prefix``, in key order."""
+        with self._lock:
+            return [c for k, c in sorted(self._items.items()) if k.startswith(prefix)]
+
+    def wait_revision(self, revision: int, timeout: float) -> bool:
+        """Block until the informer has folded ``revision``."""
+        with self._changed:
+            return self._changed.wait_for(
+                lambda: self.synced.is_set() and self._revision >= revision, timeout
+            )
+
+
+def _call(handler: Handler, batch: Batch) -> None:
+    try:
+        handler(batch)
+    except Exception:  # one handler's bug must not stop the others or the informer
+        log.exception("informer handler failed handler=%r", handler)
