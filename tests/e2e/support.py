@@ -13,6 +13,11 @@ from tpflex_trainer.ntp.reference import reference_losses
 from tests.support import ports
 
 N_AGENTS = 2
+# a story phase's limit: longer than the trainers' watchdog (30 s, half the 60 s collective
+# timeout) plus a recovery. With gloo, a survivor blocked in a collective whose peers are
+# all survivors (also blocked) has no closed socket to learn of the death from; its
+# watchdog ends the wait, and the restart epoch it reports brings the next round.
+PHASE_S = 100.0
 
 
 def free_base_port() -> int:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tpflex_trainer.demo.story import FAILED_GPU, Story, StoryConfig
 
-from tests.e2e.support import free_base_port, reference_for, rel_diff
+from tests.e2e.support import PHASE_S, free_base_port, reference_for, rel_diff
 
 STEPS, FAIL_AT, EVERY = 36, 6, 5
 
@@ -23,11 +23,11 @@ def _latest_checkpoint_step(directory: Path) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(240)
 def test_fresh_processes_load_the_checkpoint_into_the_current_layout(tmp_path):
     config = StoryConfig(workdir=tmp_path, base_port=free_base_port(), steps=STEPS,
                          fail_at_step=FAIL_AT, repair_at_step=STEPS - 1, checkpoint_every=EVERY,
-                         phase_timeout_s=45)
+                         phase_timeout_s=PHASE_S)
     story = Story(config)
     try:
         story.start()

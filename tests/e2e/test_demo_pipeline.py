@@ -10,7 +10,7 @@ from tpflex_proto import keys, types_pb2
 from tpflex_trainer.demo.story import JOB, TOPOLOGIES, Story, StoryConfig
 from tpflex_trainer.demo.summary import render, summarize
 
-from tests.e2e.support import etcd_history, free_base_port
+from tests.e2e.support import PHASE_S, etcd_history, free_base_port
 
 TOPO = TOPOLOGIES[2]
 # rank order = the spec's: replica 0 (rack-0, rack-1), replica 1 (rack-2, rack-3), 2 GPUs each
@@ -25,10 +25,10 @@ def _stage_degrees(plan: types_pb2.Plan) -> list[list[int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_demo_pp2_one_stage_fails_and_is_repaired(tmp_path):
     story = Story(StoryConfig(workdir=tmp_path, base_port=free_base_port(), steps=120,
-                              fail_at_step=10, repair_at_step=24, phase_timeout_s=60, pp=2))
+                              fail_at_step=10, repair_at_step=24, phase_timeout_s=PHASE_S, pp=2))
     try:
         story.start()
         run = story.play()

@@ -9,7 +9,7 @@ from tpflex_proto import codec, keys, types_pb2
 from tpflex_trainer.demo.story import FAILED_GPU, JOB, Story, StoryConfig
 from tpflex_trainer.demo.summary import summarize
 
-from tests.e2e.support import etcd_history, free_base_port, reference_for, rel_diff
+from tests.e2e.support import PHASE_S, etcd_history, free_base_port, reference_for, rel_diff
 
 RANK_OF_FAILED = 4 + FAILED_GPU[1]  # rank order = the spec's: rack 0's 4 GPUs, then rack 1's
 
@@ -23,12 +23,12 @@ def _plan_gpus(plan: types_pb2.Plan) -> set[tuple[str, int]]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(270)
 def test_short_demo_story(tmp_path):
     # 40 steps after the repair: the job must still be training when the repaired GPU is
     # planned again (after the controller's 2 s flap hold-down)
     story = Story(StoryConfig(workdir=tmp_path, base_port=free_base_port(), steps=64,
-                              fail_at_step=10, repair_at_step=24, phase_timeout_s=45))
+                              fail_at_step=10, repair_at_step=24, phase_timeout_s=PHASE_S))
     try:
         story.start()
         run = story.play()

@@ -25,7 +25,7 @@ from tpflex_trainer.demo.story import FAILED_GPU, JOB, Story, StoryConfig
 from tpflex_trainer.demo.summary import summarize
 from tpflex_trainer.hooks.config import HooksConfig, HooksConfigError
 
-from tests.e2e.support import etcd_history, free_base_port, reference_for, rel_diff
+from tests.e2e.support import PHASE_S, etcd_history, free_base_port, reference_for, rel_diff
 from tests.e2e.test_demo_story import RANK_OF_FAILED, _plan_degrees, _plan_gpus
 
 _ENV = {"TPFLEX_CONTROLLER": "127.0.0.1:1", "TPFLEX_JOB": "j", "TPFLEX_NODE": "n", "TPFLEX_GPU": "0",
@@ -83,10 +83,10 @@ def _security_checks(cluster: DemoCluster) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(270)
 def test_short_demo_story_with_tls_and_tokens(tmp_path):
     story = Story(StoryConfig(workdir=tmp_path, base_port=free_base_port(), steps=64,
-                              fail_at_step=10, repair_at_step=24, phase_timeout_s=45, tls=True))
+                              fail_at_step=10, repair_at_step=24, phase_timeout_s=PHASE_S, tls=True))
     try:
         story.start()
         run = story.play()
