@@ -130,6 +130,7 @@ def fail_gpu(etcd: Etcd, node: str, gpus: int, failed: set[int], seq: int = 1) -
 # ---- real tpflex-controller processes ----
 
 import os  # noqa: E402
+import re  # noqa: E402
 import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -191,6 +192,10 @@ class ControllerProc:
 
         lines = httpx.get(self.rest_url + "/metrics", timeout=5).text.splitlines()
         return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(name + "{"))
+
+    def rest_pids(self) -> list[int]:
+        """The pids of the REST child processes this controller started, oldest first."""
+        return [int(p) for p in re.findall(r"rest process started pid=(\d+)", self.log_path.read_text())]
 
     def log(self) -> str:
         try:

@@ -5,7 +5,6 @@ controller's metrics and reads through its own informer, it is restarted when it
 from __future__ import annotations
 
 import os
-import re
 import signal
 
 import httpx
@@ -18,10 +17,6 @@ from tests.controller.controller_harness import (
     small_cluster,
 )
 from tests.support.wait import wait_until
-
-
-def _rest_pids(proc: ControllerProc) -> list[int]:
-    return [int(p) for p in re.findall(r"rest process started pid=(\d+)", proc.log_path.read_text())]
 
 
 def _alive(pid: int) -> bool:
@@ -47,7 +42,7 @@ def test_rest_child_is_supervised_and_decisions_go_on_without_it(etcd_server, et
     try:
         proc.wait_http()
         watcher.wait_generation(1, timeout=20)
-        [child] = _rest_pids(proc)
+        [child] = proc.rest_pids()
         assert child != proc.proc.pid and _alive(child)
         with httpx.Client(base_url=proc.rest_url, timeout=10) as http:
             wait_until(lambda: _ready(http), 10, "readyz 200")
@@ -61,7 +56,7 @@ def test_rest_child_is_supervised_and_decisions_go_on_without_it(etcd_server, et
             assert second.cause == "gpu_failed"
             assert proc.proc.poll() is None
 
-            pids = wait_until(lambda: len(p := _rest_pids(proc)) == 2 and p, 15, "the REST child restarted")
+            pids = wait_until(lambda: len(p := proc.rest_pids()) == 2 and p, 15, "the REST child restarted")
             assert pids[1] != child and _alive(pids[1])
             wait_until(lambda: _ready(http), 15, "readyz 200 after the restart")
             assert http.get("/v1/jobs/job1/plan").json()["generation"] == 2
@@ -77,7 +72,7 @@ def test_rest_child_exits_when_the_controller_is_killed(etcd_server, etcd, tmp_p
     proc = ControllerProc(etcd_server.endpoints, "c1", tmp_path)
     try:
         proc.wait_http()
-        [child] = _rest_pids(proc)
+        [child] = proc.rest_pids()
         proc.kill()  # SIGKILL: no clean stop; the child must not outlive its parent
         wait_until(lambda: not _alive(child), 10, "orphaned REST child exited")
     finally:
@@ -89,7 +84,7 @@ def test_rest_child_started_just_before_the_controller_dies_exits(etcd_server, t
     could ask to be signalled when its parent dies): the child must not stay behind."""
     proc = ControllerProc(etcd_server.endpoints, "c1", tmp_path)
     try:
-        [child] = wait_until(lambda: _rest_pids(proc), 30, "the REST child spawned")
+        [child] = wait_until(lambda: proc.rest_pids(), 30, "the REST child spawned")
         proc.kill()
         wait_until(lambda: not _alive(child), 15, "the REST child of a killed controller exited")
     finally:
