@@ -21,7 +21,8 @@ Prints one JSON line: ``requests``, ``server_errors`` (HTTP 5xx other than a del
 503 busy, gRPC INTERNAL/UNKNOWN, a dead process), ``invariant_violations`` (the oracle of
 tests/reliability/invariants.py, sampled every 2 s during the run and at the end; a
 violation counts when it outlasts one reconcile), ``rss_peak_mb`` (the controller's
-VmHWM), ``decision_p99_ms_during_abuse``. Details and the decision p99 of a quiet baseline
+VmHWM), ``rest_rss_peak_mb`` (its REST child's, where the REST requests land),
+``decision_p99_ms_during_abuse``. Details and the decision p99 of a quiet baseline
 run first in the same process go to stderr.
 """
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import tempfile
@@ -270,6 +272,10 @@ def _violations(fleet: Fleet, ctl) -> list[str]:
     return out
 
 
+def _alive(pid: int) -> bool:
+    return os.path.exists(f"/proc/{pid}/status")
+
+
 def _peak_rss_mb(pid: int) -> float:
     for line in open(f"/proc/{pid}/status"):
         if line.startswith("VmHWM:"):
@@ -313,6 +319,7 @@ def run(total: int, clients: int, baseline_decisions: int) -> dict:
                 "server_errors": tally.outcomes["SERVER_ERROR"] + (0 if alive else 1),
                 "invariant_violations": len(found),
                 "rss_peak_mb": _peak_rss_mb(ctl.proc.pid),
+                "rest_rss_peak_mb": max((_peak_rss_mb(pid) for pid in ctl.rest_pids() if _alive(pid)), default=None),
                 "decision_p99_ms_during_abuse": _pct(during, 0.99),
             }
             detail = {"abuse_s": round(abuse_s, 1), "requests_per_s": round(tally.requests / abuse_s, 1),
