@@ -10,6 +10,7 @@ costs O(that node), not O(cluster).
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -234,7 +235,7 @@ class ClusterView:
         return [(j, cause) for j in sorted(jobs)]
 
     def _fold_health_key(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
-        return self._fold_health(k.name, value, deleted, msg)
+        return self._fold_health(sys.intern(k.name), value, deleted, msg)
 
     def _fold_health(self, node: str, value: bytes, deleted: bool, msg=None) -> Dirty:
         new_status: dict[GpuKey, GpuStatus] = {}
@@ -316,7 +317,7 @@ class ClusterView:
             _set(self.gpu_status, gpu, health)
 
     def _fold_node(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
-        node = k.name
+        node = sys.intern(k.name)  # the racks' GPU keys hold the same objects (convert)
         if deleted:
             self.snap.nodes.pop(node, None)
             if node not in self.live_nodes:
@@ -375,7 +376,7 @@ class ClusterView:
         return []
 
     def _fold_gpu_override(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
-        gpu_key = (k.name, k.number)
+        gpu_key = (sys.intern(k.name), k.number)
         before = self.snap.gpu_overrides.get(gpu_key)
         apply_kv(self.snap, self._kv(key, value, rev), deleted, msg)
         after = self.snap.gpu_overrides.get(gpu_key)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from tpflex_proto import types_pb2
 
 from tpflex_controller.planner.model import (
@@ -38,7 +40,10 @@ _REPLICA_STATE_BACK = {v: k for k, v in _REPLICA_STATE.items()}
 
 
 def rack_info(rack: types_pb2.Rack) -> RackInfo:
-    gpus = tuple((node, i) for node in rack.nodes for i in range(rack.gpus_per_node))
+    # node names interned: the view's live nodes and GPU keys hold the same objects, so
+    # the planner's set look-ups compare by identity (no string compares per node)
+    names = list(map(sys.intern, rack.nodes))
+    gpus = tuple((node, i) for node in names for i in range(rack.gpus_per_node))
     return RackInfo(
         name=rack.name,
         domain_size=rack.domain_size or len(gpus),
@@ -47,7 +52,7 @@ def rack_info(rack: types_pb2.Rack) -> RackInfo:
         min_w=rack.gpu_min_w,
         max_w=rack.gpu_max_w,
         gpus=gpus,
-        nodes=tuple(dict.fromkeys(rack.nodes)),
+        nodes=tuple(dict.fromkeys(names)),
     )
 
 

@@ -38,6 +38,7 @@ from operator import attrgetter
 from tpflex_proto.powermodel import DEFAULT_POWER_MODEL, PowerModel
 
 from tpflex_controller.planner import power
+from tpflex_controller.planner.caps import MergedCaps
 from tpflex_controller.planner.memo import IdentityMemo
 from tpflex_controller.planner.model import (
     ClusterState,
@@ -218,27 +219,19 @@ def assemble(
     each replica planned again since), the rest is copied from ``base``."""
     if base is None:
         replicas = [_outcome_or_identity(outcomes, job, i) for i in range(len(job.replicas))]
-        caps: dict[GpuKey, float] = {}
-        parts: dict[int, Mapping[GpuKey, float]] = {}
-        for i, o in outcomes.items():
-            caps.update(o.caps)
-            if o.caps:
-                parts[i] = o.caps
+        parts = _parts_of(outcomes)
+        caps = MergedCaps(parts)
     else:
         replaced = replaced or {}
         replicas = list(base.replicas)
-        caps = dict(base.power_caps)
         parts = dict(base.cap_parts) if base.cap_parts is not None else _parts_of(outcomes)
-        for old in replaced.values():
-            for g in old.caps if old is not None else ():
-                caps.pop(g, None)
         for i in replaced:
             replicas[i] = _outcome_or_identity(outcomes, job, i)
             parts.pop(i, None)
-            if i in outcomes:
-                caps.update(outcomes[i].caps)
-                if outcomes[i].caps:
-                    parts[i] = outcomes[i].caps
+            if i in outcomes and outcomes[i].caps:
+                parts[i] = outcomes[i].caps
+        old_caps = base.power_caps
+        caps = old_caps.derive(parts, replaced) if isinstance(old_caps, MergedCaps) else MergedCaps(parts)
     reasons = tuple(chain.from_iterable(outcomes[i].reasons for i in sorted(outcomes)))
     unheld = [outcomes[r].unheld for r in ctx.pins if r in outcomes and outcomes[r].unheld is not None]
     suspended = [*ctx.invalid_pins, *unheld]
@@ -383,10 +376,10 @@ def _build_identity(spec: ReplicaSpec, index: int, t: int, batch: int) -> Replic
 
 def _assign(
     d: ReplicaDraft, cluster: ClusterState, job: JobSpec, model: power.Curve
-) -> tuple[ReplicaAssignment, dict[GpuKey, float]]:
+) -> tuple[ReplicaAssignment, Mapping[GpuKey, float]]:
     if d.state is ReplicaState.DROPPED:
         return ReplicaAssignment(d.index, d.state, (), 0, 0, 0.0, f"dropped: {d.why}"), {}
-    caps: dict[GpuKey, float] = {}
+    caps: Mapping[GpuKey, float] = {}
     rels: list[float] = []
     pins = cluster.power_pins
     for s in d.stages:
@@ -394,9 +387,9 @@ def _assign(
         speed = power.stage_speed(s, stage_caps, cluster.gpu_speed, model, pins)
         rels.append(min(1.0, s.degree * speed / job.base_tp))
         if not caps:
-            caps = stage_caps  # a fresh dict of this stage's (the common single stage)
-        else:
-            caps.update(stage_caps)
+            caps = stage_caps  # this stage's own map (the common single stage)
+        elif stage_caps:
+            caps = {**caps, **stage_caps}
     rel = min(rels)
     batch = max(1, math.floor(job.local_batch * rel + 1e-9))
     stages = tuple(StageAssignment(s.rack.name, s.degree, s.used, s.spec_index) for s in d.stages)
@@ -404,5 +397,11 @@ def _assign(
     state = d.state
     if state is ReplicaState.HEALTHY and rel < 1.0 - 1e-12:
         state = ReplicaState.DEGRADED
-    why = "healthy" if state is ReplicaState.HEALTHY else f"{_STATE_NAMES[state]}: TP {tp}, {rel:.3f}x throughput"
+    if state is ReplicaState.HEALTHY:
+        why = "healthy"
+    else:
+        key = ("why", state, tp, rel)
+        why = model.text.get(key)
+        if why is None:
+            why = model.text[key] = f"{_STATE_NAMES[state]}: TP {tp}, {rel:.3f}x throughput"
     return ReplicaAssignment(d.index, state, stages, tp, batch, rel, why), caps

@@ -25,6 +25,7 @@ from itertools import filterfalse, repeat
 
 from tpflex_proto.powermodel import PowerModel
 
+from tpflex_controller.planner.caps import UniformCaps
 from tpflex_controller.planner.model import ClusterState, GpuKey, RackInfo
 from tpflex_controller.planner.stages import StageDraft
 
@@ -37,13 +38,18 @@ class Curve:
     a few distinct speeds and caps (one per lost-GPU count), so each is computed once.
     Built fresh by every plan call; answers exactly what the model answers."""
 
-    __slots__ = ("_power", "_throughput", "max_power_ratio", "model")
+    __slots__ = ("_power", "_throughput", "max_power_ratio", "model", "solo", "text")
 
     def __init__(self, model: PowerModel) -> None:
         self.model = model
         self.max_power_ratio = model.max_power_ratio
         self._throughput: dict[float, float] = {}
         self._power: dict[float, float | None] = {}
+        # the cap of a lone boosted stage over a whole rack without pins, by what decides
+        # it (``_fill_rack``): most reduced stages of a plan share a few of these
+        self.solo: dict[tuple, float | None] = {}
+        # formatted numbers of reasons, by what they show: the same few for most stages
+        self.text: dict[tuple, str] = {}
 
     def throughput(self, power_ratio: float) -> float:
         out = self._throughput.get(power_ratio)
@@ -83,8 +89,21 @@ def plan_boosts(
         if need > 1.0 + _EPS:
             s.needed_speed = need
             by_rack.setdefault(s.rack.name, []).append(s)
+    solo = model.solo if isinstance(model, Curve) else None
+    pins = cluster.power_pins
     for group in by_rack.values():
-        _fill_rack(group, cluster, model)
+        s = group[0]
+        rack = s.rack
+        if solo is None or len(group) > 1 or pins or not _whole_rack(s.spec_gpus, rack):
+            _fill_rack(group, cluster, model)
+            continue
+        # the same inputs give the same cap (the memo is this plan call's)
+        key = (rack.tdp_w, rack.max_w, rack.power_budget_w, s.needed_speed, len(s.usable), s.degree)
+        cap = solo.get(key, _MISSING)
+        if cap is _MISSING:
+            _fill_rack(group, cluster, model)
+            cap = solo[key] = s.cap_w
+        s.cap_w = cap  # type: ignore[assignment]
 
 
 def _fill_rack(group: list[StageDraft], cluster: ClusterState, model: PowerModel | Curve) -> None:
@@ -143,14 +162,17 @@ def water_level(wants: list[float], counts: list[int], available_w: float) -> fl
     return math.inf
 
 
-def gpu_caps(stage: StageDraft, pins: Mapping[GpuKey, float]) -> dict[GpuKey, float]:
-    """Caps of the stage's used GPUs that differ from TDP (boosted or pinned)."""
+def gpu_caps(stage: StageDraft, pins: Mapping[GpuKey, float]) -> Mapping[GpuKey, float]:
+    """Caps of the stage's used GPUs that differ from TDP (boosted or pinned); without
+    pins, the stage's uniform boost (no per-GPU work)."""
     rack = stage.rack
+    if not pins:
+        return {} if stage.cap_w is None else UniformCaps(stage.used, stage.cap_w)
     caps = {} if stage.cap_w is None else dict.fromkeys(stage.used, stage.cap_w)
     if pins:
         for g in pins.keys() & set(stage.used):
             caps[g] = pinned_w(rack, pins[g])
-    return {g: w for g, w in caps.items() if w != rack.tdp_w} if pins else caps
+    return {g: w for g, w in caps.items() if w != rack.tdp_w}
 
 
 def stage_speed(

@@ -23,8 +23,14 @@ def _health(s: StageDraft) -> str:
     )
 
 
-def _batch(a: ReplicaAssignment, job: JobSpec) -> str:
-    return f"local batch {a.local_batch}/{job.local_batch} ({a.relative_throughput:.3f}x throughput)"
+def _batch(a: ReplicaAssignment, job: JobSpec, memo: dict | None = None) -> str:
+    key = ("batch", a.local_batch, job.local_batch, a.relative_throughput)
+    out = memo.get(key) if memo is not None else None
+    if out is None:
+        out = f"local batch {a.local_batch}/{job.local_batch} ({a.relative_throughput:.3f}x throughput)"
+        if memo is not None:
+            memo[key] = out
+    return out
 
 
 def replica_reasons(
@@ -38,6 +44,7 @@ def replica_reasons(
     model: PowerModel,
 ) -> list[str]:
     head = f"replica {d.index}:"
+    memo = getattr(model, "text", None)  # the plan's memo of formatted numbers (power.Curve)
     if a.state is ReplicaState.DROPPED:
         lost = [_health(s) for s in d.stages if s.lost]
         return [f"{head} {'; '.join(lost) + ' -> ' if lost else ''}dropped ({d.why})"]
@@ -45,7 +52,7 @@ def replica_reasons(
     if d.pin is not None and d.pin < job.base_tp:
         lines.append(f"{head} operator pin -> TP {d.pin}")
     if policy is Policy.NTP_PW:
-        lines += [_ntp_pw_line(head, s, job, model) for s in d.stages if _changed(s, job)]
+        lines += [_ntp_pw_line(head, s, job, model, memo) for s in d.stages if _changed(s, job)]
     elif a.tp_degree < job.base_tp:
         worst = min(d.stages, key=lambda s: len(s.usable))
         lines.append(
@@ -54,7 +61,7 @@ def replica_reasons(
         )
     lines += _slow_and_pinned(head, d, caps, speeds, pins)
     if a.relative_throughput < 1.0 - 1e-12 and policy is Policy.NTP_PW:
-        lines.append(f"{head} boost falls short -> {_batch(a, job)}")
+        lines.append(f"{head} boost falls short -> {_batch(a, job, memo)}")
     return lines
 
 
@@ -62,8 +69,18 @@ def _changed(s: StageDraft, job: JobSpec) -> bool:
     return s.degree < job.base_tp or s.cap_w is not None or s.needed_speed > 1.0
 
 
-def _ntp_pw_line(head: str, s: StageDraft, job: JobSpec, model: PowerModel) -> str:
-    what = f"{head} {_health(s)} -> TP {s.degree}"
+def _ntp_pw_line(head: str, s: StageDraft, job: JobSpec, model: PowerModel, memo: dict | None = None) -> str:
+    key = ("ntp-pw", s.degree, s.cap_w, s.rack.tdp_w, s.needed_speed)
+    tail = memo.get(key) if memo is not None else None
+    if tail is None:
+        tail = _ntp_pw_tail(s, model)
+        if memo is not None:
+            memo[key] = tail
+    return f"{head} {_health(s)}{tail}"
+
+
+def _ntp_pw_tail(s: StageDraft, model: PowerModel) -> str:
+    what = f" -> TP {s.degree}"
     if s.cap_w is None:
         if s.needed_speed > 1.0:
             return f"{what}, not boosted (no power headroom), needs {s.needed_speed:.3f}x speed"

@@ -7,6 +7,7 @@ A draft is the planner's working copy of one replica; ``planner.plan`` turns dra
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from itertools import filterfalse
 from operator import itemgetter
@@ -31,23 +32,30 @@ class Survey:
     that need a per-GPU look (non-healthy, slow or power-pinned), the unusable ones and
     their nodes, and which racks are clean (memoised per rack name for this call only)."""
 
-    __slots__ = ("_racks", "cluster", "live", "touched", "touched_nodes", "unusable")
+    __slots__ = ("_racks", "by_node", "cluster", "live", "touched", "touched_nodes", "unusable")
 
     def __init__(self, cluster: ClusterState) -> None:
         self.cluster = cluster
         self.live = cluster.live_nodes
         self.touched = touched_gpus(cluster)
-        self.touched_nodes = set(map(_node_of, self.touched))
+        self.by_node: dict[str, list[GpuKey]] = {}  # the touched GPUs of each node
+        for g in self.touched:
+            self.by_node.setdefault(g[0], []).append(g)
+        self.touched_nodes = set(self.by_node)
         self.unusable = unusable_gpus(cluster)
         self._racks: dict[str, bool] = {}
 
     def lost(self, gpus: tuple[GpuKey, ...], rack: RackInfo) -> set[GpuKey] | None:
         """The unusable GPUs of a stage (failed, drained, or on a dead node); None when
         the stage is clean: no GPU of it touched, all its nodes live. A stage on its
-        rack's first GPUs is found clean per node of the rack (once per rack); the other
-        checks are set operations (in C: no Python work per GPU)."""
-        if rack.nodes and self._rack_clean(rack) and _rack_prefix(gpus, rack):
-            return None
+        rack's first GPUs is found clean per node of the rack (once per rack), and, when
+        its nodes are live, its lost GPUs among the touched GPUs of the rack's nodes; the
+        other checks are set operations (in C: no Python work per GPU)."""
+        if rack.nodes and _rack_prefix(gpus, rack):
+            if self._rack_clean(rack):
+                return None
+            if self.live is None or self.live.issuperset(rack.nodes):
+                return self._lost_on_nodes(gpus, rack)
         out = self.unusable.intersection(gpus)
         if not self.all_live(gpus, rack):
             live = self.live
@@ -55,6 +63,22 @@ class Survey:
         if not out and self.touched.isdisjoint(gpus):
             return None
         return out
+
+    def _lost_on_nodes(self, gpus: tuple[GpuKey, ...], rack: RackInfo) -> set[GpuKey] | None:
+        """``lost`` of a stage on its rack's first GPUs, all its nodes live: only the
+        touched GPUs of the rack's nodes are looked at (a few), each found in the stage
+        by its position (``rack_position``), not by a scan of the stage."""
+        by_node, unusable = self.by_node, self.unusable
+        out: set[GpuKey] = set()
+        touched = False
+        n = len(gpus)
+        for node in rack.nodes:
+            for g in by_node.get(node, ()):
+                if rack_position(rack, g) < n:
+                    touched = True
+                    if g in unusable:
+                        out.add(g)
+        return out if touched else None
 
     def _rack_clean(self, rack: RackInfo) -> bool:
         clean = self._racks.get(rack.name)
@@ -73,6 +97,26 @@ class Survey:
         if rack.nodes and _rack_prefix(gpus, rack) and live.issuperset(rack.nodes):
             return True
         return live.issuperset(map(_node_of, gpus))
+
+
+def rack_position(rack: RackInfo, gpu: GpuKey) -> int:
+    """The position of ``gpu`` in ``rack.gpus`` (a large number when absent), found from
+    its node's position when the rack lists its nodes in GPU order with the same GPU
+    count each (checked on the GPU found), else by a scan."""
+    nodes, gpus = rack.nodes, rack.gpus
+    if nodes and len(gpus) % len(nodes) == 0:
+        per = len(gpus) // len(nodes)
+        node, index = gpu
+        try:
+            at = nodes.index(sys.intern(node)) * per + index
+        except ValueError:
+            return 1 << 62
+        if 0 <= index < per and gpus[at] == gpu:
+            return at
+    try:
+        return gpus.index(gpu)
+    except ValueError:
+        return 1 << 62
 
 
 def _rack_prefix(gpus: tuple[GpuKey, ...], rack: RackInfo) -> bool:
@@ -141,9 +185,7 @@ def replica_draft(
         out = survey.lost(gpus, rack)
         clean = clean and out is None
         if out:
-            usable = tuple(filterfalse(out.__contains__, gpus))
-            # in spec order: one lost GPU held once needs no second pass over the stage
-            order = out if len(out) == 1 and len(usable) == len(gpus) - 1 else filter(out.__contains__, gpus)
+            usable, order = _split(gpus, out, rack if rack.nodes and _rack_prefix(gpus, rack) else None)
             lost = tuple((g, cluster.status(g)) for g in order)
         else:
             usable, lost = gpus, ()
@@ -151,6 +193,23 @@ def replica_draft(
     if clean and none_if_clean:
         return None
     return ReplicaDraft(index, stages, pin)
+
+
+def _split(
+    gpus: tuple[GpuKey, ...], out: set[GpuKey], rack: RackInfo | None
+) -> tuple[tuple[GpuKey, ...], list[GpuKey]]:
+    """The GPUs of ``gpus`` not in ``out`` and those in it, both in ``gpus`` order. When
+    ``gpus`` are the first GPUs of ``rack`` (distinct), a few lost GPUs of a long stage
+    are found by their positions and the rest copied as slices (in C)."""
+    if rack is not None and 4 * len(out) < len(gpus):
+        at = sorted(rack_position(rack, g) for g in out)
+        usable: tuple[GpuKey, ...] = ()
+        start = 0
+        for i in at:
+            usable += gpus[start:i]
+            start = i + 1
+        return usable + gpus[start:], [gpus[i] for i in at]
+    return tuple(filterfalse(out.__contains__, gpus)), list(filter(out.__contains__, gpus))
 
 
 def cap_degrees(draft: ReplicaDraft) -> None:

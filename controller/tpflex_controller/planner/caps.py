@@ -1,0 +1,174 @@
+"""Read-only maps of power caps that a plan builds without per-GPU work (pure).
+
+A plan at 262,144 GPUs boosts the used GPUs of every reduced stage: over 100,000 caps
+when 1% of the GPUs fail across racks. Building one dict entry per GPU per plan (and
+copying the job's map on every re-plan) cost more than the rest of the decision, so:
+
+- ``UniformCaps``: one stage's caps, the same watts for every GPU it uses (a tuple of
+  GPUs and one number);
+- ``MergedCaps``: a plan's ``power_caps``, the union of its per-replica parts (a GPU held
+  by two parts takes the higher replica's cap, as ``dict.update`` in replica order
+  would). A re-plan's map is the previous one plus the replicas planned again
+  (``MergedCaps.derive``): the GPU -> holder index of the root is built once, on the
+  first point look-up, and shared by the maps derived from it, which index the GPUs of
+  their differing parts apart, until too many replicas differ.
+
+Both are ``Mapping``s: equal to the dict with the same items, iterable, and as cheap as a
+dict to query once indexed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+
+from tpflex_controller.planner.model import GpuKey
+
+# replicas re-planned since the root before a derived map indexes afresh
+_MAX_DIRTY = 256
+
+
+class UniformCaps(Mapping):
+    """``dict.fromkeys(gpus, watts)`` without the dict (``gpus`` distinct)."""
+
+    __slots__ = ("_set", "gpus", "watts")
+
+    def __init__(self, gpus: tuple[GpuKey, ...], watts: float) -> None:
+        self.gpus = gpus
+        self.watts = watts
+        self._set: frozenset[GpuKey] | None = None
+
+    def _members(self) -> frozenset[GpuKey]:
+        if self._set is None:
+            self._set = frozenset(self.gpus)
+        return self._set
+
+    def __getitem__(self, gpu: GpuKey) -> float:
+        if gpu in self._members():
+            return self.watts
+        raise KeyError(gpu)
+
+    def __contains__(self, gpu: object) -> bool:
+        return gpu in self._members()
+
+    def __iter__(self) -> Iterator[GpuKey]:
+        return iter(self.gpus)
+
+    def __len__(self) -> int:
+        return len(self.gpus)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, UniformCaps):
+            if not self.gpus or not other.gpus:
+                return not self.gpus and not other.gpus
+            return self.watts == other.watts and (
+                self.gpus == other.gpus or self._members() == other._members()
+            )
+        return Mapping.__eq__(self, other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"UniformCaps({len(self.gpus)} GPUs at {self.watts} W)"
+
+
+class MergedCaps(Mapping):
+    """The union of per-replica cap parts (``index -> caps``), indexed lazily."""
+
+    __slots__ = ("_dirty", "_overlay", "_owner", "_root", "parts")
+
+    def __init__(self, parts: Mapping[int, Mapping[GpuKey, float]]) -> None:
+        self.parts = parts
+        self._root: MergedCaps = self
+        self._dirty: frozenset[int] = frozenset()  # replicas whose part may differ from root's
+        # GPU -> the dirty replicas whose (current) part holds it, ascending
+        self._overlay: dict[GpuKey, tuple[int, ...]] = {}
+        self._owner: dict[GpuKey, int | tuple[int, ...]] | None = None  # root only (_index)
+
+    def derive(self, parts: Mapping[int, Mapping[GpuKey, float]], replanned) -> MergedCaps:
+        """The map of ``parts``, which differ from this map's parts at most in the
+        replicas ``replanned``; shares this map's index while few replicas differ (the
+        GPUs of the differing parts are indexed apart, O(their GPUs))."""
+        out = MergedCaps(parts)
+        dirty = self._dirty.union(replanned)
+        if len(dirty) > _MAX_DIRTY:
+            return out  # its own root, indexed afresh when first looked up
+        overlay = dict(self._overlay)
+        for i in replanned:
+            for g in self.parts.get(i, ()):
+                held = tuple(x for x in overlay.get(g, ()) if x != i)
+                if held:
+                    overlay[g] = held
+                else:
+                    overlay.pop(g, None)
+        for i in replanned:
+            for g in parts.get(i, ()):
+                held = overlay.get(g, ())
+                if i not in held:
+                    overlay[g] = tuple(sorted((*held, i)))
+        out._root, out._dirty, out._overlay = self._root, dirty, overlay
+        return out
+
+    def _index(self) -> dict[GpuKey, int | tuple[int, ...]]:
+        """The root's GPU -> the replica holding it (all of them, ascending, for a GPU
+        held by several parts)."""
+        root = self._root
+        if root._owner is None:
+            owner: dict[GpuKey, int | tuple[int, ...]] = {}
+            parts = root.parts
+            for i in sorted(parts):
+                owner.update(dict.fromkeys(parts[i], i))
+            if len(owner) != sum(map(len, parts.values())):  # a GPU in several parts
+                held: dict[GpuKey, list[int]] = {}
+                for i in sorted(parts):
+                    for g in parts[i]:
+                        held.setdefault(g, []).append(i)
+                owner.update((g, tuple(h)) for g, h in held.items() if len(h) > 1)
+            root._owner = owner
+        return root._owner
+
+    def _holder(self, gpu: object) -> int | None:
+        held = self._index().get(gpu)  # type: ignore[call-overload]
+        dirty = self._dirty
+        if type(held) is tuple:
+            best = max((i for i in held if i not in dirty), default=None)
+        else:
+            best = held if held not in dirty else None
+        over = self._overlay.get(gpu)  # type: ignore[call-overload]
+        if over and (best is None or over[-1] > best):
+            best = over[-1]
+        return best
+
+    def __getitem__(self, gpu: GpuKey) -> float:
+        i = self._holder(gpu)
+        if i is None:
+            raise KeyError(gpu)
+        return self.parts[i][gpu]
+
+    def __contains__(self, gpu: object) -> bool:
+        return self._holder(gpu) is not None
+
+    def __iter__(self) -> Iterator[GpuKey]:
+        return iter(self._as_dict())
+
+    def __len__(self) -> int:
+        if self._root is self:
+            return len(self._index())
+        return len(self._as_dict())
+
+    def _as_dict(self) -> dict[GpuKey, float]:
+        out: dict[GpuKey, float] = {}
+        for i in sorted(self.parts):
+            out.update(self.parts[i])
+        return out
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, MergedCaps) and other.parts is self.parts:
+            return True
+        if isinstance(other, Mapping):
+            return self._as_dict() == (other._as_dict() if isinstance(other, MergedCaps) else dict(other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"MergedCaps({self._as_dict()!r})"
