@@ -106,7 +106,7 @@ class PlanContext:
     invalid_pins: tuple[SuspendedPin, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReplicaOutcome:
     """One replica's part of a plan that differs from the identity assignment."""
 
@@ -257,10 +257,13 @@ def _drafts(
     """A draft per replica of ``indices`` that may differ from the identity plan."""
     can_be_identity = full_degree == job.base_tp
     out = []
+    replicas, clean = job.replicas, survey.clean_replica
     for i in indices:
         pin = pins.get(i)
         skip = can_be_identity and pin is None
-        d = replica_draft(survey, i, job.replicas[i], pin, full_degree, none_if_clean=skip)
+        if skip and clean(replicas[i]):
+            continue
+        d = replica_draft(survey, i, replicas[i], pin, full_degree, none_if_clean=skip)
         if d is not None:
             out.append(d)
     return out

@@ -64,6 +64,22 @@ class Survey:
             return None
         return out
 
+    def clean_replica(self, spec: ReplicaSpec) -> bool:
+        """Whether every stage of a replica is clean by the per-rack check of ``lost``
+        (the common case, in one call: a replica found clean needs no draft)."""
+        racks, memo = self.cluster.racks, self._racks
+        for stage in spec.stages:
+            rack = racks[stage.rack]
+            gpus = stage.gpus
+            if not rack.nodes or not (gpus is rack.gpus or gpus == rack.gpus[: len(gpus)]):
+                return False
+            clean = memo.get(rack.name)
+            if clean is None:
+                clean = self._rack_clean(rack)
+            if not clean:
+                return False
+        return True
+
     def _lost_on_nodes(self, gpus: tuple[GpuKey, ...], rack: RackInfo) -> set[GpuKey] | None:
         """``lost`` of a stage on its rack's first GPUs, all its nodes live: only the
         touched GPUs of the rack's nodes are looked at (a few), each found in the stage
