@@ -199,11 +199,15 @@ class ClusterView:
         counts (the sequence numbers in use)."""
         if c.malformed and c.parsed.kind is not Kind.EVENT:
             return []
-        return self.fold(c.kind, c.key, c.value, c.mod_revision, c.msg)
+        return self.fold(c.kind, c.key, c.value, c.mod_revision, c.msg, c.parsed)
 
-    def fold(self, kind: str, key: str, value: bytes, mod_revision: int, msg: Message | None = None) -> Dirty:
-        """Fold one key's change into the view; ``msg``: its value decoded already."""
-        k = keys.parse(key)
+    def fold(
+        self, kind: str, key: str, value: bytes, mod_revision: int, msg: Message | None = None,
+        parsed: Key | None = None,
+    ) -> Dirty:
+        """Fold one key's change into the view; ``msg``: its value decoded already,
+        ``parsed``: its key parsed already (``keys.parse``)."""
+        k = parsed if parsed is not None else keys.parse(key)
         if k is None:
             if key.startswith(keys.GPU_OVERRIDES):
                 log.warning("skipping malformed etcd key key=%s", key)

@@ -257,6 +257,21 @@ def rank_count(result: PlanResult) -> int:
     return sum(map(len, map(_gpus_of, stages)))
 
 
+def rank_count_since(old: PlanResult, old_count: int, new: PlanResult) -> int:
+    """``rank_count(new)`` from ``rank_count(old) == old_count``: O(replicas that are not
+    the same objects), compared in C."""
+    a, b = old.replicas, new.replicas
+    if len(a) != len(b):
+        return rank_count(new)
+    for i in compress(count(), map(is_not, a, b)):
+        old_count += _ranks_of(b[i]) - _ranks_of(a[i])
+    return old_count
+
+
+def _ranks_of(r) -> int:
+    return sum(len(s.gpus) for s in r.stages)
+
+
 _stages_of = attrgetter("stages")
 _gpus_of = attrgetter("gpus")
 

@@ -144,6 +144,10 @@ class MergedCaps(Mapping):
             raise KeyError(gpu)
         return self.parts[i][gpu]
 
+    def get(self, gpu, default=None):
+        i = self._holder(gpu)
+        return default if i is None else self.parts[i][gpu]
+
     def __contains__(self, gpu: object) -> bool:
         return self._holder(gpu) is not None
 

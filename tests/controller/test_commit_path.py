@@ -1,0 +1,57 @@
+"""The commit path's shortcuts: a leader does not fold its own commits again when the
+watch echoes them (the view it recorded at commit time equals what a fresh fold of etcd
+gives), and the rank count of a plan is carried from the previous plan."""
+
+from __future__ import annotations
+
+from tpflex_controller.cache import ClusterView
+from tpflex_controller.planner.incremental import Changes, plan_job, replan
+from tpflex_controller.planning import rank_count, rank_count_since
+from tpflex_proto import keys
+
+from tests.controller.controller_harness import controller_on_job, eventually, fail_gpu
+from tests.controller.planner_fixtures import failed, make_racks, state
+from tests.controller.planner_fixtures import make_job as planner_job
+
+
+def _fresh_view(etcd) -> ClusterView:
+    view = ClusterView()
+    for kv in etcd.get_prefix(keys.PREFIX)[0]:
+        view.fold("put", kv.key, kv.value, kv.mod_revision)
+    return view
+
+
+def _essence(view: ClusterView) -> tuple:
+    plan = view.plans["job1"]
+    power = {n: (np.SerializeToString(deterministic=True), rev) for n, (np, rev) in view.power.items()}
+    parts = {pos: sorted(gens) for pos, gens in view.plan_parts["job1"].gens.items()}
+    return plan.generation, plan.mod_revision, plan.raw, power, parts, list(view.event_seqs)
+
+
+def test_own_commits_leave_the_view_as_a_fresh_fold_of_etcd(etcd_server, etcd):
+    with controller_on_job(etcd_server, etcd, history_size=2) as (_, watcher, ctl):
+        watcher.wait_generation(1)
+        fail_gpu(etcd, "rack1-n00", 2, {1})
+        watcher.wait_generation(2)
+        fail_gpu(etcd, "rack0-n01", 2, {0})
+        watcher.wait_generation(3)
+        fail_gpu(etcd, "rack1-n00", 2, set(), seq=2)
+        watcher.wait_generation(4)
+        want = _essence(_fresh_view(etcd))
+        eventually(lambda: _essence(ctl.reconciler.view) == want)
+
+
+def test_rank_count_since_the_last_plan_equals_a_recount():
+    racks = make_racks(4, size=4)
+    job = planner_job(racks, 4)
+    first = plan_job(state(racks), job)
+    count = rank_count(first.result)
+    prev = first
+    lost = []
+    for node, gpu in [("r1-n0", 1), ("r2-n1", 0), ("r1-n1", 1), ("r3-n0", 0), ("r3-n0", 1)]:
+        lost.append((node, gpu))
+        nxt = replan(prev, state(racks, gpu_status=failed(*lost)), job, Changes(nodes=frozenset({node})))
+        count = rank_count_since(prev.result, count, nxt.result)
+        assert count == rank_count(nxt.result)
+        prev = nxt
+    assert count < rank_count(first.result)
