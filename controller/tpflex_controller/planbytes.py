@@ -11,6 +11,7 @@ deterministic encoding of ``convert.plan_to_proto`` (tested).
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from itertools import compress, count
@@ -25,6 +26,36 @@ from tpflex_controller.planner.model import (
     Policy,
     ReplicaAssignment,
 )
+
+
+def cap_wire(gpu: GpuKey, watts: float) -> bytes:
+    """The encoding of ``Plan(power_caps=[PowerCap(gpu=GpuRef(node, index), cap_w=watts)])``
+    written out (field 5, in it fields 1 and 2, in the GpuRef fields 1 and 2): a commit
+    encodes a new cap for each GPU of a boosted stage. Through protobuf where a field
+    would be left out (a zero or an empty name) or out of range."""
+    node, index = gpu
+    if not (watts > 0 and node and 0 <= index < 1 << 32):
+        holder = types_pb2.Plan()
+        holder.power_caps.add(gpu=types_pb2.GpuRef(node=node, index=index), cap_w=watts)
+        return codec.encode(holder)
+    name = node.encode()
+    ref = b"\x0a" + _varint(len(name)) + name + (b"\x10" + _varint(index) if index else b"")
+    cap = b"\x0a" + _varint(len(ref)) + ref + b"\x11" + _DOUBLE.pack(watts)
+    return b"\x2a" + _varint(len(cap)) + cap
+
+
+def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return bytes((n,))
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+_DOUBLE = struct.Struct("<d")
 
 
 def _moved(old: tuple, new: tuple) -> Iterable[int]:
@@ -176,9 +207,7 @@ class PlanEncoder:
         key = (gpu, watts)
         data = self._caps.get(key)
         if data is None:
-            holder = types_pb2.Plan()
-            holder.power_caps.add(gpu=types_pb2.GpuRef(node=gpu[0], index=gpu[1]), cap_w=watts)
-            data = codec.encode(holder)
+            data = cap_wire(gpu, watts)
             if len(self._caps) >= self._max:
                 self._caps.clear()
             self._caps[key] = data

@@ -4,10 +4,15 @@ gives), and the rank count of a plan is carried from the previous plan."""
 
 from __future__ import annotations
 
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from tpflex_controller.cache import ClusterView
+from tpflex_controller.planbytes import cap_wire
+from tpflex_controller.planner import PlanningError, plan
 from tpflex_controller.planner.incremental import Changes, plan_job, replan
 from tpflex_controller.planning import rank_count, rank_count_since
-from tpflex_proto import keys
+from tpflex_proto import codec, keys, types_pb2
 
 from tests.controller.controller_harness import controller_on_job, eventually, fail_gpu
 from tests.controller.planner_fixtures import failed, make_racks, state
@@ -55,3 +60,22 @@ def test_rank_count_since_the_last_plan_equals_a_recount():
         assert count == rank_count(nxt.result)
         prev = nxt
     assert count < rank_count(first.result)
+
+
+@given(st.text(max_size=140), st.integers(0, (1 << 32) - 1),
+       st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.0, -0.0, 700.0, 1e-300]))
+def test_cap_bytes_written_out_equal_protobufs_encoding(node, index, watts):
+    holder = types_pb2.Plan()
+    holder.power_caps.add(gpu=types_pb2.GpuRef(node=node, index=index), cap_w=watts)
+    assert cap_wire((node, index), watts) == codec.encode(holder)
+
+
+def test_a_rack_that_left_named_in_the_changes_is_not_planned_on():
+    racks = make_racks(3, size=4)
+    job = planner_job(racks, 4)
+    prev = plan_job(state(racks), job)
+    gone = {name: r for name, r in racks.items() if name != "r1"}
+    with pytest.raises(PlanningError, match="unknown rack"):
+        plan(state(gone), job)
+    with pytest.raises(PlanningError, match="unknown rack"):
+        replan(prev, state(gone), job, Changes(racks=frozenset({"r1"})))

@@ -42,7 +42,8 @@ class Changes:
 
     # nodes whose GPUs changed status, speed or power pin, or whose liveness changed
     nodes: frozenset[str] = frozenset()
-    # racks whose own data (budget, power limits) changed, the same GPUs
+    # racks whose own data (budget, power limits) changed, the same GPUs, or that left the
+    # cluster (the whole job is planned again then)
     racks: frozenset[str] = frozenset()
 
 
@@ -94,9 +95,11 @@ def replan(
     result equals ``plan(cluster, job, ...)``."""
     if prev is None or changes is None or prev.job is not job:
         return plan_job(cluster, job, policy=policy, power_model=power_model, overrides=overrides)
-    # the spec is the one validated for ``prev``: only its racks' presence can change
+    # the spec is the one validated for ``prev``: only its racks' presence can change, and
+    # a rack that left is a changed rack (``Changes.racks``): looked up alone, not all of
+    # the job's thousands of racks on every change
     racks = cluster.racks
-    known = racks.keys() >= prev.index.rack_replicas.keys() and all(r in racks for r in job.spare_racks)
+    known = all(r in racks for r in changes.racks) and all(r in racks for r in job.spare_racks)
     ctx = context(cluster, job, policy, power_model, overrides, prev.ctx.full_degree if known else None)
     old = prev.ctx
     if ctx.policy is not old.policy or ctx.model is not old.model or ctx.full_degree != old.full_degree:
