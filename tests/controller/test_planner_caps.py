@@ -39,7 +39,7 @@ def _reference(parts: dict) -> dict:
 
 def _assert_same(caps, want: dict) -> None:
     assert len(caps) == len(want)
-    assert dict(caps) == want and caps == want and want == caps
+    assert dict(caps) == want and caps == want and want == caps and dict(caps.items()) == want
     assert sorted(caps) == sorted(want)
     for g in GPUS:
         assert (g in caps) == (g in want)

@@ -74,7 +74,7 @@ class UniformCaps(Mapping):
 class MergedCaps(Mapping):
     """The union of per-replica cap parts (``index -> caps``), indexed lazily."""
 
-    __slots__ = ("_dirty", "_overlay", "_owner", "_root", "parts")
+    __slots__ = ("_dict", "_dirty", "_overlay", "_owner", "_root", "parts")
 
     def __init__(self, parts: Mapping[int, Mapping[GpuKey, float]]) -> None:
         self.parts = parts
@@ -83,6 +83,7 @@ class MergedCaps(Mapping):
         # GPU -> the dirty replicas whose (current) part holds it, ascending
         self._overlay: dict[GpuKey, tuple[int, ...]] = {}
         self._owner: dict[GpuKey, int | tuple[int, ...]] | None = None  # root only (_index)
+        self._dict: dict[GpuKey, float] | None = None  # as_dict(), once asked for
 
     def derive(self, parts: Mapping[int, Mapping[GpuKey, float]], replanned) -> MergedCaps:
         """The map of ``parts``, which differ from this map's parts at most in the
@@ -152,27 +153,39 @@ class MergedCaps(Mapping):
         return self._holder(gpu) is not None
 
     def __iter__(self) -> Iterator[GpuKey]:
-        return iter(self._as_dict())
+        return iter(self.as_dict())
 
     def __len__(self) -> int:
         if self._root is self:
             return len(self._index())
-        return len(self._as_dict())
+        return len(self.as_dict())
 
-    def _as_dict(self) -> dict[GpuKey, float]:
-        out: dict[GpuKey, float] = {}
-        for i in sorted(self.parts):
-            out.update(self.parts[i])
-        return out
+    def keys(self):
+        return self.as_dict().keys()
+
+    def items(self):
+        return self.as_dict().items()
+
+    def values(self):
+        return self.as_dict().values()
+
+    def as_dict(self) -> dict[GpuKey, float]:
+        """The caps as one dict (built once, on the first call: a whole-map walk)."""
+        if self._dict is None:
+            out: dict[GpuKey, float] = {}
+            for i in sorted(self.parts):
+                out.update(self.parts[i])
+            self._dict = out
+        return self._dict
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, MergedCaps) and other.parts is self.parts:
             return True
         if isinstance(other, Mapping):
-            return self._as_dict() == (other._as_dict() if isinstance(other, MergedCaps) else dict(other))
+            return self.as_dict() == (other.as_dict() if isinstance(other, MergedCaps) else dict(other))
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"MergedCaps({self._as_dict()!r})"
+        return f"MergedCaps({self.as_dict()!r})"

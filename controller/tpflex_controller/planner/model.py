@@ -192,7 +192,10 @@ def _same_caps(a: PlanResult, b: PlanResult) -> bool:
 
 
 def _as_dict(m: Mapping) -> dict:
-    return m if type(m) is dict else dict(m)
+    if type(m) is dict:
+        return m
+    as_dict = getattr(m, "as_dict", None)  # planner.caps.MergedCaps: one walk of its parts
+    return as_dict() if as_dict is not None else dict(m)
 
 
 def _pin_keys(pins: tuple[SuspendedPin, ...]) -> tuple[tuple[int, int], ...]:
