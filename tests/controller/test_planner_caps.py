@@ -118,3 +118,15 @@ def test_lone_stage_cap_memo_equals_its_water_fill(stages):
     power.plan_boosts(drafts, cluster, 8, power.Curve(DEFAULT_POWER_MODEL))
     power.plan_boosts(bare, cluster, 8, DEFAULT_POWER_MODEL)
     assert [(s.cap_w, s.needed_speed) for s in drafts] == [(s.cap_w, s.needed_speed) for s in bare]
+
+
+@settings(max_examples=100, deadline=None, derandomize=True, database=None)
+@given(st.integers(1, 8), st.integers(1, 8), st.sampled_from([None, 700.0, 812.0, 1000.0]))
+def test_plain_stage_speed_equals_the_general_one(size, degree, cap):
+    """Without pins or slow GPUs, a stage's speed is its boost's throughput."""
+    rack = make_rack("r", size, 2)
+    degree = min(degree, size)
+    stage = StageDraft(0, rack, rack.gpus, rack.gpus, (), degree, cap_w=cap)
+    curve = power.Curve(DEFAULT_POWER_MODEL)
+    caps = power.gpu_caps(stage, {})
+    assert power.plain_stage_speed(stage, curve) == power.stage_speed(stage, caps, {}, DEFAULT_POWER_MODEL, {})

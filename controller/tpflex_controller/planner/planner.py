@@ -384,10 +384,13 @@ def _assign(
         return ReplicaAssignment(d.index, d.state, (), 0, 0, 0.0, f"dropped: {d.why}"), {}
     caps: Mapping[GpuKey, float] = {}
     rels: list[float] = []
-    pins = cluster.power_pins
+    pins, speeds = cluster.power_pins, cluster.gpu_speed
     for s in d.stages:
         stage_caps = power.gpu_caps(s, pins)
-        speed = power.stage_speed(s, stage_caps, cluster.gpu_speed, model, pins)
+        if pins or speeds:
+            speed = power.stage_speed(s, stage_caps, speeds, model, pins)
+        else:
+            speed = power.plain_stage_speed(s, model)
         rels.append(min(1.0, s.degree * speed / job.base_tp))
         if not caps:
             caps = stage_caps  # this stage's own map (the common single stage)

@@ -84,8 +84,10 @@ def plan_boosts(
     """Set ``cap_w`` and ``needed_speed`` on every stage (of running replicas) that needs
     more than 1x speed."""
     by_rack: dict[str, list[StageDraft]] = {}
+    speeds = cluster.gpu_speed
     for s in stages:
-        need = stage_speed_need(s, base_tp, cluster.gpu_speed)
+        # without slow GPUs the need is T / t (slowest_speed is 1.0)
+        need = stage_speed_need(s, base_tp, speeds) if speeds else base_tp / s.degree
         if need > 1.0 + _EPS:
             s.needed_speed = need
             by_rack.setdefault(s.rack.name, []).append(s)
@@ -173,6 +175,12 @@ def gpu_caps(stage: StageDraft, pins: Mapping[GpuKey, float]) -> Mapping[GpuKey,
         for g in pins.keys() & set(stage.used):
             caps[g] = pinned_w(rack, pins[g])
     return {g: w for g, w in caps.items() if w != rack.tdp_w}
+
+
+def plain_stage_speed(stage: StageDraft, model: PowerModel | Curve) -> float:
+    """``stage_speed`` of a stage without power pins or slow GPUs in the cluster: its
+    uniform boost's throughput (1.0 at TDP)."""
+    return 1.0 if stage.cap_w is None else model.throughput(stage.cap_w / stage.rack.tdp_w)
 
 
 def stage_speed(
