@@ -346,6 +346,8 @@ def _unheld_pins(drafts: list[ReplicaDraft], pins: Mapping[int, int]) -> list[Su
     """Pins above the usable GPUs of a stage of their replica cannot hold now: the replica
     runs at what it has (the same degrees as unpinned), and the pin is reported (in the
     order of ``pins``)."""
+    if not pins:
+        return []
     by_index = {d.index: d for d in drafts}
     out: list[SuspendedPin] = []
     for r, t in pins.items():

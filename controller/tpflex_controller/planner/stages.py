@@ -167,7 +167,10 @@ class ReplicaDraft:
 
     @property
     def lost_any(self) -> bool:
-        return any(s.lost for s in self.stages)
+        for s in self.stages:
+            if s.lost:
+                return True
+        return False
 
 
 def unusable_gpus(cluster: ClusterState) -> set[GpuKey]:
