@@ -38,12 +38,15 @@ def _reference(parts: dict) -> dict:
 
 
 def _assert_same(caps, want: dict) -> None:
+    for g in GPUS:  # point look-ups first: through the index, before any whole-map walk
+        assert (g in caps) == (g in want)
+        assert caps.get(g) == want.get(g)
+        assert (caps[g] if g in want else None) == want.get(g)
     assert len(caps) == len(want)
     assert dict(caps) == want and caps == want and want == caps and dict(caps.items()) == want
     assert sorted(caps) == sorted(want)
-    for g in GPUS:
-        assert (g in caps) == (g in want)
-        assert caps.get(g) == want.get(g)
+    for g in GPUS:  # and from the walked dict
+        assert caps.get(g) == want.get(g) and (g in caps) == (g in want)
 
 
 @settings(max_examples=150, deadline=None, derandomize=True, database=None)

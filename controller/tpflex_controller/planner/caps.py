@@ -128,6 +128,7 @@ class MergedCaps(Mapping):
         return root._owner
 
     def _holder(self, gpu: object) -> int | None:
+        """The replica whose part gives ``gpu``'s cap (None: no part holds it)."""
         held = self._index().get(gpu)  # type: ignore[call-overload]
         dirty = self._dirty
         if type(held) is tuple:
@@ -140,16 +141,22 @@ class MergedCaps(Mapping):
         return best
 
     def __getitem__(self, gpu: GpuKey) -> float:
+        if self._dict is not None:
+            return self._dict[gpu]
         i = self._holder(gpu)
         if i is None:
             raise KeyError(gpu)
         return self.parts[i][gpu]
 
     def get(self, gpu, default=None):
+        if self._dict is not None:
+            return self._dict.get(gpu, default)
         i = self._holder(gpu)
         return default if i is None else self.parts[i][gpu]
 
     def __contains__(self, gpu: object) -> bool:
+        if self._dict is not None:
+            return gpu in self._dict
         return self._holder(gpu) is not None
 
     def __iter__(self) -> Iterator[GpuKey]:

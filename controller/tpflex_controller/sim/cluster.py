@@ -171,6 +171,8 @@ class SimCluster:
         result = plan(ClusterState(self.racks, status), job, policy=policy, power_model=self.model)
         self.plan_seconds += time.perf_counter() - started
         caps = result.power_caps
+        as_dict = getattr(caps, "as_dict", None)  # a plan's MergedCaps: one walk, then a dict
+        caps = as_dict() if as_dict is not None else caps
         spare = set(self.spare_names)
         out = []
         for r in result.replicas:
