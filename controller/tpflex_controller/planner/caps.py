@@ -181,7 +181,11 @@ class MergedCaps(Mapping):
         if self._dict is None:
             out: dict[GpuKey, float] = {}
             for i in sorted(self.parts):
-                out.update(self.parts[i])
+                part = self.parts[i]
+                if type(part) is UniformCaps:  # no per-GPU look-up of its watts
+                    out.update(dict.fromkeys(part.gpus, part.watts))
+                else:
+                    out.update(part)
             self._dict = out
         return self._dict
 
