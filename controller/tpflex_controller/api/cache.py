@@ -38,7 +38,7 @@ class _Tables:
     def __init__(self, revision: int = 0) -> None:
         self.snap = Snapshot(revision=revision)
         self.node_rack: dict[str, str] = {}  # rack members -> rack (registrations add theirs)
-        self.node_overrides: dict[str, set[int]] = {}  # node -> GPU indices with an override
+        self.node_overrides: dict[str, set[int]] = {}  # node -> GPU indices with an override or hold
         self.acks: dict[str, dict[int, types_pb2.Ack]] = {}
         self.events: dict[int, types_pb2.Event] = {}
         self.leader: types_pb2.LeaderRecord | None = None
@@ -62,7 +62,7 @@ class _Tables:
             old = self.snap.racks.get(k.name)
             apply_kv(self.snap, kv, deleted, msg)
             self._index_rack(k.name, old)
-        elif kind is KeyKind.GPU_OVERRIDE:
+        elif kind in (KeyKind.GPU_OVERRIDE, KeyKind.GPU_HOLD):
             apply_kv(self.snap, kv, deleted, msg)
             self._index_override(k.name, k.number)
         elif kind is KeyKind.JOB_ACK:
@@ -90,7 +90,7 @@ class _Tables:
             self.node_rack[n] = name
 
     def _index_override(self, node: str, index: int) -> None:
-        if (node, index) in self.snap.gpu_overrides:
+        if (node, index) in self.snap.gpu_overrides or (node, index) in self.snap.gpu_holds:
             self.node_overrides.setdefault(node, set()).add(index)
         else:
             self.node_overrides.get(node, set()).discard(index)
@@ -120,6 +120,9 @@ def node_subset(snap: Snapshot, node: str, rack: types_pb2.Rack | None,
         o = snap.gpu_overrides.get((node, idx))
         if o is not None:
             out.gpu_overrides[(node, idx)] = o
+        hold = snap.gpu_holds.get((node, idx))
+        if hold is not None:
+            out.gpu_holds[(node, idx)] = hold
     return out
 
 
@@ -223,6 +226,7 @@ class ApiStateCache:
             return Snapshot(
                 revision=s.revision, racks=dict(s.racks), nodes=dict(s.nodes),
                 health=dict(s.health), gpu_overrides=dict(s.gpu_overrides),
+                gpu_holds=dict(s.gpu_holds),
             )
 
     def node_cluster(self, node: str) -> tuple[Snapshot, str] | None:
@@ -252,6 +256,7 @@ class ApiStateCache:
                 out.nodes.update(part.nodes)
                 out.health.update(part.health)
                 out.gpu_overrides.update(part.gpu_overrides)
+                out.gpu_holds.update(part.gpu_holds)
         return out
 
     def job(self, name: str) -> types_pb2.JobSpec | None:

@@ -38,7 +38,7 @@ def read_cluster(store: Store) -> Snapshot:
     """Racks, node registrations, health and GPU overrides (malformed values skipped)."""
     return Snapshot(
         racks=store.racks(), nodes=store.nodes(), health=store.health(),
-        gpu_overrides=store.gpu_overrides(),
+        gpu_overrides=store.gpu_overrides(), gpu_holds=store.gpu_holds(),
     )
 
 
@@ -72,7 +72,7 @@ class EtcdState:
         if rack is None and reg is None:
             return None
         name = rack.name if rack is not None else reg.rack
-        idx = {i for (n, i) in snap.gpu_overrides if n == node}
+        idx = {i for (n, i) in (*snap.gpu_overrides, *snap.gpu_holds) if n == node}
         return node_subset(snap, node, snap.racks.get(name), idx), name
 
     def rack_cluster(self, rack: str) -> Snapshot | None:

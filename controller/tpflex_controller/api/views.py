@@ -61,8 +61,11 @@ def _gpu_view(gpu, rack, state, snap, health, device) -> s.GpuView:
     live = gpu[0] in snap.nodes
     override = snap.gpu_overrides.get(gpu)
     drained = bool(override and override.drained)
+    hold = snap.gpu_holds.get(gpu)
     if not live:
         reason = "node lease lapsed or node not registered"
+    elif hold is not None and not (health and health.state == types_pb2.GPU_FAILED):
+        reason = hold.reason  # reported healthy, still held by the leader's flap damping
     elif status is GpuStatus.DRAINED:
         reason = f"drained: {override.reason}" if override else "drained"
     else:
@@ -71,6 +74,8 @@ def _gpu_view(gpu, rack, state, snap, health, device) -> s.GpuView:
         node=gpu[0], index=gpu[1], rack=rack, state=status.value, reason=reason, node_live=live,
         drained=drained, drain_reason=override.reason if drained else "",
     )
+    if hold is not None:
+        view.held, view.held_until, view.hold_reason = True, hold.until or None, hold.reason
     if device is not None:
         view.uuid, view.name, view.power_limit_w = device.uuid, device.name, device.power_limit_w
     if health is not None:
