@@ -30,7 +30,6 @@ process it starts is stopped at the end; bounded in count and time.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import queue
@@ -220,24 +219,14 @@ def _rss_mb(pid: int) -> float:
     return -1.0
 
 
-async def _rest_load(url: str, paths: list[str], clients: int, per_client: int) -> tuple[list[float], dict]:
-    lat: list[float] = []
-    errors: dict = {}
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, timeout=30.0, limits=limits) as http:
-        async def client(i: int) -> None:
-            for k in range(per_client):
-                t = time.monotonic()
-                try:
-                    status = (await http.get(paths[(i + k) % len(paths)])).status_code
-                except httpx.HTTPError as exc:  # a timeout counts, with its latency
-                    status = type(exc).__name__
-                lat.append((time.monotonic() - t) * 1000)
-                if status != 200:
-                    errors[status] = errors.get(status, 0) + 1
-
-        await asyncio.gather(*(client(i) for i in range(clients)))
-    return lat, errors
+def _clients(url: str, paths: list[str], *extra: str) -> dict:
+    """Run bench/rest_clients.py in its own processes; its JSON line."""
+    cmd = [sys.executable, "-m", "bench.rest_clients", "--url", url, "--paths", ",".join(paths), *extra]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False,
+                         cwd=Path(__file__).resolve().parent.parent)
+    if out.returncode != 0:
+        raise RuntimeError(f"rest_clients failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # ---- offline check against the planner ----
@@ -311,13 +300,14 @@ def _uses(plan: types_pb2.Plan, node: str, gpu: int) -> bool:
 
 
 def _failure_to_commit_ms(log: PlanLog, fleet: NodeFleet, checker: DecisionChecker,
-                          window: tuple[float, float] | None = None, inside: bool = True) -> list[float]:
+                          windows: list[tuple[float, float]] | None = None, inside: bool = True) -> list[float]:
     """Per failure of a GPU the job's current plan uses: ms from the health write until the
     first plan of that job without the GPU (the first plan that reflects the failure); only
-    failures written inside (or outside) ``window`` (monotonic start, end) when given."""
+    failures written inside one of (or outside all of) ``windows`` (monotonic start, end)
+    when given."""
     out = []
     for rev, t, node, _, failure, gpu in fleet.events:
-        if not failure or (window is not None and (window[0] <= t <= window[1]) != inside):
+        if not failure or (windows is not None and any(a <= t <= b for a, b in windows) != inside):
             continue
         for j, rs in checker.job_racks.items():
             if fleet.node_rack[node] not in rs:
@@ -350,16 +340,23 @@ def _rest_pid(pid: int) -> int | None:
 
 
 def _rest_into(out: dict, url: str, paths: list[str], args, pid: int) -> None:
+    """The realistic REST load (open loop, paced), then the saturating one (closed loop)."""
     child = _rest_pid(pid)
     out["start"], cpu = time.monotonic(), _cpu_s(pid)
     rest_cpu = _cpu_s(child) if child else 0.0
-    out["lat"], out["errors"] = asyncio.run(_rest_load(url, paths, args.rest_clients, args.rest_requests))
+    out["open"] = _clients(url, paths, "--mode", "open", "--clients", str(args.rest_clients),
+                           "--rate", str(args.rest_rate), "--seconds", str(args.rest_seconds),
+                           "--processes", str(args.rest_processes))
     out["end"], out["cpu_s"] = time.monotonic(), _cpu_s(pid) - cpu
     out["rest_cpu_s"] = _cpu_s(child) - rest_cpu if child else -1.0
+    out["saturated_start"] = time.monotonic()
+    out["closed"] = _clients(url, paths, "--mode", "closed", "--clients", str(args.rest_clients),
+                             "--requests", str(args.rest_requests), "--processes", str(args.rest_processes))
     # baseline, same clients right after: /healthz (async, no state, no in-flight bound)
     # measures the HTTP stack (uvicorn h11 + httpx on loopback) without the API's work
-    out["healthz_lat"], _ = asyncio.run(
-        _rest_load(url, ["/healthz"], args.rest_clients, args.rest_requests))
+    out["healthz"] = _clients(url, ["/healthz"], "--mode", "closed", "--clients", str(args.rest_clients),
+                              "--requests", str(args.rest_requests), "--processes", str(args.rest_processes))
+    out["saturated_end"] = time.monotonic()
 
 
 def _wait(cond, timeout: float, what: str) -> None:
@@ -397,7 +394,11 @@ def _run(args, workdir: Path) -> dict:
         with httpx.Client(base_url=url, timeout=30) as http:
             # the REST process has its own informer: it answers 503 until that has synced
             _wait(lambda: http.get("/readyz").status_code == 200, 120, "REST view synced")
-            paths = [f"/v1/jobs/{j}/plan" for j in jobs] + [f"/v1/jobs/{j}" for j in jobs]
+            # what a dashboard or tpflexctl user polls: jobs and plans, the cluster summary,
+            # a page of failed GPUs, of nodes and of racks, one node
+            paths = [f"/v1/jobs/{j}/plan" for j in jobs] + [f"/v1/jobs/{j}" for j in jobs] + [
+                "/v1/status", "/v1/gpus?state=failed&limit=100", "/v1/nodes?limit=100",
+                "/v1/racks?limit=100", f"/v1/nodes/{next(iter(fleet.node_rack))}"]
             for i in range(50):
                 t = time.monotonic()
                 http.get(paths[i % len(paths)]).raise_for_status()
@@ -453,8 +454,12 @@ def _run(args, workdir: Path) -> dict:
             print(f"# invariant violated: {v}", file=sys.stderr)
         f2c = _failure_to_commit_ms(log, fleet, checker)
         window = (rest["start"], rest["end"]) if "end" in rest else None
-        f2c_quiet = _failure_to_commit_ms(log, fleet, checker, window, inside=False)
-        f2c_rest = _failure_to_commit_ms(log, fleet, checker, window, inside=True) if window else []
+        saturated = (rest["saturated_start"], rest["saturated_end"]) if "saturated_end" in rest else None
+        loaded = [w for w in (window, saturated) if w is not None]
+        f2c_quiet = _failure_to_commit_ms(log, fleet, checker, loaded, inside=False)
+        f2c_rest = _failure_to_commit_ms(log, fleet, checker, [window], inside=True) if window else []
+        f2c_saturated = _failure_to_commit_ms(log, fleet, checker, [saturated], inside=True) if saturated else []
+        paced, closed, healthz = rest.get("open", {}), rest.get("closed", {}), rest.get("healthz", {})
         alive = ctl.poll() is None
         ctl_log = (workdir / "controller.log").read_text(errors="replace")
         log_errors = ctl_log.count(" ERROR ")
@@ -466,20 +471,28 @@ def _run(args, workdir: Path) -> dict:
             "failure_to_commit_p99_ms": _pct(f2c, 0.99), "rss_start_mb": rss_start, "rss_end_mb": rss_end,
             "rss_after_warmup_mb": rss_warm, "invariant_violations": len(violations),
             "rss_end_vs_warmup_ratio": round(rss_end / rss_warm, 3) if rss_warm > 0 else -1.0,
-            "rest_p99_ms": _pct(rest.get("lat", []), 0.99),
+            "rest_p99_ms": paced.get("p99_ms", -1.0), "rest_p50_ms": paced.get("p50_ms", -1.0),
+            "rest_max_ms": paced.get("max_ms", -1.0),
+            "rest_rate_per_client_rps": args.rest_rate, "rest_offered_rps": paced.get("offered_rps", -1.0),
+            "rest_achieved_rps": paced.get("achieved_rps", -1.0),
+            "rest_generator_lag_p99_ms": paced.get("lag_p99_ms", -1.0),
             "rss_before_rest_load_mb": rest.get("rss_before_mb", -1.0),
             "minutes": args.minutes, "events_per_minute": args.rate, "events": len(fleet.events),
             "gpus": args.nodes * GPUS_PER_NODE, "racks": len(racks), "jobs": len(jobs),
             "failure_to_commit_p50_ms": _pct(f2c, 0.5),
             "failure_to_commit_p99_ms_without_rest_load": _pct(f2c_quiet, 0.99),
             "failure_to_commit_p99_ms_during_rest_load": _pct(f2c_rest, 0.99),
+            "failure_to_commit_p99_ms_during_saturated_rest": _pct(f2c_saturated, 0.99),
+            "failures_without_rest_load": len(f2c_quiet), "failures_during_rest_load": len(f2c_rest),
             "rest_load_s": round(window[1] - window[0], 1) if window else 0.0, "final_state_wrong": final_wrong,
-            "rest_clients": args.rest_clients, "rest_requests": len(rest.get("lat", [])),
-            "rest_errors": rest.get("errors", {}), "rest_p50_ms": _pct(rest.get("lat", []), 0.5),
+            "rest_clients": args.rest_clients, "rest_requests": paced.get("requests", 0),
+            "rest_errors": paced.get("errors", {}),
+            "rest_saturated_rps": closed.get("achieved_rps", -1.0), "rest_saturated_p99_ms": closed.get("p99_ms", -1.0),
+            "rest_saturated_errors": closed.get("errors", {}),
             "rest_single_client_p99_ms": _pct(single, 0.99),
             "rest_node_get_p50_ms": _pct(node_get, 0.5), "etcd_put_p99_ms": _pct(puts, 0.99),
-            "rest_healthz_p99_ms": _pct(rest.get("healthz_lat", []), 0.99),
-            "rest_healthz_p50_ms": _pct(rest.get("healthz_lat", []), 0.5),
+            "rest_healthz_saturated_p99_ms": healthz.get("p99_ms", -1.0),
+            "rest_healthz_saturated_rps": healthz.get("achieved_rps", -1.0),
             "controller_cpu_s_during_rest_load": round(rest.get("cpu_s", -1.0), 1),
             "rest_process_cpu_s_during_rest_load": round(rest.get("rest_cpu_s", -1.0), 1),
             "rest_process": rest_pid is not None,
@@ -510,9 +523,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=1.0, help="injection time (issue: 10)")
     p.add_argument("--rate", type=float, default=1000.0, help="GPU failures+recoveries per minute")
     p.add_argument("--rest-clients", type=int, default=200)
-    p.add_argument("--rest-requests", type=int, default=5, help="GETs per REST client")
+    p.add_argument("--rest-rate", type=float, default=0.5,
+                   help="requests a second per REST client (open loop: a user polling every 2 s)")
+    p.add_argument("--rest-seconds", type=float, default=None,
+                   help="how long the paced REST load runs (default: 40%% of the injection, at most 120 s)")
+    p.add_argument("--rest-processes", type=int, default=1, help="processes of the REST load generator")
+    p.add_argument("--rest-requests", type=int, default=5, help="saturation run: GETs per REST client")
     p.add_argument("--seed", type=int, default=8)
     args = p.parse_args(argv)
+    if args.rest_seconds is None:
+        args.rest_seconds = min(120.0, args.minutes * 60 * 0.4)
     if not (1 <= args.nodes <= 20_000 and 0 < args.minutes <= 10 and 0 < args.rate <= 10_000):
         p.error("need 1 <= nodes <= 20000, 0 < minutes <= 10, 0 < rate <= 10000")
     with tempfile.TemporaryDirectory(prefix="tpflex-load-") as d:

@@ -13,8 +13,10 @@ from typing import Protocol
 from tpflex_proto import codec, keys, types_pb2
 
 from tpflex_controller import convert
+from tpflex_controller.api import views
 from tpflex_controller.api.cache import node_subset
 from tpflex_controller.api.errors import invalid, not_found
+from tpflex_controller.api.rows import NodeRow, render_node
 from tpflex_controller.planner.model import JobSpec
 from tpflex_controller.store import Snapshot, Store
 
@@ -32,6 +34,9 @@ class ApiState(Protocol):
     def acks(self, job: str) -> dict[int, types_pb2.Ack]: ...
     def job_override(self, job: str) -> types_pb2.JobOverride | None: ...
     def events(self, limit: int = 100) -> list[types_pb2.Event]: ...
+    def node_names(self) -> list[str]: ...
+    def rack_count(self) -> int: ...
+    def node_row(self, node: str) -> NodeRow | None: ...
 
 
 def read_cluster(store: Store) -> Snapshot:
@@ -99,6 +104,15 @@ class EtcdState:
 
     def events(self, limit: int = 100) -> list[types_pb2.Event]:
         return self.store.events(limit)
+
+    def node_names(self) -> list[str]:
+        return sorted(views.node_names(read_cluster(self.store)))
+
+    def rack_count(self) -> int:
+        return len(self.store.racks())
+
+    def node_row(self, node: str) -> NodeRow | None:
+        return render_node(node, self.node_cluster(node))
 
 
 def job_spec(state: ApiState, name: str) -> types_pb2.JobSpec:

@@ -95,7 +95,8 @@ def count_states(gpus: Iterable[s.GpuView]) -> s.GpuStateCounts:
     return counts
 
 
-def rack_view(rack: types_pb2.Rack, gpus: list[s.GpuView]) -> s.RackView:
+def rack_view(rack: types_pb2.Rack, gpus: Iterable) -> s.RackView:
+    """``gpus``: the rack's GPU views (or rows: anything with a ``state``)."""
     return s.RackView(
         name=rack.name, domain_size=rack.domain_size or rack.gpus_per_node * len(rack.nodes),
         power_budget_w=rack.power_budget_w, gpu_tdp_w=rack.gpu_tdp_w, gpu_min_w=rack.gpu_min_w,

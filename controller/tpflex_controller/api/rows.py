@@ -1,0 +1,102 @@
+"""The list endpoints' per-node rows, rendered once per change of the node and kept in a
+bounded cache, so that ``GET /v1/gpus``, ``/v1/nodes``, ``/v1/racks`` and ``/v1/status``
+cost O(their page) or O(nodes) dictionary lookups, not a re-derivation of every GPU of the
+cluster per request (1.6 s at 10,000 nodes before).
+
+A GPU's state depends only on its own node's records (registration, health, overrides,
+flap holds) and its rack: :func:`render_node` derives one node's rows from that node's
+part of the state (``ApiState.node_cluster``), exactly as ``views.gpu_views`` does for the
+whole cluster. :class:`RowCache` keeps the rendered rows of at most ``max_nodes`` nodes
+(least recently used out; ``rest.row_cache_nodes``) keyed by the node's version, which
+the state source bumps whenever one of those records changes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tpflex_controller.api import schemas as s
+from tpflex_controller.api import views
+from tpflex_controller.store import Snapshot
+
+STATES = ("healthy", "degraded", "failed", "drained")
+
+
+@dataclass(frozen=True, slots=True)
+class GpuRow:
+    index: int
+    state: str
+    rack: str
+    json: bytes  # the GpuView, rendered
+
+
+@dataclass(frozen=True, slots=True)
+class NodeRow:
+    name: str
+    rack: str
+    live: bool
+    gpus: tuple[GpuRow, ...]
+    counts: tuple[int, int, int, int]  # per STATES
+    json: bytes  # the NodeView, rendered
+
+    def state_counts(self) -> s.GpuStateCounts:
+        return counts_view([self])
+
+
+def counts_view(rows) -> s.GpuStateCounts:
+    """The sum of the rows' GPU state counts."""
+    total = [0, 0, 0, 0]
+    for r in rows:
+        for i, n in enumerate(r.counts):
+            total[i] += n
+    return s.GpuStateCounts(total=sum(total), **dict(zip(STATES, total, strict=True)))
+
+
+def render_node(node: str, found: tuple[Snapshot, str] | None) -> NodeRow | None:
+    """One node's rows from its part of the state (pure); None for an unknown node."""
+    if found is None:
+        return None
+    snap, rack = found
+    gpus = [g for g in views.gpu_views(snap) if g.node == node]
+    counts = tuple(sum(g.state == st for g in gpus) for st in STATES)
+    view = views.node_view(node, rack, snap, gpus)
+    return NodeRow(
+        name=node, rack=view.rack, live=view.live,
+        gpus=tuple(GpuRow(g.index, g.state, g.rack, g.model_dump_json().encode()) for g in gpus),
+        counts=counts, json=view.model_dump_json().encode(),
+    )
+
+
+class RowCache:
+    """Rendered rows of at most ``max_nodes`` nodes, each valid for one node version."""
+
+    def __init__(self, max_nodes: int = 20_000) -> None:
+        if max_nodes < 1:
+            raise ValueError("max_nodes must be >= 1")
+        self.max_nodes = max_nodes
+        self._lock = threading.Lock()
+        self._rows: OrderedDict[str, tuple[object, NodeRow | None]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def get(self, node: str, version: object, build: Callable[[], NodeRow | None]) -> NodeRow | None:
+        with self._lock:
+            kept = self._rows.get(node)
+            if kept is not None and kept[0] == version:
+                self._rows.move_to_end(node)
+                return kept[1]
+        row = build()  # outside the lock: readers of other nodes go on
+        with self._lock:
+            self._rows[node] = (version, row)
+            self._rows.move_to_end(node)
+            while len(self._rows) > self.max_nodes:
+                self._rows.popitem(last=False)
+        return row
+
+
+def json_list(parts) -> bytes:
+    return b"[" + b",".join(parts) + b"]"
