@@ -335,7 +335,12 @@ class ApiStateCache:
 
     def node_row(self, node: str) -> NodeRow | None:
         """One node's rendered rows (api/rows.py), re-rendered only after it changed."""
+        return self.node_rows([node])[0]
+
+    def node_rows(self, nodes: list[str]) -> list[NodeRow | None]:
+        """The rendered rows of ``nodes``, in order (one lock round for all)."""
         t = self._tables()
         with self._lock:
-            version = (t.epoch, t.node_ver.get(node, 0))
-        return self.rows.get(node, version, lambda: render_node(node, self.node_cluster(node)))
+            ver = t.node_ver
+            wanted = [(n, (t.epoch, ver.get(n, 0))) for n in nodes]
+        return self.rows.get_many(wanted, lambda n: render_node(n, self.node_cluster(n)))

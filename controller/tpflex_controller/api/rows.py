@@ -41,6 +41,8 @@ class NodeRow:
     gpus: tuple[GpuRow, ...]
     counts: tuple[int, int, int, int]  # per STATES
     json: bytes  # the NodeView, rendered
+    states: frozenset[str]  # the states its GPUs are in (a filter skips the node at once)
+    racks: frozenset[str]  # the racks its GPUs are in
 
     def state_counts(self) -> s.GpuStateCounts:
         return counts_view([self])
@@ -48,10 +50,7 @@ class NodeRow:
 
 def counts_view(rows) -> s.GpuStateCounts:
     """The sum of the rows' GPU state counts."""
-    total = [0, 0, 0, 0]
-    for r in rows:
-        for i, n in enumerate(r.counts):
-            total[i] += n
+    total = [sum(c) for c in zip(*(r.counts for r in rows), strict=True)] or [0, 0, 0, 0]
     return s.GpuStateCounts(total=sum(total), **dict(zip(STATES, total, strict=True)))
 
 
@@ -67,6 +66,7 @@ def render_node(node: str, found: tuple[Snapshot, str] | None) -> NodeRow | None
         name=node, rack=view.rack, live=view.live,
         gpus=tuple(GpuRow(g.index, g.state, g.rack, g.model_dump_json().encode()) for g in gpus),
         counts=counts, json=view.model_dump_json().encode(),
+        states=frozenset(g.state for g in gpus), racks=frozenset(g.rack for g in gpus),
     )
 
 
@@ -82,6 +82,26 @@ class RowCache:
 
     def __len__(self) -> int:
         return len(self._rows)
+
+    def get_many(self, wanted: list[tuple[str, object]], build: Callable[[str], NodeRow | None]
+                 ) -> list[NodeRow | None]:
+        """The rows of ``wanted`` (node, version) pairs, in order; one lock for the hits."""
+        out: list[NodeRow | None] = []
+        missing: list[int] = []
+        with self._lock:
+            rows = self._rows
+            for node, version in wanted:
+                kept = rows.get(node)
+                if kept is not None and kept[0] == version:
+                    rows.move_to_end(node)
+                    out.append(kept[1])
+                else:
+                    missing.append(len(out))
+                    out.append(None)
+        for i in missing:
+            node, version = wanted[i]
+            out[i] = self.get(node, version, lambda node=node: build(node))
+        return out
 
     def get(self, node: str, version: object, build: Callable[[], NodeRow | None]) -> NodeRow | None:
         with self._lock:

@@ -37,6 +37,7 @@ class ApiState(Protocol):
     def node_names(self) -> list[str]: ...
     def rack_count(self) -> int: ...
     def node_row(self, node: str) -> NodeRow | None: ...
+    def node_rows(self, nodes: list[str]) -> list[NodeRow | None]: ...
 
 
 def read_cluster(store: Store) -> Snapshot:
@@ -113,6 +114,9 @@ class EtcdState:
 
     def node_row(self, node: str) -> NodeRow | None:
         return render_node(node, self.node_cluster(node))
+
+    def node_rows(self, nodes: list[str]) -> list[NodeRow | None]:
+        return [self.node_row(n) for n in nodes]
 
 
 def job_spec(state: ApiState, name: str) -> types_pb2.JobSpec:

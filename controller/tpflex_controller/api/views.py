@@ -7,6 +7,7 @@ lease lapsed is failed, a drained GPU is drained unless it has failed.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Iterable
 
 from tpflex_proto import types_pb2
@@ -87,12 +88,11 @@ def _gpu_view(gpu, rack, state, snap, health, device) -> s.GpuView:
     return view
 
 
-def count_states(gpus: Iterable[s.GpuView]) -> s.GpuStateCounts:
-    counts = s.GpuStateCounts()
-    for g in gpus:
-        counts.total += 1
-        setattr(counts, g.state, getattr(counts, g.state) + 1)
-    return counts
+def count_states(gpus: Iterable) -> s.GpuStateCounts:
+    """How many of ``gpus`` (views or rows: anything with a ``state``) are in each state."""
+    c = Counter(g.state for g in gpus)
+    return s.GpuStateCounts(total=sum(c.values()), healthy=c["healthy"], degraded=c["degraded"],
+                            failed=c["failed"], drained=c["drained"])
 
 
 def rack_view(rack: types_pb2.Rack, gpus: Iterable) -> s.RackView:

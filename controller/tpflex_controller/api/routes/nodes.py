@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import itertools
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
@@ -27,8 +26,7 @@ def list_nodes(deps: Deps, request: Request, response: Response, limit: PageLimi
                after: After = None) -> Response:
     reads = deps.reads
     chosen = page(reads.node_names(), str, limit, after, request, response)
-    rows = (reads.node_row(name) for name in chosen)
-    return _json(json_list(r.json for r in rows if r is not None), response)
+    return _json(json_list(r.json for r in reads.node_rows(chosen) if r is not None), response)
 
 
 @router.get("/nodes/{node}", response_model=s.NodeDetail, summary="One node with its GPUs")
@@ -55,9 +53,12 @@ def list_gpus(
     start = bisect.bisect_left(names, after.rpartition(":")[0]) if after else 0
     out: list[tuple[str, int, bytes]] = []
     more = False
-    for name in itertools.islice(names, start, None):
-        row = reads.node_row(name)
-        for g in row.gpus if row is not None else ():
+    for row in _rows_from(reads, names, start):
+        if row is None or (state is not None and state not in row.states) or (
+                rack is not None and rack not in row.racks):
+            continue
+        name = row.name
+        for g in row.gpus:
             if (state is not None and g.state != state) or (rack is not None and g.rack != rack):
                 continue
             if after is not None and gpu_cursor(name, g.index) <= after:
@@ -73,6 +74,12 @@ def list_gpus(
         response.headers["X-Next-Cursor"] = cursor
         response.headers["Link"] = f'<{request.url.include_query_params(after=cursor, limit=limit)}>; rel="next"'
     return _json(json_list(g[2] for g in out), response)
+
+
+def _rows_from(reads, names: list[str], start: int, chunk: int = 256):
+    """The nodes' rows from ``start`` on, fetched a chunk at a time (a page stops early)."""
+    for i in range(start, len(names), chunk):
+        yield from reads.node_rows(names[i:i + chunk])
 
 
 def _json(body: bytes, response: Response) -> Response:

@@ -28,7 +28,7 @@ def list_racks(deps: Deps, request: Request, response: Response, limit: PageLimi
     out = []
     for name in names:
         rack = snap.racks[name]
-        rows = (reads.node_row(n) for n in [*rack.nodes, *unlisted.get(name, ())])
+        rows = reads.node_rows([*rack.nodes, *unlisted.get(name, ())])
         gpus = [g for r in rows if r is not None for g in r.gpus if g.rack == name]
         out.append(views.rack_view(rack, gpus))
     return out

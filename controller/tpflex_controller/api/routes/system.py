@@ -48,7 +48,7 @@ def metrics(deps: Deps) -> Response:
 def status(deps: Deps) -> s.StatusView:
     reads = deps.reads
     names = reads.node_names()
-    rows = [r for r in (reads.node_row(n) for n in names) if r is not None]
+    rows = [r for r in reads.node_rows(names) if r is not None]
     record = reads.leader()
     jobs = []
     for name, spec in sorted(reads.jobs().items()):
