@@ -3,7 +3,7 @@
 The nodes live in this process: each has its own etcd lease, kept alive over one
 LeaseKeepAlive stream, a registration and a health record bound to it. An injector fails
 and recovers GPUs at ``--rate`` events per minute (half failures, half recoveries of a
-GPU failed earlier) for ``--minutes``; meanwhile 200 concurrent REST clients read the API.
+GPU failed earlier) for ``--minutes``; meanwhile 200 REST clients read the API.
 Afterwards every committed plan is checked offline against ``tpflex_controller.planner
 .plan``: a decision is right when it equals the planner's output on a state the cluster
 actually passed through since that job's previous decision, and after the run settles
@@ -20,8 +20,15 @@ job's plan uses -> the first plan of that job without it, seen by a watcher),
 ``rss_start_mb`` / ``rss_end_mb`` (controller VmRSS after the first plans / at the end; the
 controller process only: the REST API runs in its child process, whose VmRSS is
 ``rest_rss_*_mb``),
-``rest_p99_ms`` (200 concurrent clients), plus the run's parameters and baselines measured
-in the same run (``etcd_put_p99_ms``, ``rest_single_client_p99_ms``).
+``rest_p99_ms`` (the realistic load: ``--rest-clients`` users, each polling at
+``--rest-rate`` requests a second on a fixed open-loop schedule, from
+``bench/rest_clients.py`` in its own process; ``rest_offered_rps``,
+``rest_achieved_rps`` and ``rest_generator_lag_p99_ms`` say what it was), then the
+saturating load (the same clients back to back, no think time):
+``rest_saturated_rps`` / ``rest_saturated_p99_ms``; ``failure_to_commit_p99_ms_during_rest_load``
+covers failures written during the paced load, ``..._without_rest_load`` those outside
+both loads; plus the run's parameters and baselines measured in the same run
+(``etcd_put_p99_ms``, ``rest_single_client_p99_ms``).
 
 Default ``--minutes 1`` (the issue's figures: ``--minutes 10``). Loopback only; every
 process it starts is stopped at the end; bounded in count and time.
@@ -221,9 +228,10 @@ def _rss_mb(pid: int) -> float:
 
 def _clients(url: str, paths: list[str], *extra: str) -> dict:
     """Run bench/rest_clients.py in its own processes; its JSON line."""
+    root = str(Path(__file__).resolve().parent.parent)
     cmd = [sys.executable, "-m", "bench.rest_clients", "--url", url, "--paths", ",".join(paths), *extra]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False,
-                         cwd=Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": root}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, cwd=root, env=env)
     if out.returncode != 0:
         raise RuntimeError(f"rest_clients failed: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -96,3 +96,22 @@ def test_the_row_cache_keeps_at_most_its_bound():
     assert built == ["a", "b", "c", "b"]  # "a" stayed (recently used), "b" was evicted by "c"
     cache.get("a", 2, lambda: build("a"))  # a new version of the node: rendered again
     assert built[-1] == "a"
+
+
+def test_the_plan_render_memo_keeps_at_most_its_bound():
+    from tpflex_controller.api.memo import RenderMemo
+
+    memo = RenderMemo(max_entries=2)
+    renders = []
+
+    def render(name):
+        renders.append(name)
+        return views.s.Health(status=name)
+
+    sources = {name: object() for name in "abc"}
+    for name in "abcab":
+        memo.json("plan", name, sources[name], lambda name=name: render(name))
+        assert len(memo._kept) <= 2
+    assert renders == ["a", "b", "c", "a", "b"]  # a job's plan left the memo when c came
+    memo.json("plan", "b", sources["b"], lambda: render("b"))
+    assert renders[-1] == "b" and len(renders) == 5  # kept: not rendered again
