@@ -5,7 +5,8 @@ they measure.
 Two modes, one JSON line on stdout each:
 
 - ``open`` (the realistic load): ``--clients`` users, each polling at ``--rate`` requests
-  a second on a fixed schedule (a dashboard or ``tpflexctl`` user: request k of client i
+  a second over its own keep-alive HTTP/1.1 connection(s) (plain asyncio streams: a
+  fraction of httpx's CPU per request) on a fixed schedule (a dashboard or ``tpflexctl`` user: request k of client i
   is due at ``start + offset_i + k / rate``, offsets spread over one period). A request is
   sent when due, whether or not the client's previous one has returned (open loop), so
   latency includes the server's queueing; it is timed from the moment it was sent, and the
@@ -39,36 +40,80 @@ def _pct(xs: list[float], q: float) -> float:
     return round(s[min(len(s) - 1, int(q * len(s)))], 2)
 
 
+class _Conn:
+    """One keep-alive HTTP/1.1 connection (asyncio streams: a fraction of httpx's CPU per
+    request, so the generator stays light next to the server it measures)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, host: str, port: int) -> _Conn:
+        return cls(*await asyncio.open_connection(host, port))
+
+    async def get(self, host: str, path: str) -> int:
+        self.writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            while True:
+                size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
+                await self.reader.readexactly(size + 2)
+                if size == 0:
+                    break
+        else:
+            await self.reader.readexactly(int(headers.get("content-length", "0")))
+        if headers.get("connection", "").lower() == "close":
+            self.close()
+            raise ConnectionError("server closed the connection")
+        return status
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 async def _open(url: str, paths: list[str], first: int, clients: int, total: int, rate: float,
                 seconds: float, start: float) -> tuple[list[float], list[float], dict]:
     lat: list[float] = []
     lag: list[float] = []
     errors: dict[str, int] = {}
     period = 1.0 / rate
-    limits = httpx.Limits(max_connections=clients * 4, max_keepalive_connections=clients * 2)
-    async with httpx.AsyncClient(base_url=url, timeout=30.0, limits=limits) as http:
-        async def one(path: str, due: float) -> None:
-            sent = time.monotonic()
-            lag.append((sent - due) * 1000)
-            try:
-                status = (await http.get(path)).status_code
-            except httpx.HTTPError as exc:  # a timeout counts, with its latency
-                status = type(exc).__name__
-            lat.append((time.monotonic() - sent) * 1000)
-            if status != 200:
-                errors[str(status)] = errors.get(str(status), 0) + 1
+    target = url.split("://", 1)[1].rstrip("/")
+    host, _, port = target.partition(":")
 
-        async def client(i: int) -> None:
-            offset = period * i / total  # clients spread evenly over one period
-            pending = []
-            k = 0
-            while (due := start + offset + k * period) < start + seconds:
-                await asyncio.sleep(max(0.0, due - time.monotonic()))
-                pending.append(asyncio.ensure_future(one(paths[(i + k) % len(paths)], due)))
-                k += 1
-            await asyncio.gather(*pending)
+    async def one(idle: list[_Conn], path: str, due: float) -> None:
+        sent = time.monotonic()
+        lag.append((sent - due) * 1000)
+        conn = None
+        try:
+            # the client's idle connection, or a new one while the previous is still busy
+            conn = idle.pop() if idle else await _Conn.open(host, int(port))
+            status = await asyncio.wait_for(conn.get(target, path), 30.0)
+            idle.append(conn)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+            status = type(exc).__name__
+            if conn is not None:
+                conn.close()
+        lat.append((time.monotonic() - sent) * 1000)
+        if status != 200:
+            errors[str(status)] = errors.get(str(status), 0) + 1
 
-        await asyncio.gather(*(client(first + i) for i in range(clients)))
+    async def client(i: int) -> None:
+        offset = period * i / total  # clients spread evenly over one period
+        idle: list[_Conn] = []
+        pending = []
+        k = 0
+        while (due := start + offset + k * period) < start + seconds:
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            pending.append(asyncio.ensure_future(one(idle, paths[(i + k) % len(paths)], due)))
+            k += 1
+        await asyncio.gather(*pending)
+        for conn in idle:
+            conn.close()
+
+    await asyncio.gather(*(client(first + i) for i in range(clients)))
     return lat, lag, errors
 
 

@@ -199,6 +199,7 @@ class ApiStateCache:
                 self._t, self._synced = tables, True
                 self._changed.notify_all()
             log.info("api cache synced revision=%d", batch.revision)
+            threading.Thread(target=self._warm_rows, args=(tables,), name="api-rows-warm", daemon=True).start()
             self._subscribers.publish([Change(Kind.RESYNC, "", batch.revision)])
             return
         with self._changed:
@@ -315,6 +316,18 @@ class ApiStateCache:
         t = self._tables()
         with self._lock:
             return [t.events[s] for s in sorted(t.events)[-limit:]]
+
+    def _warm_rows(self, tables: _Tables) -> None:
+        """Render every node's rows once after a (re-)list, off the request path, so that
+        the first /v1/status or filtered /v1/gpus does not render the whole cluster."""
+        try:
+            names = self.node_names()[: self.rows.max_nodes]
+            for i in range(0, len(names), 256):
+                if self._t is not tables:
+                    return  # a newer list: its own warm-up runs
+                self.node_rows(names[i:i + 256])
+        except ApiError:
+            return  # etcd went away meanwhile; rows are rendered on demand
 
     def node_names(self) -> list[str]:
         """Every node known (rack members and registered nodes), sorted; kept until the
