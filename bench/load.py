@@ -231,10 +231,27 @@ def _clients(url: str, paths: list[str], *extra: str) -> dict:
     root = str(Path(__file__).resolve().parent.parent)
     cmd = [sys.executable, "-m", "bench.rest_clients", "--url", url, "--paths", ",".join(paths), *extra]
     env = {**os.environ, "PYTHONPATH": root}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, cwd=root, env=env)
-    if out.returncode != 0:
-        raise RuntimeError(f"rest_clients failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    # its own session: the bench stops the generator and its workers as one group
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root,
+                            env=env, start_new_session=True)
+    _GENERATORS.append(proc)
+    out, err = proc.communicate(timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"rest_clients failed: {err[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+_GENERATORS: list[subprocess.Popen] = []
+
+
+def _stop_generators() -> None:
+    for proc in _GENERATORS:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
 
 
 # ---- offline check against the planner ----
@@ -511,6 +528,7 @@ def _run(args, workdir: Path) -> dict:
             "settle_after_injection_ms": round(settle_ms, 1),
         }
     finally:
+        _stop_generators()
         if fleet is not None:
             fleet.stop()
         for p in procs:

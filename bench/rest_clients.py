@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> dict:
     first = 0
     for w in range(procs):
         count = share + (w < extra)
-        p = multiprocessing.Process(target=_worker, args=(args, paths, first, count, start, queue))
+        p = multiprocessing.Process(target=_worker, args=(args, paths, first, count, start, queue), daemon=True)
         p.start()
         workers.append(p)
         first += count

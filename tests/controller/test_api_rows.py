@@ -115,3 +115,28 @@ def test_the_plan_render_memo_keeps_at_most_its_bound():
     assert renders == ["a", "b", "c", "a", "b"]  # a job's plan left the memo when c came
     memo.json("plan", "b", sources["b"], lambda: render("b"))
     assert renders[-1] == "b" and len(renders) == 5  # kept: not rendered again
+
+
+def test_the_fast_plan_json_equals_the_models_json():
+    """views.plan_json (built from the protobuf) against views.plan_view (the pydantic
+    models, the reference) on a plan with a degraded, boosted replica, reasons and a
+    suspended pin."""
+    import dataclasses
+    import json
+
+    from tpflex_controller import convert, synthetic
+    from tpflex_controller.planner import plan
+    from tpflex_controller.planner.model import GpuStatus, JobOverrides
+    from tpflex_controller.store import Snapshot
+
+    racks = [synthetic.rack(f"r{i}", 2, 4) for i in range(3)]
+    snap = Snapshot(racks={r.name: r for r in racks},
+                    nodes={n: synthetic.node(n, r.name, 4) for r in racks for n in r.nodes})
+    state = convert.cluster_state(snap)
+    state = dataclasses.replace(state, gpu_status={("r1-n00", 2): GpuStatus.FAILED, ("r2-n01", 0): GpuStatus.FAILED})
+    spec = convert.job_spec(synthetic.job("j", [r.name for r in racks], 8), state.racks)
+    result = plan(state, spec, overrides=JobOverrides(pins={2: 8}))
+    proto = convert.plan_to_proto(result, 7, cause="gpu_failed")
+    assert proto.power_caps and proto.suspended_pins and proto.reasons  # the plan exercises every field
+    assert {r.state for r in proto.replicas} >= {types_pb2.REPLICA_HEALTHY, types_pb2.REPLICA_DEGRADED}
+    assert json.loads(views.plan_json(proto)) == views.plan_view(proto).model_dump(mode="json")

@@ -22,8 +22,9 @@ class RenderMemo:
         self._max = max_entries
         self._kept: OrderedDict[tuple[str, str], tuple[object, bytes]] = OrderedDict()
 
-    def json(self, kind: str, name: str, source: object, render: Callable[[], BaseModel]) -> Response:
-        """The JSON of ``render()`` for ``source`` (rendered once per source object)."""
+    def json(self, kind: str, name: str, source: object, render: Callable[[], BaseModel | bytes]) -> Response:
+        """The JSON of ``render()`` (a model, or its JSON already) for ``source`` (rendered
+        once per source object)."""
         key = (kind, name)
         with self._lock:
             kept = self._kept.get(key)
@@ -32,7 +33,8 @@ class RenderMemo:
         if kept is not None and kept[0] is source:
             body = kept[1]
         else:
-            body = JSONResponse(render().model_dump(mode="json")).body
+            made = render()
+            body = made if isinstance(made, bytes) else JSONResponse(made.model_dump(mode="json")).body
             with self._lock:
                 self._kept[key] = (source, body)
                 while len(self._kept) > self._max:
