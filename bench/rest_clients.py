@@ -89,8 +89,18 @@ async def _open(url: str, paths: list[str], first: int, clients: int, total: int
         conn = None
         try:
             # the client's idle connection, or a new one while the previous is still busy
-            conn = idle.pop() if idle else await _Conn.open(host, int(port))
-            status = await asyncio.wait_for(conn.get(target, path), 30.0)
+            if idle:
+                conn = idle.pop()
+                try:
+                    status = await asyncio.wait_for(conn.get(target, path), 30.0)
+                except (OSError, asyncio.IncompleteReadError):
+                    # the server closed it while idle (keep-alive timeout): as an HTTP
+                    # client does, send the request again on a new connection
+                    conn.close()
+                    conn = None
+            if conn is None:
+                conn = await _Conn.open(host, int(port))
+                status = await asyncio.wait_for(conn.get(target, path), 30.0)
             idle.append(conn)
         except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
             status = type(exc).__name__
