@@ -111,6 +111,9 @@ class RowCache:
                 return kept[1]
         row = build()  # outside the lock: readers of other nodes go on
         with self._lock:
+            kept = self._rows.get(node)
+            if kept is not None and kept[0] == version:
+                return kept[1]  # rendered meanwhile by another reader: one row per version
             self._rows[node] = (version, row)
             self._rows.move_to_end(node)
             while len(self._rows) > self.max_nodes:
