@@ -3,7 +3,7 @@
 The nodes live in this process: each has its own etcd lease, kept alive over one
 LeaseKeepAlive stream, a registration and a health record bound to it. An injector fails
 and recovers GPUs at ``--rate`` events per minute (half failures, half recoveries of a
-GPU failed earlier) for ``--minutes``; meanwhile 200 concurrent REST clients read the API.
+GPU failed earlier) for ``--minutes``; meanwhile 200 REST clients read the API.
 Afterwards every committed plan is checked offline against ``tpflex_controller.planner
 .plan``: a decision is right when it equals the planner's output on a state the cluster
 actually passed through since that job's previous decision, and after the run settles
@@ -20,8 +20,15 @@ job's plan uses -> the first plan of that job without it, seen by a watcher),
 ``rss_start_mb`` / ``rss_end_mb`` (controller VmRSS after the first plans / at the end; the
 controller process only: the REST API runs in its child process, whose VmRSS is
 ``rest_rss_*_mb``),
-``rest_p99_ms`` (200 concurrent clients), plus the run's parameters and baselines measured
-in the same run (``etcd_put_p99_ms``, ``rest_single_client_p99_ms``).
+``rest_p99_ms`` (the realistic load: ``--rest-clients`` users, each polling at
+``--rest-rate`` requests a second on a fixed open-loop schedule, from
+``bench/rest_clients.py`` in its own process; ``rest_offered_rps``,
+``rest_achieved_rps`` and ``rest_generator_lag_p99_ms`` say what it was), then the
+saturating load (the same clients back to back, no think time):
+``rest_saturated_rps`` / ``rest_saturated_p99_ms``; ``failure_to_commit_p99_ms_during_rest_load``
+covers failures written during the paced load, ``..._without_rest_load`` those outside
+both loads; plus the run's parameters and baselines measured in the same run
+(``etcd_put_p99_ms``, ``rest_single_client_p99_ms``).
 
 Default ``--minutes 1`` (the issue's figures: ``--minutes 10``). Loopback only; every
 process it starts is stopped at the end; bounded in count and time.
@@ -30,7 +37,6 @@ process it starts is stopped at the end; bounded in count and time.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import queue
@@ -220,24 +226,32 @@ def _rss_mb(pid: int) -> float:
     return -1.0
 
 
-async def _rest_load(url: str, paths: list[str], clients: int, per_client: int) -> tuple[list[float], dict]:
-    lat: list[float] = []
-    errors: dict = {}
-    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
-    async with httpx.AsyncClient(base_url=url, timeout=30.0, limits=limits) as http:
-        async def client(i: int) -> None:
-            for k in range(per_client):
-                t = time.monotonic()
-                try:
-                    status = (await http.get(paths[(i + k) % len(paths)])).status_code
-                except httpx.HTTPError as exc:  # a timeout counts, with its latency
-                    status = type(exc).__name__
-                lat.append((time.monotonic() - t) * 1000)
-                if status != 200:
-                    errors[status] = errors.get(status, 0) + 1
+def _clients(url: str, paths: list[str], *extra: str) -> dict:
+    """Run bench/rest_clients.py in its own processes; its JSON line."""
+    root = str(Path(__file__).resolve().parent.parent)
+    cmd = [sys.executable, "-m", "bench.rest_clients", "--url", url, "--paths", ",".join(paths), *extra]
+    env = {**os.environ, "PYTHONPATH": root}
+    # its own session: the bench stops the generator and its workers as one group
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root,
+                            env=env, start_new_session=True)
+    _GENERATORS.append(proc)
+    out, err = proc.communicate(timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"rest_clients failed: {err[-2000:]}")
+    return json.loads(out.strip().splitlines()[-1])
 
-        await asyncio.gather(*(client(i) for i in range(clients)))
-    return lat, errors
+
+_GENERATORS: list[subprocess.Popen] = []
+
+
+def _stop_generators() -> None:
+    for proc in _GENERATORS:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
 
 
 # ---- offline check against the planner ----
@@ -311,13 +325,14 @@ def _uses(plan: types_pb2.Plan, node: str, gpu: int) -> bool:
 
 
 def _failure_to_commit_ms(log: PlanLog, fleet: NodeFleet, checker: DecisionChecker,
-                          window: tuple[float, float] | None = None, inside: bool = True) -> list[float]:
+                          windows: list[tuple[float, float]] | None = None, inside: bool = True) -> list[float]:
     """Per failure of a GPU the job's current plan uses: ms from the health write until the
     first plan of that job without the GPU (the first plan that reflects the failure); only
-    failures written inside (or outside) ``window`` (monotonic start, end) when given."""
+    failures written inside one of (or outside all of) ``windows`` (monotonic start, end)
+    when given."""
     out = []
     for rev, t, node, _, failure, gpu in fleet.events:
-        if not failure or (window is not None and (window[0] <= t <= window[1]) != inside):
+        if not failure or (windows is not None and any(a <= t <= b for a, b in windows) != inside):
             continue
         for j, rs in checker.job_racks.items():
             if fleet.node_rack[node] not in rs:
@@ -350,16 +365,23 @@ def _rest_pid(pid: int) -> int | None:
 
 
 def _rest_into(out: dict, url: str, paths: list[str], args, pid: int) -> None:
+    """The realistic REST load (open loop, paced), then the saturating one (closed loop)."""
     child = _rest_pid(pid)
     out["start"], cpu = time.monotonic(), _cpu_s(pid)
     rest_cpu = _cpu_s(child) if child else 0.0
-    out["lat"], out["errors"] = asyncio.run(_rest_load(url, paths, args.rest_clients, args.rest_requests))
+    out["open"] = _clients(url, paths, "--mode", "open", "--clients", str(args.rest_clients),
+                           "--rate", str(args.rest_rate), "--seconds", str(args.rest_seconds),
+                           "--processes", str(args.rest_processes))
     out["end"], out["cpu_s"] = time.monotonic(), _cpu_s(pid) - cpu
     out["rest_cpu_s"] = _cpu_s(child) - rest_cpu if child else -1.0
+    out["saturated_start"] = time.monotonic()
+    out["closed"] = _clients(url, paths, "--mode", "closed", "--clients", str(args.rest_clients),
+                             "--requests", str(args.rest_requests), "--processes", str(args.rest_processes))
     # baseline, same clients right after: /healthz (async, no state, no in-flight bound)
     # measures the HTTP stack (uvicorn h11 + httpx on loopback) without the API's work
-    out["healthz_lat"], _ = asyncio.run(
-        _rest_load(url, ["/healthz"], args.rest_clients, args.rest_requests))
+    out["healthz"] = _clients(url, ["/healthz"], "--mode", "closed", "--clients", str(args.rest_clients),
+                              "--requests", str(args.rest_requests), "--processes", str(args.rest_processes))
+    out["saturated_end"] = time.monotonic()
 
 
 def _wait(cond, timeout: float, what: str) -> None:
@@ -397,7 +419,11 @@ def _run(args, workdir: Path) -> dict:
         with httpx.Client(base_url=url, timeout=30) as http:
             # the REST process has its own informer: it answers 503 until that has synced
             _wait(lambda: http.get("/readyz").status_code == 200, 120, "REST view synced")
-            paths = [f"/v1/jobs/{j}/plan" for j in jobs] + [f"/v1/jobs/{j}" for j in jobs]
+            # what a dashboard or tpflexctl user polls: jobs and plans, the cluster summary,
+            # a page of failed GPUs, of nodes and of racks, one node
+            paths = [f"/v1/jobs/{j}/plan" for j in jobs] + [f"/v1/jobs/{j}" for j in jobs] + [
+                "/v1/status", "/v1/gpus?state=failed&limit=100", "/v1/nodes?limit=100",
+                "/v1/racks?limit=100", f"/v1/nodes/{next(iter(fleet.node_rack))}"]
             for i in range(50):
                 t = time.monotonic()
                 http.get(paths[i % len(paths)]).raise_for_status()
@@ -453,8 +479,12 @@ def _run(args, workdir: Path) -> dict:
             print(f"# invariant violated: {v}", file=sys.stderr)
         f2c = _failure_to_commit_ms(log, fleet, checker)
         window = (rest["start"], rest["end"]) if "end" in rest else None
-        f2c_quiet = _failure_to_commit_ms(log, fleet, checker, window, inside=False)
-        f2c_rest = _failure_to_commit_ms(log, fleet, checker, window, inside=True) if window else []
+        saturated = (rest["saturated_start"], rest["saturated_end"]) if "saturated_end" in rest else None
+        loaded = [w for w in (window, saturated) if w is not None]
+        f2c_quiet = _failure_to_commit_ms(log, fleet, checker, loaded, inside=False)
+        f2c_rest = _failure_to_commit_ms(log, fleet, checker, [window], inside=True) if window else []
+        f2c_saturated = _failure_to_commit_ms(log, fleet, checker, [saturated], inside=True) if saturated else []
+        paced, closed, healthz = rest.get("open", {}), rest.get("closed", {}), rest.get("healthz", {})
         alive = ctl.poll() is None
         ctl_log = (workdir / "controller.log").read_text(errors="replace")
         log_errors = ctl_log.count(" ERROR ")
@@ -466,20 +496,28 @@ def _run(args, workdir: Path) -> dict:
             "failure_to_commit_p99_ms": _pct(f2c, 0.99), "rss_start_mb": rss_start, "rss_end_mb": rss_end,
             "rss_after_warmup_mb": rss_warm, "invariant_violations": len(violations),
             "rss_end_vs_warmup_ratio": round(rss_end / rss_warm, 3) if rss_warm > 0 else -1.0,
-            "rest_p99_ms": _pct(rest.get("lat", []), 0.99),
+            "rest_p99_ms": paced.get("p99_ms", -1.0), "rest_p50_ms": paced.get("p50_ms", -1.0),
+            "rest_max_ms": paced.get("max_ms", -1.0),
+            "rest_rate_per_client_rps": args.rest_rate, "rest_offered_rps": paced.get("offered_rps", -1.0),
+            "rest_achieved_rps": paced.get("achieved_rps", -1.0),
+            "rest_generator_lag_p99_ms": paced.get("lag_p99_ms", -1.0),
             "rss_before_rest_load_mb": rest.get("rss_before_mb", -1.0),
             "minutes": args.minutes, "events_per_minute": args.rate, "events": len(fleet.events),
             "gpus": args.nodes * GPUS_PER_NODE, "racks": len(racks), "jobs": len(jobs),
             "failure_to_commit_p50_ms": _pct(f2c, 0.5),
             "failure_to_commit_p99_ms_without_rest_load": _pct(f2c_quiet, 0.99),
             "failure_to_commit_p99_ms_during_rest_load": _pct(f2c_rest, 0.99),
+            "failure_to_commit_p99_ms_during_saturated_rest": _pct(f2c_saturated, 0.99),
+            "failures_without_rest_load": len(f2c_quiet), "failures_during_rest_load": len(f2c_rest),
             "rest_load_s": round(window[1] - window[0], 1) if window else 0.0, "final_state_wrong": final_wrong,
-            "rest_clients": args.rest_clients, "rest_requests": len(rest.get("lat", [])),
-            "rest_errors": rest.get("errors", {}), "rest_p50_ms": _pct(rest.get("lat", []), 0.5),
+            "rest_clients": args.rest_clients, "rest_requests": paced.get("requests", 0),
+            "rest_errors": paced.get("errors", {}),
+            "rest_saturated_rps": closed.get("achieved_rps", -1.0), "rest_saturated_p99_ms": closed.get("p99_ms", -1.0),
+            "rest_saturated_errors": closed.get("errors", {}),
             "rest_single_client_p99_ms": _pct(single, 0.99),
             "rest_node_get_p50_ms": _pct(node_get, 0.5), "etcd_put_p99_ms": _pct(puts, 0.99),
-            "rest_healthz_p99_ms": _pct(rest.get("healthz_lat", []), 0.99),
-            "rest_healthz_p50_ms": _pct(rest.get("healthz_lat", []), 0.5),
+            "rest_healthz_saturated_p99_ms": healthz.get("p99_ms", -1.0),
+            "rest_healthz_saturated_rps": healthz.get("achieved_rps", -1.0),
             "controller_cpu_s_during_rest_load": round(rest.get("cpu_s", -1.0), 1),
             "rest_process_cpu_s_during_rest_load": round(rest.get("rest_cpu_s", -1.0), 1),
             "rest_process": rest_pid is not None,
@@ -490,6 +528,7 @@ def _run(args, workdir: Path) -> dict:
             "settle_after_injection_ms": round(settle_ms, 1),
         }
     finally:
+        _stop_generators()
         if fleet is not None:
             fleet.stop()
         for p in procs:
@@ -510,9 +549,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--minutes", type=float, default=1.0, help="injection time (issue: 10)")
     p.add_argument("--rate", type=float, default=1000.0, help="GPU failures+recoveries per minute")
     p.add_argument("--rest-clients", type=int, default=200)
-    p.add_argument("--rest-requests", type=int, default=5, help="GETs per REST client")
+    p.add_argument("--rest-rate", type=float, default=0.5,
+                   help="requests a second per REST client (open loop: a user polling every 2 s)")
+    p.add_argument("--rest-seconds", type=float, default=None,
+                   help="how long the paced REST load runs (default: 40%% of the injection, at most 120 s)")
+    p.add_argument("--rest-processes", type=int, default=1, help="processes of the REST load generator")
+    p.add_argument("--rest-requests", type=int, default=5, help="saturation run: GETs per REST client")
     p.add_argument("--seed", type=int, default=8)
     args = p.parse_args(argv)
+    if args.rest_seconds is None:
+        args.rest_seconds = min(120.0, args.minutes * 60 * 0.4)
     if not (1 <= args.nodes <= 20_000 and 0 < args.minutes <= 10 and 0 < args.rate <= 10_000):
         p.error("need 1 <= nodes <= 20000, 0 < minutes <= 10, 0 < rate <= 10000")
     with tempfile.TemporaryDirectory(prefix="tpflex-load-") as d:

@@ -354,6 +354,10 @@ class ClusterView:
             self._job_specs.pop(j, None)
         return [(j, "rack_changed") for j in sorted(jobs)]
 
+    def _fold_hold(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
+        apply_kv(self.snap, self._kv(key, value, rev), deleted, msg)  # adopted when elected (holds.py)
+        return []
+
     def _fold_power(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
         node = k.name
         if deleted:
@@ -454,6 +458,7 @@ class ClusterView:
         Kind.NODE: _fold_node,
         Kind.RACK: _fold_rack,
         Kind.POWER: _fold_power,
+        Kind.GPU_HOLD: _fold_hold,
         Kind.EVENT: _fold_event,
         Kind.JOB_OVERRIDE: _fold_job_override,
         Kind.GPU_OVERRIDE: _fold_gpu_override,

@@ -70,6 +70,8 @@ def cluster_state(snap: Snapshot, racks: dict[str, RackInfo] | None = None) -> C
                 status[(node, g.index)] = st
             if 0 < g.relative_speed < 1:
                 speed[(node, g.index)] = g.relative_speed
+    for key in snap.gpu_holds:  # the leader's flap damping: held GPUs count as failed
+        status[key] = GpuStatus.FAILED
     pins: dict[GpuKey, float] = {}
     for key, o in snap.gpu_overrides.items():
         if o.drained and status.get(key) is not GpuStatus.FAILED:

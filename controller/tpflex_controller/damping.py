@@ -65,6 +65,17 @@ class _Track:
     release_at: float = 0.0
 
 
+@dataclass(frozen=True)
+class Hold:
+    """What a reader needs of a damped GPU: DOWN (failed, its hold-down not started) or
+    HELD until ``release_at`` (the damper's clock). The leader stores one per damped GPU
+    (``/tpflex/v1/holds/<node>/<index>``) so that the REST API and the next leader see it."""
+
+    phase: Phase
+    release_at: float = 0.0  # 0 while DOWN
+    failures: int = field(default=0, compare=False)  # recent failures (informational)
+
+
 class FlapDamper:
     def __init__(self, hold_down_s: float, *, max_factor: float = 8.0, memory_factor: float = 16.0) -> None:
         if hold_down_s < 0 or max_factor < 1 or memory_factor <= 0:
@@ -101,6 +112,38 @@ class FlapDamper:
                 return at
             heapq.heappop(self._releases)
         return None
+
+    def holds(self, now: float) -> dict[Hashable, Hold]:
+        """Every GPU the damper counts as failed (DOWN or HELD), bounded by those GPUs."""
+        return {
+            gpu: Hold(t.phase, t.release_at if t.phase is Phase.HELD else 0.0, len(self._recent(t, now)))
+            for gpu, t in self._tracks.items() if t.phase is not Phase.UP
+        }
+
+    def adopt(self, holds: dict[Hashable, Hold], now: float) -> dict[Hashable, Hold]:
+        """Take over stored holds (a new leader: the previous one's damping). A stored
+        hold wins over what this damper has of that GPU; a GPU this damper holds that no
+        stored hold names is released (the leader released it). DOWN tracks stay: the
+        GPU's health drives them. Returns the holds as adopted (``holds()`` of them)."""
+        if self.base == 0:
+            return {}
+        for gpu, t in self._tracks.items():
+            if t.phase is Phase.HELD and gpu not in holds:
+                t.phase = step(t.phase, Signal.EXPIRE)
+        for gpu, h in holds.items():
+            if h.phase is Phase.UP:
+                continue
+            t = self._tracks.setdefault(gpu, _Track())
+            t.phase = h.phase
+            recent = self._recent(t, now)
+            while len(recent) < h.failures:  # their times are lost: remembered from now
+                recent.append(now)
+            if h.phase is Phase.HELD:
+                t.release_at = h.release_at
+                self._seq += 1
+                heapq.heappush(self._releases, (t.release_at, self._seq, gpu))
+        mine = self.holds(now)
+        return {gpu: mine[gpu] for gpu in holds if gpu in mine}
 
     # ---- signals ----
 

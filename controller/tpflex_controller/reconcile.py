@@ -30,6 +30,7 @@ from tpflex_controller.cache import ClusterView
 from tpflex_controller.damping import FlapDamper
 from tpflex_controller.election import Conflict, LeaderSession, NotLeader
 from tpflex_controller.events import append_event, store_phases
+from tpflex_controller.holds import HoldMirror
 from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.planbytes import PlanEncoder
 from tpflex_controller.planner.incremental import JobPlan, replan
@@ -80,6 +81,7 @@ class Reconciler:
         self.view = ClusterView(event_log_size, default_policy)
         self._damper = FlapDamper(flap_hold_down_s)
         self.view.damper = self._damper
+        self._holds = HoldMirror(self._damper)  # the damping in etcd, for REST and the next leader
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._session: LeaderSession | None = None
         self._queue = WorkQueue(override_coalesce_s)
@@ -143,6 +145,7 @@ class Reconciler:
             self._release_held()
             if self._leading():
                 self._process_queue()
+                self._store_holds()
                 if self._inbox.empty():
                     self._flush_events()
             if self._power_seen and self._inbox.empty():
@@ -180,6 +183,22 @@ class Reconciler:
         for job, cause in self.view.release_held():
             self._mark(job, cause, at)
 
+    def _adopt_holds(self) -> None:
+        """A new leader takes the stored flap holds over (holds.py); the view counts them."""
+        self._holds.adopt(self.view.snap.gpu_holds, time.monotonic(), time.time())
+        self.view.attach_damper(self._damper, time.monotonic)
+
+    def _store_holds(self) -> None:
+        """Mirror the damper's holds into etcd (holds.py); a failed write is retried on
+        the next pass (NotLeader ends the session: the next leader adopts what is stored)."""
+        try:
+            done = self._holds.sync(self._session, time.monotonic(), time.time())
+        except (NotLeader, EtcdError) as exc:
+            log.warning("flap holds not stored error=%s", exc)
+            return
+        for kind, key, value in done[0] if done else ():
+            self.view.fold(kind, key, value, done[1])
+
     def _leading(self) -> bool:
         s = self._session
         return s is not None and s.active and not self._need_load
@@ -193,6 +212,8 @@ class Reconciler:
         view.attach_damper(self._damper, time.monotonic)  # held GPUs stay held across re-reads
         rev = batch.revision
         self.view, self._need_load = view, False
+        if self._session is not None:  # elected before the state was read
+            self._adopt_holds()
         self._job_plans.clear()  # a fresh view: every job is planned whole once
         now = self._clock()
         for job, spec in view.snap.jobs.items():
@@ -222,6 +243,8 @@ class Reconciler:
             # the watch kept the view current; look at every job again (a stale view only
             # costs a lost compare-and-swap and a re-read) and re-send the desired caps
             self._repush_after_load = True
+            if not self._need_load:
+                self._adopt_holds()
             for job in self.view.snap.jobs:
                 self._mark(job, "resync", at)
         elif kind == "deposed":

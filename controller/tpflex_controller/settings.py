@@ -81,6 +81,11 @@ class RestSection(_Listener):
     body_timeout_s: float = Field(
         10.0, gt=0, le=600, description="a request body must arrive within this (408 otherwise)"
     )
+    row_cache_nodes: int = Field(
+        20_000, ge=1, le=1_000_000,
+        description="nodes whose rendered GPU rows the REST process keeps for the list endpoints"
+        " (least recently used out; about 2.5 KB a node of 4 GPUs)",
+    )
 
     @model_validator(mode="after")
     def _tokens(self) -> RestSection:

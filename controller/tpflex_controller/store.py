@@ -57,6 +57,8 @@ class Snapshot:
     plan_parts: dict[str, planstore.PartIndex] = field(default_factory=dict)
     gpu_overrides: dict[tuple[str, int], types_pb2.GpuOverride] = field(default_factory=dict)
     job_overrides: dict[str, types_pb2.JobOverride] = field(default_factory=dict)
+    # the leader's flap damping: a GPU with a hold counts as failed (damping.py)
+    gpu_holds: dict[tuple[str, int], types_pb2.GpuHold] = field(default_factory=dict)
 
 
 class Store:
@@ -160,6 +162,17 @@ class Store:
             for o in _decode_all(types_pb2.GpuOverride, kvs, keys.GPU_OVERRIDES).values()
         }
 
+    def gpu_holds(self) -> dict[tuple[str, int], types_pb2.GpuHold]:
+        """The leader's flap damping: GPUs held as failed (damping.py)."""
+        kvs, _ = self.etcd.get_prefix(keys.HOLDS)
+        out = {}
+        for kv in kvs:
+            k = keys.parse(kv.key)
+            hold = decode_or_skip(types_pb2.GpuHold, kv) if k is not None else None
+            if hold is not None:
+                out[(k.name, k.number)] = hold
+        return out
+
     def job_override(self, job: str) -> types_pb2.JobOverride | None:
         return self._get(types_pb2.JobOverride, keys.job_override(job))
 
@@ -228,6 +241,8 @@ def apply_kv(snap: Snapshot, kv: KeyValue, deleted: bool = False, msg: Message |
         return False
     if k.kind is Kind.GPU_OVERRIDE:
         return _fold(snap.gpu_overrides, (k.name, k.number), types_pb2.GpuOverride, kv, deleted, msg)
+    if k.kind is Kind.GPU_HOLD:
+        return _fold(snap.gpu_holds, (k.name, k.number), types_pb2.GpuHold, kv, deleted, msg)
     table = _TABLES.get(k.kind)
     if table is not None:
         attr, cls = table

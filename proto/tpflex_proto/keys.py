@@ -22,6 +22,7 @@ OVERRIDES = PREFIX + "overrides/"
 GPU_OVERRIDES = OVERRIDES + "gpus/"
 JOB_OVERRIDES = OVERRIDES + "jobs/"
 POWER = PREFIX + "power/"
+HOLDS = PREFIX + "holds/"  # holds/<node>/<index>: the leader's flap damping of a GPU
 LEADER = PREFIX + "leader"
 EVENTS = PREFIX + "events/"
 # rewritten with every job spec write (register, change, delete): a spec write compares its
@@ -111,6 +112,10 @@ def gpu_override(node_name: str, index: int) -> str:
     return f"{GPU_OVERRIDES}{node_name}/{index}"
 
 
+def gpu_hold(node_name: str, index: int) -> str:
+    return f"{HOLDS}{node_name}/{index}"
+
+
 def job_override(job: str) -> str:
     return JOB_OVERRIDES + job
 
@@ -137,6 +142,7 @@ class Kind(enum.Enum):
     GPU_OVERRIDE = "gpu_override"  # overrides/gpus/<node>/<index>
     JOB_OVERRIDE = "job_override"  # overrides/jobs/<job>
     POWER = "power"  # power/<node>
+    GPU_HOLD = "gpu_hold"  # holds/<node>/<index>
     EVENT = "event"  # events/<seq>
     LEADER = "leader"
     SPEC_GUARD = "spec_guard"
@@ -158,7 +164,7 @@ class Key:
         return self.name if self.kind in _NODE_KINDS else None
 
 
-_NODE_KINDS = frozenset({Kind.NODE, Kind.HEALTH, Kind.POWER, Kind.GPU_OVERRIDE})
+_NODE_KINDS = frozenset({Kind.NODE, Kind.HEALTH, Kind.POWER, Kind.GPU_OVERRIDE, Kind.GPU_HOLD})
 _FLAT = ((NODES, Kind.NODE), (HEALTH, Kind.HEALTH), (RACKS, Kind.RACK), (POWER, Kind.POWER),
          (JOB_OVERRIDES, Kind.JOB_OVERRIDE))
 _JOB_LEAVES = {"spec": Kind.JOB_SPEC, "plan": Kind.JOB_PLAN}
@@ -180,6 +186,9 @@ def parse(key: str) -> Key | None:
     if key.startswith(GPU_OVERRIDES):
         node_name, _, idx = key[len(GPU_OVERRIDES):].rpartition("/")
         return Key(Kind.GPU_OVERRIDE, node_name, int(idx)) if node_name and idx.isdigit() else None
+    if key.startswith(HOLDS):
+        node_name, _, idx = key[len(HOLDS):].rpartition("/")
+        return Key(Kind.GPU_HOLD, node_name, int(idx)) if node_name and idx.isdigit() else None
     if key.startswith(EVENTS):
         seq = key[len(EVENTS):]
         return Key(Kind.EVENT, number=int(seq)) if seq.isdigit() else None

@@ -116,3 +116,31 @@ def test_job_view_carries_goodput():
     view = views.job_view(spec, None, None, {}, steps.goodput("j"))
     assert view.goodput.achieved_samples_per_s == pytest.approx(8.0)
     assert views.job_view(spec, None, None, {}).goodput is None
+
+
+def test_the_rest_child_asks_the_controller_for_goodput_once_per_ttl():
+    """The REST process's link (api/link.py, a real socket pair): one round trip for every
+    job, kept goodput_ttl_s, so job reads do not queue on the controller."""
+    import socket
+
+    from tpflex_controller.api.link import LinkClient, LinkServer
+
+    steps, clock = stats()
+    for i in range(11):
+        feed(steps, clock, 0, i, at=i * 0.1)
+    ours, theirs = socket.socketpair()
+    server = LinkServer(theirs, CollectorRegistry(), steps)
+    link_clock = Clock()
+    client = LinkClient(ours, goodput_ttl_s=1.0, clock=link_clock)
+    try:
+        first = client.goodput("j")
+        assert first == steps.goodput("j") and client.goodput("other") is None
+        feed(steps, clock, 1, 11, at=1.1)  # a second replica reports: the controller knows more
+        assert steps.goodput("j").replicas_seen == 2
+        link_clock.now = 0.9
+        assert client.goodput("j") == first  # within the TTL: kept, no round trip
+        link_clock.now = 1.0
+        assert client.goodput("j") == steps.goodput("j") != first
+    finally:
+        server.close()
+        ours.close()

@@ -26,6 +26,7 @@ def test_every_built_key_parses_back(name, job, n, pos):
         keys.job_assign(job, n, pos): Key(Kind.JOB_ASSIGN, job, n, pos),
         keys.job_ack(job, n): Key(Kind.JOB_ACK, job, n),
         keys.gpu_override(name, n): Key(Kind.GPU_OVERRIDE, name, n),
+        keys.gpu_hold(name, n): Key(Kind.GPU_HOLD, name, n),
         keys.job_override(job): Key(Kind.JOB_OVERRIDE, job),
         keys.event(n): Key(Kind.EVENT, number=n),
         keys.LEADER: Key(Kind.LEADER),
@@ -35,6 +36,7 @@ def test_every_built_key_parses_back(name, job, n, pos):
         assert keys.parse(key) == want, key
     assert keys.parse(keys.health(name)).node == name
     assert keys.parse(keys.gpu_override(name, n)).node == name
+    assert keys.parse(keys.gpu_hold(name, n)).node == name
     assert keys.parse(keys.job_spec(job)).node is None
 
 
@@ -43,6 +45,7 @@ def test_foreign_and_malformed_keys_are_none():
         "/other/v1/nodes/a", keys.NODES, keys.JOBS + "j", keys.JOBS + "j/", keys.JOBS + "/spec",
         keys.JOBS + "j/acks/x", keys.JOBS + "j/assign/12", keys.JOBS + "j/assign/x/1",
         keys.JOBS + "j/history/", keys.JOBS + "j/unknown", keys.GPU_OVERRIDES + "n/x",
-        keys.GPU_OVERRIDES + "/3", keys.EVENTS + "12a", keys.NODES + "a/b", keys.PREFIX + "steps/x",
+        keys.GPU_OVERRIDES + "/3", keys.HOLDS + "n/x", keys.HOLDS + "/3", keys.HOLDS + "n",
+        keys.EVENTS + "12a", keys.NODES + "a/b", keys.PREFIX + "steps/x",
     ]:
         assert keys.parse(key) is None, key

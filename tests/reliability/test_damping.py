@@ -190,3 +190,74 @@ def test_a_replayed_older_event_does_not_move_the_view_back():
     assert _health(view, set(), 15) == []  # an older write, replayed by the watch: ignored
     assert view.gpu_status[("rack0-n00", 1)] is GpuStatus.FAILED
     assert _health(view, set(), 21) == [("job1", "gpu_recovered")]  # newer writes still count
+
+
+# ---- the damping as shared state (holds.py: stored holds, adopted by a new leader) ----
+
+
+def test_adopted_holds_win_and_unnamed_held_gpus_are_released():
+    from tpflex_controller.damping import Hold
+
+    d = FlapDamper(10.0)
+    other = ("node-b", 0)
+    d.observe(other, True, 0.0)
+    d.observe(other, False, 1.0)  # held here, but no stored hold names it: released
+    d.observe(("node-c", 0), True, 0.0)  # down here: its health decides, kept
+    adopted = d.adopt({GPU: Hold(Phase.HELD, 50.0, 3)}, 2.0)
+    assert adopted == {GPU: Hold(Phase.HELD, 50.0)} and adopted[GPU].failures == 3
+    assert d.phase(GPU) is Phase.HELD and d.phase(other) is Phase.UP
+    assert d.phase(("node-c", 0)) is Phase.DOWN
+    assert d.next_release() == 50.0 and d.release_due(50.0) == [GPU]
+    assert d.hold_down(GPU, 51.0) == 40.0  # the 3 adopted failures still lengthen the next one
+    assert FlapDamper(0.0).adopt({GPU: Hold(Phase.HELD, 50.0, 1)}, 0.0) == {}  # damping off
+
+
+def test_a_stored_hold_converts_between_the_clocks():
+    from tpflex_controller.damping import Hold
+    from tpflex_controller.holds import changes, from_record, to_record
+
+    held = Hold(Phase.HELD, 130.0, 2)
+    rec = to_record(GPU, held, 100.0, 5000.0)  # monotonic 100 is wall 5000
+    assert (rec.gpu.node, rec.gpu.index, rec.until, rec.failures) == ("node-a", 3, 5030.0, 2)
+    assert "hold-down" in rec.reason
+    assert from_record(rec, 7.0, 5010.0) == Hold(Phase.HELD, 27.0)  # another process's clocks
+    down = to_record(GPU, Hold(Phase.DOWN, 0.0, 1), 100.0, 5000.0)
+    assert down.until == 0 and from_record(down, 1.0, 1.0) == Hold(Phase.DOWN)
+    b = ("node-b", 1)
+    puts, deletes = changes({GPU: held, b: Hold(Phase.DOWN)}, {GPU: held, ("x", 0): Hold(Phase.DOWN)})
+    assert puts == {b: Hold(Phase.DOWN)} and deletes == [("x", 0)]
+
+
+def test_the_leader_stores_each_hold_and_deletes_it_when_the_hold_down_ends(etcd_server, etcd):
+    """A real etcd and an in-process controller: fail, recover, release."""
+    from tpflex_proto import keys
+
+    from tests.controller.controller_harness import controller_on_job, fail_gpu
+
+    gpu = ("rack0-n00", 1)
+    key = keys.gpu_hold(*gpu)
+    with controller_on_job(etcd_server, etcd, flap_hold_down_s=1.0) as (_racks, watcher, _ctl):
+        watcher.wait_generation(1, timeout=20)
+        fail_gpu(etcd, gpu[0], 2, {gpu[1]}, seq=1)
+        watcher.wait_generation(2, timeout=20)
+        _wait_key(etcd, key, lambda rec: rec is not None and rec.until == 0)
+        fail_gpu(etcd, gpu[0], 2, set(), seq=2)
+        rec = _wait_key(etcd, key, lambda rec: rec is not None and rec.until > 0)
+        assert rec.failures == 1
+        back = watcher.wait_generation(3, timeout=20)  # released: planned again
+        assert gpu in {(g.node, g.index) for r in back.replicas for st in r.stages for g in st.gpus}
+        assert back.created_at >= rec.until - 0.05
+        _wait_key(etcd, key, lambda rec: rec is None)  # bounded: gone with the hold-down
+
+
+def _wait_key(etcd, key, cond):
+    from tpflex_proto import codec, types_pb2
+
+    from tests.support.wait import wait_until
+
+    def read():
+        kv = etcd.get(key)
+        rec = codec.decode(types_pb2.GpuHold, kv.value) if kv is not None else None
+        return (rec,) if cond(rec) else None
+
+    return wait_until(read, 20, f"hold key {key}")[0]

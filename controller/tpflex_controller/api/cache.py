@@ -14,6 +14,7 @@ hands over the differences (tpflex_proto.informer).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 
@@ -26,19 +27,28 @@ from tpflex_proto.keys import Kind as KeyKind
 
 from tpflex_controller.api.errors import ApiError, ErrorCode
 from tpflex_controller.api.feed import Change, Handler, Kind, Subscribers, Unsubscribe, classify
+from tpflex_controller.api.rows import NodeRow, RowCache, render_node
 from tpflex_controller.store import Snapshot, Store, apply_kv, decode_or_skip
 
 log = logging.getLogger(__name__)
 
 
 
+_NODE_KEYS = frozenset({KeyKind.NODE, KeyKind.HEALTH, KeyKind.GPU_OVERRIDE, KeyKind.GPU_HOLD})
+_epochs = itertools.count(1)
+
+
 class _Tables:
     """Everything the API reads, keyed for O(1) lookups; mutated only by the feeder."""
 
     def __init__(self, revision: int = 0) -> None:
+        self.epoch = next(_epochs)  # a fresh table set invalidates every rendered row
+        self.node_ver: dict[str, int] = {}  # bumped when a record a node's rows derive from changes
+        self.names_ver = 0  # bumped when the set of known nodes may have changed
+        self._ver = 0
         self.snap = Snapshot(revision=revision)
         self.node_rack: dict[str, str] = {}  # rack members -> rack (registrations add theirs)
-        self.node_overrides: dict[str, set[int]] = {}  # node -> GPU indices with an override
+        self.node_overrides: dict[str, set[int]] = {}  # node -> GPU indices with an override or hold
         self.acks: dict[str, dict[int, types_pb2.Ack]] = {}
         self.events: dict[int, types_pb2.Event] = {}
         self.leader: types_pb2.LeaderRecord | None = None
@@ -54,6 +64,10 @@ class _Tables:
     def fold(self, kv: KeyValue, deleted: bool, msg: Message | None = None) -> None:
         k = keys.parse(kv.key)
         kind = k.kind if k is not None else None
+        if kind in _NODE_KEYS:
+            self._touch(k.name)
+            if kind is KeyKind.NODE and deleted == (k.name in self.snap.nodes):
+                self.names_ver += 1  # a node registers or goes
         if kind is KeyKind.LEADER:
             self._fold_leader(kv, deleted, msg)
         elif kind is KeyKind.EVENT:
@@ -62,7 +76,7 @@ class _Tables:
             old = self.snap.racks.get(k.name)
             apply_kv(self.snap, kv, deleted, msg)
             self._index_rack(k.name, old)
-        elif kind is KeyKind.GPU_OVERRIDE:
+        elif kind in (KeyKind.GPU_OVERRIDE, KeyKind.GPU_HOLD):
             apply_kv(self.snap, kv, deleted, msg)
             self._index_override(k.name, k.number)
         elif kind is KeyKind.JOB_ACK:
@@ -82,15 +96,25 @@ class _Tables:
             self.leader = types_pb2.LeaderRecord(id="<unreadable>")
 
     def _index_rack(self, name: str, old: types_pb2.Rack | None) -> None:
+        self.names_ver += 1
         for n in old.nodes if old is not None else ():
+            self._touch(n)
             if self.node_rack.get(n) == name:
                 del self.node_rack[n]
         new = self.snap.racks.get(name)
         for n in new.nodes if new is not None else ():
+            self._touch(n)
             self.node_rack[n] = name
+        for reg in self.snap.nodes.values():  # registered outside any rack's list, naming it
+            if reg.rack == name and reg.name not in self.node_rack:
+                self._touch(reg.name)
+
+    def _touch(self, node: str) -> None:
+        self._ver += 1
+        self.node_ver[node] = self._ver
 
     def _index_override(self, node: str, index: int) -> None:
-        if (node, index) in self.snap.gpu_overrides:
+        if (node, index) in self.snap.gpu_overrides or (node, index) in self.snap.gpu_holds:
             self.node_overrides.setdefault(node, set()).add(index)
         else:
             self.node_overrides.get(node, set()).discard(index)
@@ -120,6 +144,9 @@ def node_subset(snap: Snapshot, node: str, rack: types_pb2.Rack | None,
         o = snap.gpu_overrides.get((node, idx))
         if o is not None:
             out.gpu_overrides[(node, idx)] = o
+        hold = snap.gpu_holds.get((node, idx))
+        if hold is not None:
+            out.gpu_holds[(node, idx)] = hold
     return out
 
 
@@ -130,8 +157,11 @@ class ApiStateCache:
     ``subscribe(handler)``: the :class:`tpflex_controller.api.feed.ChangeFeed` of what it
     folds (live views such as the console's stream)."""
 
-    def __init__(self, etcd: Etcd, *, retry_s: float = 0.5, informer: Informer | None = None) -> None:
+    def __init__(self, etcd: Etcd, *, retry_s: float = 0.5, informer: Informer | None = None,
+                 row_cache_nodes: int = 20_000) -> None:
         self.etcd = etcd
+        self.rows = RowCache(row_cache_nodes)  # rendered per-node rows (api/rows.py), bounded
+        self._names: tuple[object, list[str]] = (None, [])
         self._own_informer = informer is None
         self.informer = informer if informer is not None else Informer(etcd, retry_s=retry_s)
         self._lock = threading.Lock()
@@ -169,6 +199,7 @@ class ApiStateCache:
                 self._t, self._synced = tables, True
                 self._changed.notify_all()
             log.info("api cache synced revision=%d", batch.revision)
+            threading.Thread(target=self._warm_rows, args=(tables,), name="api-rows-warm", daemon=True).start()
             self._subscribers.publish([Change(Kind.RESYNC, "", batch.revision)])
             return
         with self._changed:
@@ -223,6 +254,7 @@ class ApiStateCache:
             return Snapshot(
                 revision=s.revision, racks=dict(s.racks), nodes=dict(s.nodes),
                 health=dict(s.health), gpu_overrides=dict(s.gpu_overrides),
+                gpu_holds=dict(s.gpu_holds),
             )
 
     def node_cluster(self, node: str) -> tuple[Snapshot, str] | None:
@@ -252,6 +284,7 @@ class ApiStateCache:
                 out.nodes.update(part.nodes)
                 out.health.update(part.health)
                 out.gpu_overrides.update(part.gpu_overrides)
+                out.gpu_holds.update(part.gpu_holds)
         return out
 
     def job(self, name: str) -> types_pb2.JobSpec | None:
@@ -283,3 +316,44 @@ class ApiStateCache:
         t = self._tables()
         with self._lock:
             return [t.events[s] for s in sorted(t.events)[-limit:]]
+
+    def _warm_rows(self, tables: _Tables) -> None:
+        """Render every node's rows once after a (re-)list, off the request path, so that
+        the first /v1/status or filtered /v1/gpus does not render the whole cluster."""
+        try:
+            names = self.node_names()[: self.rows.max_nodes]
+            for i in range(0, len(names), 256):
+                if self._t is not tables:
+                    return  # a newer list: its own warm-up runs
+                self.node_rows(names[i:i + 256])
+        except ApiError:
+            return  # etcd went away meanwhile; rows are rendered on demand
+
+    def node_names(self) -> list[str]:
+        """Every node known (rack members and registered nodes), sorted; kept until the
+        set may have changed."""
+        t = self._tables()
+        with self._lock:
+            version = (t.epoch, t.names_ver)
+            if self._names[0] == version:
+                return self._names[1]
+            names = set(t.node_rack)
+            names.update(t.snap.nodes)
+        out = sorted(names)
+        self._names = (version, out)
+        return out
+
+    def rack_count(self) -> int:
+        return len(self._tables().snap.racks)
+
+    def node_row(self, node: str) -> NodeRow | None:
+        """One node's rendered rows (api/rows.py), re-rendered only after it changed."""
+        return self.node_rows([node])[0]
+
+    def node_rows(self, nodes: list[str]) -> list[NodeRow | None]:
+        """The rendered rows of ``nodes``, in order (one lock round for all)."""
+        t = self._tables()
+        with self._lock:
+            ver = t.node_ver
+            wanted = [(n, (t.epoch, ver.get(n, 0))) for n in nodes]
+        return self.rows.get_many(wanted, lambda n: render_node(n, self.node_cluster(n)))

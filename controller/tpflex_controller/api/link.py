@@ -14,6 +14,7 @@ import logging
 import socket
 import struct
 import threading
+import time
 from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -65,6 +66,9 @@ class LinkServer:
     def _answer(self, req: dict) -> bytes:
         if req.get("op") == "metrics":
             return generate_latest(self._registry)
+        if req.get("op") == "goodput_all" and self._steps is not None:
+            every = {job: self._steps.goodput(job) for job in self._steps.jobs()}
+            return json.dumps({job: asdict(g) for job, g in every.items() if g is not None}).encode()
         if req.get("op") == "goodput" and self._steps is not None:
             g = self._steps.goodput(str(req.get("job", "")))
             return json.dumps(asdict(g) if g is not None else None).encode()
@@ -79,11 +83,19 @@ class LinkServer:
 
 class LinkClient:
     """Child side: ``goodput(job)`` (StepStats' read interface) and a Prometheus collector
-    of the controller's metrics. One request at a time."""
+    of the controller's metrics. One request at a time.
 
-    def __init__(self, sock: socket.socket) -> None:
+    Goodput is asked for every job at once and kept ``goodput_ttl_s`` (default 1 s): a
+    job read then costs no round trip to the controller (whose answer waits for the
+    decision loop's GIL) except once a second, whatever the number of REST clients."""
+
+    def __init__(self, sock: socket.socket, goodput_ttl_s: float = 1.0,
+                 clock=time.monotonic) -> None:
         self._sock = sock
         self._lock = threading.Lock()
+        self._ttl, self._clock = goodput_ttl_s, clock
+        self._goodput: dict[str, Goodput] = {}
+        self._fetched_at: float | None = None
 
     def _ask(self, req: dict) -> bytes:
         with self._lock:
@@ -91,12 +103,16 @@ class LinkClient:
             return _recv(self._sock)
 
     def goodput(self, job: str) -> Goodput | None:
-        try:
-            d = json.loads(self._ask({"op": "goodput", "job": job}))
-        except (ConnectionError, OSError) as exc:
-            log.warning("controller link failed op=goodput error=%s", exc)
-            return None
-        return Goodput(**d) if d is not None else None
+        now = self._clock()
+        if self._fetched_at is None or now - self._fetched_at >= self._ttl:
+            try:
+                every = json.loads(self._ask({"op": "goodput_all"})) or {}
+            except (ConnectionError, OSError) as exc:
+                log.warning("controller link failed op=goodput error=%s", exc)
+                return None
+            self._goodput = {name: Goodput(**d) for name, d in every.items()}
+            self._fetched_at = now
+        return self._goodput.get(job)
 
     def collect(self):
         """The controller's metric families, read at scrape time."""

@@ -6,6 +6,7 @@ from etcd (``EtcdState``) produce fresh objects and simply never hit."""
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 
 from fastapi.responses import JSONResponse, Response
@@ -13,19 +14,29 @@ from pydantic import BaseModel
 
 
 class RenderMemo:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._kept: dict[tuple[str, str], tuple[object, bytes]] = {}
+    """At most ``max_entries`` rendered responses (least recently used out): deleted jobs'
+    plans do not stay."""
 
-    def json(self, kind: str, name: str, source: object, render: Callable[[], BaseModel]) -> Response:
-        """The JSON of ``render()`` for ``source`` (rendered once per source object)."""
+    def __init__(self, max_entries: int = 1024) -> None:
+        self._lock = threading.Lock()
+        self._max = max_entries
+        self._kept: OrderedDict[tuple[str, str], tuple[object, bytes]] = OrderedDict()
+
+    def json(self, kind: str, name: str, source: object, render: Callable[[], BaseModel | bytes]) -> Response:
+        """The JSON of ``render()`` (a model, or its JSON already) for ``source`` (rendered
+        once per source object)."""
         key = (kind, name)
         with self._lock:
             kept = self._kept.get(key)
+            if kept is not None:
+                self._kept.move_to_end(key)
         if kept is not None and kept[0] is source:
             body = kept[1]
         else:
-            body = JSONResponse(render().model_dump(mode="json")).body
+            made = render()
+            body = made if isinstance(made, bytes) else JSONResponse(made.model_dump(mode="json")).body
             with self._lock:
                 self._kept[key] = (source, body)
+                while len(self._kept) > self._max:
+                    self._kept.popitem(last=False)
         return Response(content=body, media_type="application/json")

@@ -113,7 +113,7 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
     tokens = load_tokens(r.admin_tokens_file or None, r.readonly_tokens_file or None,
                          protect_reads=r.protect_reads)
     etcd = create_etcd(settings)
-    cache = ApiStateCache(etcd).start()  # its own informer: one watch in this process
+    cache = ApiStateCache(etcd, row_cache_nodes=r.row_cache_nodes).start()  # its own informer
     app = create_app(ApiDeps(
         store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry, steps=link,
         state=cache, max_in_flight=r.max_in_flight, busy_wait_s=r.busy_wait_s,

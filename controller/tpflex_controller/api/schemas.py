@@ -116,6 +116,9 @@ class GpuView(BaseModel):
     relative_speed: float = 1.0
     xids: list[int] = Field(default_factory=list)
     health_updated_at: float = 0.0
+    held: bool = Field(False, description="in the leader's flap hold-down: counts as failed")
+    held_until: float | None = Field(None, description="when the hold-down ends (unix s); null while the GPU is still failed")
+    hold_reason: str = ""
 
 
 class RackView(BaseModel):

@@ -13,8 +13,10 @@ from typing import Protocol
 from tpflex_proto import codec, keys, types_pb2
 
 from tpflex_controller import convert
+from tpflex_controller.api import views
 from tpflex_controller.api.cache import node_subset
 from tpflex_controller.api.errors import invalid, not_found
+from tpflex_controller.api.rows import NodeRow, render_node
 from tpflex_controller.planner.model import JobSpec
 from tpflex_controller.store import Snapshot, Store
 
@@ -32,13 +34,17 @@ class ApiState(Protocol):
     def acks(self, job: str) -> dict[int, types_pb2.Ack]: ...
     def job_override(self, job: str) -> types_pb2.JobOverride | None: ...
     def events(self, limit: int = 100) -> list[types_pb2.Event]: ...
+    def node_names(self) -> list[str]: ...
+    def rack_count(self) -> int: ...
+    def node_row(self, node: str) -> NodeRow | None: ...
+    def node_rows(self, nodes: list[str]) -> list[NodeRow | None]: ...
 
 
 def read_cluster(store: Store) -> Snapshot:
     """Racks, node registrations, health and GPU overrides (malformed values skipped)."""
     return Snapshot(
         racks=store.racks(), nodes=store.nodes(), health=store.health(),
-        gpu_overrides=store.gpu_overrides(),
+        gpu_overrides=store.gpu_overrides(), gpu_holds=store.gpu_holds(),
     )
 
 
@@ -72,7 +78,7 @@ class EtcdState:
         if rack is None and reg is None:
             return None
         name = rack.name if rack is not None else reg.rack
-        idx = {i for (n, i) in snap.gpu_overrides if n == node}
+        idx = {i for (n, i) in (*snap.gpu_overrides, *snap.gpu_holds) if n == node}
         return node_subset(snap, node, snap.racks.get(name), idx), name
 
     def rack_cluster(self, rack: str) -> Snapshot | None:
@@ -99,6 +105,18 @@ class EtcdState:
 
     def events(self, limit: int = 100) -> list[types_pb2.Event]:
         return self.store.events(limit)
+
+    def node_names(self) -> list[str]:
+        return sorted(views.node_names(read_cluster(self.store)))
+
+    def rack_count(self) -> int:
+        return len(self.store.racks())
+
+    def node_row(self, node: str) -> NodeRow | None:
+        return render_node(node, self.node_cluster(node))
+
+    def node_rows(self, nodes: list[str]) -> list[NodeRow | None]:
+        return [self.node_row(n) for n in nodes]
 
 
 def job_spec(state: ApiState, name: str) -> types_pb2.JobSpec:

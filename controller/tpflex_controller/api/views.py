@@ -7,6 +7,8 @@ lease lapsed is failed, a drained GPU is drained unless it has failed.
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections import Counter
 from collections.abc import Iterable
 
 from tpflex_proto import types_pb2
@@ -61,8 +63,11 @@ def _gpu_view(gpu, rack, state, snap, health, device) -> s.GpuView:
     live = gpu[0] in snap.nodes
     override = snap.gpu_overrides.get(gpu)
     drained = bool(override and override.drained)
+    hold = snap.gpu_holds.get(gpu)
     if not live:
         reason = "node lease lapsed or node not registered"
+    elif hold is not None and not (health and health.state == types_pb2.GPU_FAILED):
+        reason = hold.reason  # reported healthy, still held by the leader's flap damping
     elif status is GpuStatus.DRAINED:
         reason = f"drained: {override.reason}" if override else "drained"
     else:
@@ -71,6 +76,8 @@ def _gpu_view(gpu, rack, state, snap, health, device) -> s.GpuView:
         node=gpu[0], index=gpu[1], rack=rack, state=status.value, reason=reason, node_live=live,
         drained=drained, drain_reason=override.reason if drained else "",
     )
+    if hold is not None:
+        view.held, view.held_until, view.hold_reason = True, hold.until or None, hold.reason
     if device is not None:
         view.uuid, view.name, view.power_limit_w = device.uuid, device.name, device.power_limit_w
     if health is not None:
@@ -82,15 +89,15 @@ def _gpu_view(gpu, rack, state, snap, health, device) -> s.GpuView:
     return view
 
 
-def count_states(gpus: Iterable[s.GpuView]) -> s.GpuStateCounts:
-    counts = s.GpuStateCounts()
-    for g in gpus:
-        counts.total += 1
-        setattr(counts, g.state, getattr(counts, g.state) + 1)
-    return counts
+def count_states(gpus: Iterable) -> s.GpuStateCounts:
+    """How many of ``gpus`` (views or rows: anything with a ``state``) are in each state."""
+    c = Counter(g.state for g in gpus)
+    return s.GpuStateCounts(total=sum(c.values()), healthy=c["healthy"], degraded=c["degraded"],
+                            failed=c["failed"], drained=c["drained"])
 
 
-def rack_view(rack: types_pb2.Rack, gpus: list[s.GpuView]) -> s.RackView:
+def rack_view(rack: types_pb2.Rack, gpus: Iterable) -> s.RackView:
+    """``gpus``: the rack's GPU views (or rows: anything with a ``state``)."""
     return s.RackView(
         name=rack.name, domain_size=rack.domain_size or rack.gpus_per_node * len(rack.nodes),
         power_budget_w=rack.power_budget_w, gpu_tdp_w=rack.gpu_tdp_w, gpu_min_w=rack.gpu_min_w,
@@ -151,6 +158,31 @@ def _decision_fields(plan: types_pb2.Plan) -> dict:
         reasons=list(plan.reasons), replicas=replicas, power_caps=caps,
         suspended_pins=suspended_pins(plan),
     )
+
+
+def plan_json(plan: types_pb2.Plan) -> bytes:
+    """``plan_view(plan)`` as JSON, built from the protobuf directly: a plan lists every GPU
+    and cap of a job (2,304 GPUs: 9 ms through the pydantic models, a third of that here),
+    and the REST process renders each new generation of every job it is asked for."""
+    state = _REPLICA_STATE
+    doc = {
+        "policy": plan.policy, "expected_throughput_ratio": plan.expected_throughput_ratio,
+        "reasons": list(plan.reasons),
+        "replicas": [
+            {"index": r.index, "state": state.get(r.state, "unknown"), "tp_degree": r.tp_degree,
+             "local_batch": r.local_batch, "relative_throughput": r.relative_throughput,
+             "reason": r.reason,
+             "stages": [{"rack": st.rack, "tp_degree": st.tp_degree, "spec_stage": st.spec_stage,
+                         "gpus": [{"node": g.node, "index": g.index} for g in st.gpus]}
+                        for st in r.stages]}
+            for r in plan.replicas
+        ],
+        "power_caps": [{"node": c.gpu.node, "index": c.gpu.index, "cap_w": c.cap_w} for c in plan.power_caps],
+        "suspended_pins": [{"replica": p.replica, "tp_degree": p.tp_degree, "reason": p.reason}
+                           for p in plan.suspended_pins],
+        "job": plan.job, "generation": plan.generation, "created_at": plan.created_at, "cause": plan.cause,
+    }
+    return json.dumps(doc, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def suspended_pins(plan: types_pb2.Plan) -> list[s.SuspendedPinView]:

@@ -57,7 +57,7 @@ async def get_plan(job: JobName, deps: Deps) -> Response:
     plan = deps.reads.plan(job)
     if plan is None:
         raise not_found(f"job {job!r} has no committed plan yet")
-    return deps.memo.json("plan", job, plan, lambda: views.plan_view(plan))
+    return deps.memo.json("plan", job, plan, lambda: views.plan_json(plan))
 
 
 @router.get("/{job}/plans", response_model=s.PlanHistory, summary="Plan history, oldest first")

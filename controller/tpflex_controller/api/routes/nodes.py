@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
@@ -14,6 +15,7 @@ from tpflex_controller.api.deps import Admin, Deps
 from tpflex_controller.api.errors import not_found
 from tpflex_controller.api.paging import After, PageLimit, gpu_cursor, page
 from tpflex_controller.api.params import NAME_PATTERN, GpuIndex, NodeName
+from tpflex_controller.api.rows import json_list
 from tpflex_controller.store import Snapshot
 
 router = APIRouter(tags=["nodes"])
@@ -21,14 +23,10 @@ router = APIRouter(tags=["nodes"])
 
 @router.get("/nodes", response_model=list[s.NodeView], summary="List nodes (paginated: limit, after)")
 def list_nodes(deps: Deps, request: Request, response: Response, limit: PageLimit = None,
-               after: After = None) -> list[s.NodeView]:
-    snap = deps.reads.cluster()
-    names = views.node_names(snap)
-    chosen = page(sorted(names), str, limit, after, request, response)
-    by_node: dict[str, list[s.GpuView]] = {}
-    for g in views.gpu_views(snap):
-        by_node.setdefault(g.node, []).append(g)
-    return [views.node_view(name, names[name], snap, by_node.get(name, [])) for name in chosen]
+               after: After = None) -> Response:
+    reads = deps.reads
+    chosen = page(reads.node_names(), str, limit, after, request, response)
+    return _json(json_list(r.json for r in reads.node_rows(chosen) if r is not None), response)
 
 
 @router.get("/nodes/{node}", response_model=s.NodeDetail, summary="One node with its GPUs")
@@ -47,11 +45,46 @@ def list_gpus(
     state: Annotated[str | None, Query(pattern="^(healthy|degraded|failed|drained)$")] = None,
     rack: Annotated[str | None, Query(pattern=NAME_PATTERN)] = None,
     *, request: Request, response: Response, limit: PageLimit = None, after: After = None,
-) -> list[s.GpuView]:
-    """Sorted by (node, index); the cursor is ``node:index`` as X-Next-Cursor gives it."""
-    gpus = views.gpu_views(deps.reads.cluster())
-    chosen = [g for g in gpus if (state is None or g.state == state) and (rack is None or g.rack == rack)]
-    return page(chosen, lambda g: gpu_cursor(g.node, g.index), limit, after, request, response)
+) -> Response:
+    """Sorted by (node, index); the cursor is ``node:index`` as X-Next-Cursor gives it.
+    Walks the nodes from the cursor on, over their rendered rows (api/rows.py)."""
+    reads = deps.reads
+    names = reads.node_names()
+    start = bisect.bisect_left(names, after.rpartition(":")[0]) if after else 0
+    out: list[tuple[str, int, bytes]] = []
+    more = False
+    for row in _rows_from(reads, names, start):
+        if row is None or (state is not None and state not in row.states) or (
+                rack is not None and rack not in row.racks):
+            continue
+        name = row.name
+        for g in row.gpus:
+            if (state is not None and g.state != state) or (rack is not None and g.rack != rack):
+                continue
+            if after is not None and gpu_cursor(name, g.index) <= after:
+                continue
+            if limit is not None and len(out) == limit:
+                more = True
+                break
+            out.append((name, g.index, g.json))
+        if more:
+            break
+    if more:
+        cursor = gpu_cursor(*out[-1][:2])
+        response.headers["X-Next-Cursor"] = cursor
+        response.headers["Link"] = f'<{request.url.include_query_params(after=cursor, limit=limit)}>; rel="next"'
+    return _json(json_list(g[2] for g in out), response)
+
+
+def _rows_from(reads, names: list[str], start: int, chunk: int = 256):
+    """The nodes' rows from ``start`` on, fetched a chunk at a time (a page stops early)."""
+    for i in range(start, len(names), chunk):
+        yield from reads.node_rows(names[i:i + chunk])
+
+
+def _json(body: bytes, response: Response) -> Response:
+    """Pre-rendered JSON (api/rows.py) with the headers the route set."""
+    return Response(content=body, media_type="application/json", headers=dict(response.headers))
 
 
 @router.get("/nodes/{node}/gpus/{index}", response_model=s.GpuView, summary="One GPU")

@@ -17,13 +17,21 @@ router = APIRouter(prefix="/racks", tags=["racks"])
 @router.get("", response_model=list[s.RackView], summary="List racks (paginated: limit, after)")
 def list_racks(deps: Deps, request: Request, response: Response, limit: PageLimit = None,
                after: After = None) -> list[s.RackView]:
-    snap = deps.reads.cluster()
+    reads = deps.reads
+    snap = reads.cluster()
     names = page(sorted(snap.racks), str, limit, after, request, response)
-    snap.racks = {n: snap.racks[n] for n in names}
-    by_rack: dict[str, list[s.GpuView]] = {}
-    for g in views.gpu_views(snap):
-        by_rack.setdefault(g.rack, []).append(g)
-    return [views.rack_view(snap.racks[name], by_rack.get(name, [])) for name in names]
+    members = {n for r in snap.racks.values() for n in r.nodes}
+    unlisted: dict[str, list[str]] = {}  # registered nodes no rack lists, by the rack they name
+    for reg in snap.nodes.values():
+        if reg.name not in members:
+            unlisted.setdefault(reg.rack, []).append(reg.name)
+    out = []
+    for name in names:
+        rack = snap.racks[name]
+        rows = reads.node_rows([*rack.nodes, *unlisted.get(name, ())])
+        gpus = [g for r in rows if r is not None for g in r.gpus if g.rack == name]
+        out.append(views.rack_view(rack, gpus))
+    return out
 
 
 @router.get("/{rack}", response_model=s.RackDetail, summary="One rack with its GPUs")

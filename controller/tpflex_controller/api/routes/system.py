@@ -8,9 +8,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tpflex_proto.etcd import EtcdError
 
 from tpflex_controller.api import schemas as s
-from tpflex_controller.api import views
 from tpflex_controller.api.deps import Deps
 from tpflex_controller.api.errors import ApiError, ErrorCode, error_response
+from tpflex_controller.api.rows import counts_view
 
 probes = APIRouter(tags=["system"])
 status_router = APIRouter(tags=["system"])
@@ -47,7 +47,8 @@ def metrics(deps: Deps) -> Response:
 @status_router.get("/status", response_model=s.StatusView, summary="Cluster summary")
 def status(deps: Deps) -> s.StatusView:
     reads = deps.reads
-    snap = reads.cluster()
+    names = reads.node_names()
+    rows = [r for r in reads.node_rows(names) if r is not None]
     record = reads.leader()
     jobs = []
     for name, spec in sorted(reads.jobs().items()):
@@ -62,6 +63,6 @@ def status(deps: Deps) -> s.StatusView:
     return s.StatusView(
         leader=s.LeaderView(id=record.id, address=record.address, since=record.since) if record else None,
         etcd_revision=reads.revision(),
-        racks=len(snap.racks), nodes=len(views.node_names(snap)), live_nodes=len(snap.nodes),
-        gpus=views.count_states(views.gpu_views(snap)), jobs=jobs,
+        racks=reads.rack_count(), nodes=len(names), live_nodes=sum(r.live for r in rows),
+        gpus=counts_view(rows), jobs=jobs,
     )
