@@ -105,3 +105,27 @@ def test_the_replay_follows_the_chaos_runs_rounds_with_their_restarted_ranks():
         rounds_from([*records, _applied(0, 100, 3, 3, 0, 5.0, "checkpoint")], plans, 12)
     with pytest.raises(ReplayUnsupported, match="went back"):
         rounds_from(records, plans, 9)
+
+
+def test_the_replay_starts_a_member_left_behind_by_a_torn_step_without_state():
+    # the chaos run: rank 1 died inside step 5, whose last collective failed on rank 2 while
+    # ranks 0 and 3 applied the update. When the job goes on from step 6 (the newest copies
+    # all survived), rank 2's state (at step 5) is not used: the runtime plans the layout
+    # without it and re-sends it its units, as for a new process (tests/trainer/
+    # test_torn_step.py shows the two are the same bit for bit, and a holder is not)
+    from bench.soak_replay import rounds_from
+
+    def step(rank: int, pid: int, s: int) -> dict:
+        return {"kind": "step", "rank": rank, "pid": pid, "step": s, "t": 1.0 + s / 10 + rank / 100}
+
+    plans = {1: _plan(1, [0, 1, 2, 3])}
+    first = [_applied(r, 100 + r, 1, 0, 0, -4.5, "init") for r in range(4)]
+    steps = [step(r, 100 + r, s) for s in range(5) for r in range(4)] + [step(r, 100 + r, 5) for r in (0, 3)]
+    forward = [_applied(r, 201 if r == 1 else 100 + r, 1, 1, 6, 3.0) for r in range(4)]
+    rounds = rounds_from([*first, *steps, *forward], plans, 9)
+    assert [(r.step, r.end, r.fresh) for r in rounds] == [(0, 6, (0, 1, 2, 3)), (6, 9, (1, 2))]
+    # the other way out of a torn step: ranks 0 and 3 undo their update, step 5 is run
+    # again; every survivor holds its state at step 5
+    rollback = [_applied(r, 201 if r == 1 else 100 + r, 1, 1, 5, 3.0) for r in range(4)]
+    rounds = rounds_from([*first, *steps, *rollback], plans, 9)
+    assert [(r.step, r.end, r.fresh) for r in rounds] == [(0, 5, (0, 1, 2, 3)), (5, 9, (1,))]
