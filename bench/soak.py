@@ -193,7 +193,8 @@ def run_job(cluster: DemoCluster, work: Path, steps: int, *, stop_file: Path | N
     write_spec(spec, work / "job.json")
     env = {**os.environ, "TPFLEX_DEMO_OUT": str(work / "steps.jsonl"), "TPFLEX_DEMO_STEPS": str(steps),
            "TPFLEX_DEMO_FINAL_DIR": str(work / "final"), "GLOO_SOCKET_IFNAME": "lo",
-           "TPFLEX_LOG_LEVEL": os.environ.get("TPFLEX_LOG_LEVEL", "WARNING"), "TPFLEX_COLLECTIVE_TIMEOUT_S": "60", "TPFLEX_PLAN_WAIT_S": "60"}
+           "TPFLEX_LOG_LEVEL": os.environ.get("TPFLEX_LOG_LEVEL", "WARNING"), "TPFLEX_COLLECTIVE_TIMEOUT_S": "60", "TPFLEX_PLAN_WAIT_S": "60",
+           "TPFLEX_DEMO_DIGESTS": "1"}
     if stop_file is not None:
         env["TPFLEX_DEMO_STOP_FILE"] = str(stop_file)
     if pace_s > 0:
@@ -437,6 +438,22 @@ def baseline_run(work: Path, steps: int) -> None:
         cluster.stop()
 
 
+def round_divergences(records: list[dict], replayed: list[dict]) -> list[dict]:
+    """The rounds (rank, generation, epoch, step) whose first step started from another
+    state in the chaos run than in the replay (``entered`` records against the replay's
+    digests), oldest step first; rounds only one side recorded are left out. Pure."""
+    key = lambda r: (r["rank"], r["generation"], r.get("epoch", 0), r["step"])  # noqa: E731
+    theirs = {key(r): r for r in replayed}
+    out = []
+    for r in records:
+        if r["kind"] == "entered" and key(r) in theirs and theirs[key(r)]["digest"] != r["digest"]:
+            t = theirs[key(r)]
+            out.append({"rank": r["rank"], "generation": r["generation"], "epoch": r.get("epoch", 0),
+                        "step": r["step"], "same_units": t["units"] == r["units"],
+                        "units": r["units"], "replay_units": t["units"]})
+    return sorted(out, key=lambda d: (d["step"], d["rank"]))
+
+
 def same_layout_l2(work: Path, chaos: dict, adapter, state_c: dict, state_b: dict) -> float | None:
     """The chaos run's final weights against the same-layout reference (``soak_replay``):
     the fixed-layout baseline itself when every round used one layout, else the replay of
@@ -451,7 +468,12 @@ def same_layout_l2(work: Path, chaos: dict, adapter, state_c: dict, state_b: dic
         return state_rel_l2(state_c["param"], state_b["param"])
     batches = {r["step"]: r["global_batch"] for r in chaos["records"] if r["kind"] == "step"}
     log(f"replaying {len(rounds)} rounds ({sum(1 for r in rounds if r.fresh)} with restarted ranks)")
-    replay(chaos["spec"], rounds, batches, work / "replay")
+    (work / "replay-digests").mkdir()
+    replay(chaos["spec"], rounds, batches, work / "replay", digest_dir=work / "replay-digests")
+    theirs = [json.loads(line) for f in sorted((work / "replay-digests").glob("*.jsonl"))
+              for line in f.read_text().splitlines()]
+    for d in round_divergences(chaos["records"], theirs)[:8]:
+        log(f"round state differs from the replay's: {d}")
     step_r, state_r = read_full_state(work / "replay", adapter)
     if step_r != chaos["steps"]:
         raise RuntimeError(f"the replay ended at step {step_r}, the chaos run at {chaos['steps']}")
