@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 from tpflex_proto import controller_pb2, types_pb2
 
+from tpflex_trainer.hooks.abort import GroupSockets, abort_reason
 from tpflex_trainer.hooks.config import HooksConfig, load_spec
 from tpflex_trainer.hooks.control import (
     ControlClient,
@@ -116,6 +118,16 @@ def plan_placements(plan: types_pb2.Plan, spec: types_pb2.JobSpec, job: str,
     return placements
 
 
+def _endpoint_ports(endpoints) -> list[int]:
+    """The ports of ``host:port`` endpoints (connections to them are never shut down)."""
+    out = []
+    for e in endpoints:
+        port = str(e).rpartition(":")[2]
+        if port.isdigit():
+            out.append(int(port))
+    return out
+
+
 def _round_name(plan: types_pb2.Plan) -> str:
     """The rendezvous namespace of a plan in a restart epoch (``g<generation>[e<epoch>]``)."""
     return f"{plan.generation}e{plan.restart.epoch}" if plan.restart.epoch else str(plan.generation)
@@ -154,9 +166,13 @@ class TpflexHooks:
             tls_server_name=config.tls_server_name or None,
             beat_interval_s=config.beat_interval_s, incarnation=config.incarnation,
             beat_file=config.beat_file,
-        ), on_restart=self._on_restart, beat_state=self._beat_state)
+        ), on_round=self._on_round, beat_state=self._beat_state)
         self.watchdog = Watchdog(config.watchdog_after_s, self._on_hang)
         self.backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.sockets = GroupSockets(_endpoint_ports(
+            [*config.controller, *config.store.removeprefix("tpflex://").split(",")]))
+        self._abort_lock = threading.Lock()
+        self._entering = (0, 0)  # the round whose groups this rank builds or uses
         self.store: dist.Store | None = None
         self.generation = 0
         self.epoch = 0  # the restart epoch applied (Plan.restart.epoch)
@@ -381,16 +397,20 @@ class TpflexHooks:
 
     def _apply(self, plan, placements, members, world, mode) -> AppliedPlan:
         newer = lambda: plan_round(self.client.latest_plan()) > plan_round(plan)  # noqa: E731
-        self._rendezvous(plan, "", world, newer)
-        t0 = time.perf_counter()
-        if self.runtime.layout is None:
-            report = self.runtime.start(placements, world, self._latest_checkpoint())
-        else:
-            report = self.runtime.apply_plan(placements, world, self._latest_checkpoint())
+        with self._abort_lock:  # a plan-stream abort from here on is for a newer round
+            self._entering = plan_round(plan)
+        with self.sockets.track():
+            self._rendezvous(plan, "", world, newer)
+            t0 = time.perf_counter()
+            if self.runtime.layout is None:
+                report = self.runtime.start(placements, world, self._latest_checkpoint())
+            else:
+                report = self.runtime.apply_plan(placements, world, self._latest_checkpoint())
         if set(world) != set(members):  # leaving ranks are done: shrink to the plan's members
             if self.me not in members:
                 return self._go_idle(plan, mode, report)
-            self._rendezvous(plan, "a", {m: i for i, m in enumerate(members)}, newer)
+            with self.sockets.track():
+                self._rendezvous(plan, "a", {m: i for i, m in enumerate(members)}, newer)
             self.world = {m: i for i, m in enumerate(members)}
         else:
             self.world = world
@@ -452,18 +472,32 @@ class TpflexHooks:
     def _beat_state(self) -> tuple[int, int, int, float]:
         return self.generation, self.epoch, self.step, self.watchdog.hung_s()
 
-    def _on_restart(self, plan: types_pb2.Plan) -> None:
-        """Plan-stream thread: a newer restart epoch (a rank died or hung): abort this
-        process's groups so a collective blocked on the lost rank ends now (NCCL; gloo's
-        end when the dead peer's sockets close). The main thread then re-forms them."""
-        if plan.restart.epoch > self.epoch and self.active:
-            abort_groups(self.runtime.group_cache.groups.values(), f"restart epoch {plan.restart.epoch}: {plan.restart.reason}")
+    def _on_round(self, plan: types_pb2.Plan) -> None:
+        """Plan-stream thread, each newer round: when it says a member of this rank's
+        round is gone (a restart epoch; a generation dropping a failed GPU,
+        ``abort_reason``), abort this process's groups so that a collective blocked on the
+        lost rank ends now, without a transport error or the watchdog. The main thread
+        then recovers (``_recover``) and re-forms them with the new plan."""
+        with self._abort_lock:
+            if plan_round(plan) <= self._entering or not self.active:
+                return  # the main thread already builds that round's groups (or none)
+            reason = abort_reason(plan, self.plan, self.epoch)
+            if reason:
+                self._abort(reason)
 
     def _on_hang(self, stuck_s: float) -> None:
         """Watchdog thread: this rank's step has been stuck in collectives too long."""
         log.error("collective hang job=%s rank=%d generation=%d epoch=%d step=%d stuck_s=%.1f",
                   self.config.job, self.rank, self.generation, self.epoch, self.step, stuck_s)
-        abort_groups(self.runtime.group_cache.groups.values(), f"watchdog: stuck {stuck_s:.1f}s")
+        self._abort(f"watchdog: stuck {stuck_s:.1f}s")
+
+    def _abort(self, reason: str) -> None:
+        """Abort every process group (NCCL: a blocked collective ends); with gloo, whose
+        abort does nothing, shut the groups' connections down too (``abort.GroupSockets``)."""
+        abort_groups(self.runtime.group_cache.groups.values(), reason)
+        if self.backend == "gloo":
+            log.warning("gloo connections shut down job=%s rank=%d connections=%d reason=%s",
+                        self.config.job, self.rank, self.sockets.shutdown(), reason)
 
     # ------------------------------------------------------------------ checkpoints
     def _latest_checkpoint(self) -> str | None:
