@@ -16,7 +16,12 @@ return to full health:
 - ``etcd_member_kill``: one etcd member is SIGKILLed and restarted.
 
 Repeated soft failures of one GPU are the soak's doing, so its controllers never drain a
-GPU for them (``[liveness] max_soft_failures`` 1000; tests/controller cover the drain).
+GPU for them (``[liveness] max_soft_failures`` 1000; tests/controller cover the drain), and
+its launchers cap their restart backoff at 2 s (``--backoff-max-s``; ``--max-restarts``
+1000): tpflex-run doubles a rank's restart delay with every restart in its window, up to
+30 s by default, so a soak that re-kills one rank eight times in five minutes would
+measure the backoff it provoked, not the recovery (the job waits for the restarted rank:
+its GPU stays in the plan). The pauses are then the recovery's own.
 
 Then every rank stops at the same step N, and two references are trained to N without
 faults: the **same-layout reference** (``bench/soak_replay.py``: the chaos run's rounds
@@ -76,6 +81,7 @@ JOB, LOCAL_BATCH = "soak", 4
 RACKS = (RackLayout("rack-0", "node-0", 4), RackLayout("rack-1", "node-1", 4))
 ALL_GPUS = {(r.node, i) for r in RACKS for i in range(r.gpus)}
 KINDS = ("rank_sigkill", "rank_hang", "xid79", "agent_freeze", "controller_leader_kill", "etcd_member_kill")
+BACKOFF_MAX_S = 2.0  # tpflex-run's restart backoff cap (its default, 30 s, is for crash loops)
 SETTLE_S = 4.0  # after a fault: > the agents' lease (2 s) and tpflex-run's beat timeout (3 s)
 STARTED = re.compile(r"rank started node=(\S+) local_rank=\d+ gpu=(\d+) pid=(\d+)")
 
@@ -208,7 +214,8 @@ def run_job(cluster: DemoCluster, work: Path, steps: int, *, stop_file: Path | N
         procs.append(subprocess.Popen(
             [str(Path(sys.executable).parent / "tpflex-run"), "--controller", cluster.trainer_endpoint,
              "--job-spec", str(work / "job.json"), "--node", r.node, "--log-dir", str(work / "ranks"),
-             "--backoff-s", "0.5", "--max-restarts", "1000", "--beat-timeout-s", "3", "--",
+             "--backoff-s", "0.5", "--backoff-max-s", str(BACKOFF_MAX_S), "--max-restarts", "1000",
+             "--beat-timeout-s", "3", "--",
              sys.executable, "-m", "tpflex_trainer.demo.worker"],
             env=env, stdout=subprocess.DEVNULL, stderr=open(work / f"{r.node}.log", "wb"), start_new_session=True))
     return spec, procs

@@ -141,14 +141,14 @@ def _worker(rank: int, world_size: int, spec_bytes: bytes, rounds: list[Round], 
     import torch.distributed as dist
     from tpflex_trainer.demo.data import global_batch
     from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_MODEL, DEMO_SEED
-    from tpflex_trainer.hooks.trainer import _spec_ranks
+    from tpflex_trainer.hooks.plans import spec_ranks
     from tpflex_trainer.ntp.layout import Member
     from tpflex_trainer.ntp.plan_adapter import placements_from_plan
     from tpflex_trainer.ntp.runtime import NtpRuntime
     from tpflex_trainer.ntp.state import state_digest
 
     spec = types_pb2.JobSpec.FromString(spec_bytes)
-    me = _spec_ranks(spec)[rank][0]
+    me = spec_ranks(spec)[rank][0]
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600))
     dist.destroy_process_group()  # the harness's group: each round forms its own
     runtime: NtpRuntime | None = None

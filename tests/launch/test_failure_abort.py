@@ -81,13 +81,15 @@ def test_survivors_blocked_on_a_frozen_rank_leave_through_the_failure_plan(tmp_p
             [r for r in _records(out) if r["kind"] == "done"]), SURVIVORS_WAIT_S, "the survivors' last step")
         records = _records(out)
     finally:
-        if victim is not None:
-            os.kill(victim["pid"], signal.SIGKILL)
-            os.kill(victim["pid"], signal.SIGCONT)
         for p in launchers:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+        for pid in {r["pid"] for r in _records(out)}:  # ranks run in sessions of their own
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         cluster.stop()
     rank_logs = "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("node-*/*.log"))
     # every survivor finished the job, none through its watchdog

@@ -129,3 +129,28 @@ def test_the_replay_starts_a_member_left_behind_by_a_torn_step_without_state():
     rollback = [_applied(r, 201 if r == 1 else 100 + r, 1, 1, 5, 3.0) for r in range(4)]
     rounds = rounds_from([*first, *steps, *rollback], plans, 9)
     assert [(r.step, r.end, r.fresh) for r in rounds] == [(0, 5, (0, 1, 2, 3)), (5, 9, (1,))]
+
+
+def test_state_digests_tell_rounds_that_started_from_other_bits():
+    import torch
+    from tpflex_trainer.ntp.state import LocalState, state_digest
+
+    from bench.soak import round_divergences
+
+    def state(step: int, bump: float = 0.0) -> LocalState:
+        w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        w[1, 2] += bump
+        return LocalState({"heads": (0, 1)}, {"param": {"w": w}, "exp_avg": {"w": torch.zeros(2, 3)}}, step)
+
+    same, other = state_digest(state(4)), state_digest(state(4, 2.0 ** -20))  # one element changed
+    assert same == state_digest(state(4)) and same != other and same != state_digest(state(5))
+
+    def entered(rank: int, step: int, digest: str, units=None) -> dict:
+        return {"kind": "entered", "rank": rank, "generation": 2, "epoch": 1, "step": step, "digest": digest,
+                "units": units or {"heads": [0, 1]}}
+
+    chaos = [entered(0, 10, same), entered(1, 10, other, {"heads": [2, 3]}), entered(1, 30, same)]
+    replayed = [{**entered(0, 10, same), "kind": "replayed"}, {**entered(1, 10, same), "kind": "replayed"}]
+    assert round_divergences(chaos, replayed) == [
+        {"rank": 1, "generation": 2, "epoch": 1, "step": 10, "same_units": False,
+         "units": {"heads": [2, 3]}, "replay_units": {"heads": [0, 1]}}]

@@ -25,7 +25,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -39,8 +38,16 @@ from tpflex_trainer.hooks.control import (
     ControlClient,
     ControlConfig,
     PlanRejected,
-    check_plan,
     plan_round,
+)
+from tpflex_trainer.hooks.plans import (  # noqa: F401  (HooksError, plan_placements: public here too)
+    AppliedPlan,
+    HooksError,
+    endpoint_ports,
+    plan_placements,
+    round_name,
+    spec_ranks,
+    spec_stages,
 )
 from tpflex_trainer.hooks.rendezvous import (
     RendezvousAbandoned,
@@ -51,86 +58,13 @@ from tpflex_trainer.hooks.rendezvous import (
 from tpflex_trainer.hooks.watchdog import Watchdog, abort_groups
 from tpflex_trainer.ntp.config import GPTConfig
 from tpflex_trainer.ntp.errors import NtpError
-from tpflex_trainer.ntp.layout import Member, ReplicaPlacement, validate_request
+from tpflex_trainer.ntp.layout import Member, ReplicaPlacement
 from tpflex_trainer.ntp.optim import AdamSettings, TrainSettings
-from tpflex_trainer.ntp.plan_adapter import placements_from_plan
 from tpflex_trainer.ntp.runtime import NtpRuntime, ReshardReport
-from tpflex_trainer.ntp.stages import split_stages
 
 log = logging.getLogger(__name__)
 
 BatchFn = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
-
-
-class HooksError(RuntimeError):
-    """The job cannot go on here (no plan within the wait, this rank not in the spec)."""
-
-
-@dataclass(frozen=True)
-class AppliedPlan:
-    """One generation as this rank applied it (for logs, tests and the demo's summary)."""
-
-    generation: int
-    tp_degree: int  # of this rank's replica; 0 when idle
-    world_size: int
-    source: str  # live / checkpoint / init / idle
-    step: int  # training resumes from this step
-    reshard_s: float
-    bytes_moved: int
-    peer_units: int
-    after_failure: bool
-    applied_at: float
-    bytes_sent: int = 0  # by this rank in the reshard (0: it was not a source)
-    epoch: int = 0  # the plan's restart epoch (the round is (generation, epoch))
-
-
-def spec_stages(spec: types_pb2.JobSpec) -> int:
-    """Pipeline stages per replica (every replica of the spec has the same count)."""
-    counts = {len(rep.stages) for rep in spec.replicas}
-    if len(counts) != 1 or 0 in counts:
-        raise HooksError(f"job spec replicas have {sorted(counts)} stages: every replica needs the same "
-                         "number of stages (at least one)")
-    return counts.pop()
-
-
-def _spec_ranks(spec: types_pb2.JobSpec) -> list[tuple[Member, tuple[str, int]]]:
-    spec_stages(spec)
-    out = []
-    for r, rep in enumerate(spec.replicas):
-        for k, stage in enumerate(rep.stages):
-            for slot, g in enumerate(stage.ranks):
-                out.append((Member(r, slot, k), (g.node, g.index)))
-    return out
-
-
-def plan_placements(plan: types_pb2.Plan, spec: types_pb2.JobSpec, job: str,
-                    applied_generation: int,
-                    unit_counts: dict[str, int] | list[dict[str, int]]) -> tuple[ReplicaPlacement, ...]:
-    """The placements of a plan this job can apply; PlanRejected (another job, not newer
-    than the applied generation) or an NtpError (a GPU outside the job spec, a stage
-    missing, an invalid layout of a stage) naming why not. ``unit_counts``: per stage
-    (or one dict without stages). Pure."""
-    check_plan(plan, job, applied_generation)
-    placements = placements_from_plan(plan, spec)
-    per_stage = [unit_counts] if isinstance(unit_counts, dict) else list(unit_counts)
-    for counts, placed in zip(per_stage, split_stages(placements, len(per_stage)), strict=True):
-        validate_request(counts, placed, spec.base_tp)
-    return placements
-
-
-def _endpoint_ports(endpoints) -> list[int]:
-    """The ports of ``host:port`` endpoints (connections to them are never shut down)."""
-    out = []
-    for e in endpoints:
-        port = str(e).rpartition(":")[2]
-        if port.isdigit():
-            out.append(int(port))
-    return out
-
-
-def _round_name(plan: types_pb2.Plan) -> str:
-    """The rendezvous namespace of a plan in a restart epoch (``g<generation>[e<epoch>]``)."""
-    return f"{plan.generation}e{plan.restart.epoch}" if plan.restart.epoch else str(plan.generation)
 
 
 class TpflexHooks:
@@ -148,7 +82,7 @@ class TpflexHooks:
         self.spec = spec if spec is not None else load_spec(config.spec_file)
         if self.spec.name != config.job:
             raise HooksError(f"job spec is for {self.spec.name!r}, TPFLEX_JOB is {config.job!r}")
-        ranks = _spec_ranks(self.spec)
+        ranks = spec_ranks(self.spec)
         mine = [(i, m) for i, (m, gpu) in enumerate(ranks) if gpu == (config.node, config.gpu)]
         if not mine:
             raise HooksError(f"GPU {config.node}:{config.gpu} is not a rank of job {config.job}")
@@ -169,7 +103,7 @@ class TpflexHooks:
         ), on_round=self._on_round, beat_state=self._beat_state)
         self.watchdog = Watchdog(config.watchdog_after_s, self._on_hang)
         self.backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.sockets = GroupSockets(_endpoint_ports(
+        self.sockets = GroupSockets(endpoint_ports(
             [*config.controller, *config.store.removeprefix("tpflex://").split(",")]))
         self._abort_lock = threading.Lock()
         self._entering = (0, 0)  # the round whose groups this rank builds or uses
@@ -418,14 +352,14 @@ class TpflexHooks:
 
     def _rendezvous(self, plan: types_pb2.Plan, suffix: str, world, give_up) -> None:
         join_generation(
-            self.store, self.config.job, f"{_round_name(plan)}{suffix}",
+            self.store, self.config.job, f"{round_name(plan)}{suffix}",
             world, self.me, backend=self.backend,
             collective_timeout=timedelta(seconds=self.config.collective_timeout_s),
             give_up=give_up, deadline_s=self.config.plan_wait_s,
         )
 
     def _applied(self, plan, report: ReshardReport, mode: str, seconds: float) -> AppliedPlan:
-        previous = _round_name(self.plan) if self.plan is not None else ""
+        previous = round_name(self.plan) if self.plan is not None else ""
         self.generation, self.epoch, self.plan = plan.generation, plan.restart.epoch, plan
         # every member of the new layout (newcomers too) skips the checkpoint of the step it
         # resumes from, so all of them take the same checkpoints from here on
@@ -433,7 +367,7 @@ class TpflexHooks:
         if self.world and self.world.get(self.me) == 0:
             self.store.set(f"tpflex/{self.config.job}/world",
                            json.dumps({"generation": plan.generation, "members": [list(m) for m in self.world]}))
-            if previous and previous != _round_name(plan):  # every member has left it
+            if previous and previous != round_name(plan):  # every member has left it
                 forget_generation(self.store, self.config.job, previous)
         applied = AppliedPlan(
             generation=plan.generation, tp_degree=self.tp_degree, world_size=len(self.world),
