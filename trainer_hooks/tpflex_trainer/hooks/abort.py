@@ -32,6 +32,12 @@ log = logging.getLogger(__name__)
 
 # why a plan drops GPUs that are gone: their ranks cannot hand their units over
 FAILURE_CAUSES = frozenset({"gpu_failed"})
+# A failure generation's abort waits this long, and is skipped when the rank has left its
+# round by then: a rank whose peer died sees its sockets close and is already recovering;
+# the abort is for the ranks that nothing tells (the peer frozen, or stuck in a driver
+# call). Aborting at once, while the others were recovering, left a gloo rank in a send
+# until the 60 s collective timeout in 3 of 9 XID 79 faults of the soak.
+FAILURE_ABORT_GRACE_S = 2.0
 
 
 def plan_gpus(plan: types_pb2.Plan) -> set[tuple[str, int]]:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from tpflex_proto import controller_pb2, types_pb2
 
-from tpflex_trainer.hooks.abort import GroupSockets, abort_reason
+from tpflex_trainer.hooks.abort import FAILURE_ABORT_GRACE_S, GroupSockets, abort_reason
 from tpflex_trainer.hooks.config import HooksConfig, load_spec
 from tpflex_trainer.hooks.control import (
     ControlClient,
@@ -416,7 +416,21 @@ class TpflexHooks:
             if plan_round(plan) <= self._entering or not self.active:
                 return  # the main thread already builds that round's groups (or none)
             reason = abort_reason(plan, self.plan, self.epoch)
-            if reason:
+            if not reason:
+                return
+            if plan.restart.epoch > self.epoch:
+                self._abort(reason)
+                return
+        # a failed GPU: ranks that talked to a dead process learn it from their sockets at
+        # once and are recovering; the abort is for those nothing tells (a frozen peer),
+        # so it waits FAILURE_ABORT_GRACE_S and is skipped if this rank left the round
+        timer = threading.Timer(FAILURE_ABORT_GRACE_S, self._abort_if_still_in, (plan, reason))
+        timer.daemon = True
+        timer.start()
+
+    def _abort_if_still_in(self, plan: types_pb2.Plan, reason: str) -> None:
+        with self._abort_lock:
+            if plan_round(plan) > self._entering and self.active:
                 self._abort(reason)
 
     def _on_hang(self, stuck_s: float) -> None:
