@@ -2,8 +2,8 @@
 sockets stay open, so no transport error reaches its peers) and its GPU fails (XID 79
 through its agent). The survivors are blocked in a collective with it; the controller's
 next plan generation (cause ``gpu_failed``) drops the GPU, and the plan stream makes them
-abort their groups (``hooks.abort``: gloo's connections shut down, as NCCL's
-communicators are aborted) and go on with the new plan. Their watchdog is far longer than
+abort their groups (``hooks.abort``, after its 2 s grace: gloo's connections shut down, as
+NCCL's communicators are aborted) and go on with the new plan. Their watchdog is far longer than
 the test waits, tpflex-run's beat timeout and the controller's too: only the plan stream
 can get them out."""
 
