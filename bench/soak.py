@@ -16,7 +16,12 @@ return to full health:
 - ``etcd_member_kill``: one etcd member is SIGKILLed and restarted.
 
 Repeated soft failures of one GPU are the soak's doing, so its controllers never drain a
-GPU for them (``[liveness] max_soft_failures`` 1000; tests/controller cover the drain).
+GPU for them (``[liveness] max_soft_failures`` 1000; tests/controller cover the drain), and
+its launchers cap their restart backoff at 2 s (``--backoff-max-s``; ``--max-restarts``
+1000): tpflex-run doubles a rank's restart delay with every restart in its window, up to
+30 s by default, so a soak that re-kills one rank eight times in five minutes would
+measure the backoff it provoked, not the recovery (the job waits for the restarted rank:
+its GPU stays in the plan). The pauses are then the recovery's own.
 
 Then every rank stops at the same step N, and two references are trained to N without
 faults: the **same-layout reference** (``bench/soak_replay.py``: the chaos run's rounds
@@ -36,7 +41,9 @@ baseline: what the layout changes cost on top), ``max_pause_s`` and ``p50_pause_
 fault: the gap in the job's progress around it), ``checkpoint_restarts`` (rounds that
 loaded a checkpoint), ``torn_steps_replayed`` (steps some ranks had applied and others not
 when a rank died, run again from the undo state without a checkpoint). Details to stderr;
-``--keep`` keeps the work directory (with ``plans.json``, the recorded plans).
+``--keep`` keeps the work directory (with ``plans.json``, the recorded plans). The
+cluster, the job and the faults: ``bench/soak_chaos.py``; the replay:
+``bench/soak_replay.py``.
 """
 
 from __future__ import annotations
@@ -45,10 +52,8 @@ import argparse
 import json
 import os
 import random
-import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -56,259 +61,28 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, planstore, types_pb2
-from tpflex_proto.devtools.etcd_server import EtcdCluster
-from tpflex_proto.devtools.ports import free_ports
-from tpflex_proto.etcd import Etcd
-from tpflex_trainer.demo.cluster import DemoCluster, DemoPorts, RackLayout, check_ports_free
+from tpflex_trainer.demo.cluster import DemoCluster
 from tpflex_trainer.demo.data import global_batch
-from tpflex_trainer.demo.launcher import demo_job_spec
 from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_MODEL, DEMO_SEED
-from tpflex_trainer.hooks.config import write_spec
 from tpflex_trainer.ntp.adapter import as_adapter
 from tpflex_trainer.ntp.checkpoint import read_full_state
 from tpflex_trainer.ntp.reference import reference_state, state_rel_l2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.soak_replay, tests.trainer.harness
+from bench.soak_chaos import (  # noqa: E402
+    KINDS,
+    RACKS,
+    SETTLE_S,
+    Chaos,
+    Records,
+    SoakCluster,
+    free_demo_ports,
+    log,
+    record_plans,
+    run_job,
+    wait,
+)
 from bench.soak_replay import ReplayUnsupported, one_layout, replay, rounds_from  # noqa: E402
-
-JOB, LOCAL_BATCH = "soak", 4
-RACKS = (RackLayout("rack-0", "node-0", 4), RackLayout("rack-1", "node-1", 4))
-ALL_GPUS = {(r.node, i) for r in RACKS for i in range(r.gpus)}
-KINDS = ("rank_sigkill", "rank_hang", "xid79", "agent_freeze", "controller_leader_kill", "etcd_member_kill")
-SETTLE_S = 4.0  # after a fault: > the agents' lease (2 s) and tpflex-run's beat timeout (3 s)
-STARTED = re.compile(r"rank started node=(\S+) local_rank=\d+ gpu=(\d+) pid=(\d+)")
-
-
-def log(msg: str) -> None:
-    print(f"[soak {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_demo_ports(tries: int = 50) -> DemoPorts:
-    rng = random.Random()
-    for _ in range(tries):
-        ports = DemoPorts(rng.randrange(20000, 32000, 20))
-        try:
-            check_ports_free(ports.all(len(RACKS)))
-            return ports
-        except OSError:
-            continue
-    raise RuntimeError("no free port range for the soak cluster")
-
-
-class SoakCluster(DemoCluster):
-    """The demo's cluster with a 3-member etcd and a second controller; remembers how each
-    service was started so a killed one can be started again."""
-
-    def _start_etcd(self) -> None:
-        self.etcd_server = EtcdCluster(3, self.workdir / "etcd").start()
-
-    @property
-    def etcd_endpoint(self) -> str:
-        return ",".join(self.etcd_server.endpoints)
-
-    def _etcd_client(self) -> Etcd:
-        return Etcd(self.etcd_server.endpoints, timeout=2.0)
-
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
-        if name.startswith("controller"):  # the soak's faults land on the same GPU at will: no drains
-            env = {**(env or {}), "TPFLEX_LIVENESS__MAX_SOFT_FAILURES": "1000"}
-        self.__dict__.setdefault("argv", {})[name] = (argv, env)
-        super()._spawn(name, argv, env)
-
-    def start(self) -> None:
-        super().start()
-        argv, env = self.argv["controller"]
-        rest, trainer = free_ports(2)
-        self.trainer2 = trainer
-        swap = {f"127.0.0.1:{self.ports.rest}": f"127.0.0.1:{rest}",
-                f"127.0.0.1:{self.ports.trainer}": f"127.0.0.1:{trainer}", "demo-controller": "controller-2"}
-        self._spawn("controller-2", [swap.get(a, a) for a in argv], env)
-
-    @property
-    def trainer_endpoint(self) -> str:
-        return f"127.0.0.1:{self.ports.trainer},127.0.0.1:{self.trainer2}"
-
-    def respawn(self, name: str) -> None:
-        argv, env = self.argv[name]
-        self._spawn(name, argv, env)
-
-    def leader(self) -> str:
-        kv = self.etcd.get(keys.LEADER)
-        ident = codec.decode(types_pb2.LeaderRecord, kv.value).id if kv is not None else ""
-        return "controller-2" if "controller-2" in ident else "controller"
-
-    def plan(self) -> tuple[int, set[tuple[str, int]]]:
-        """The job's plan generation and the GPUs it uses (each generation seen is kept in
-        ``plans``: the same-layout replay applies them)."""
-        plan = planstore.read_plan(self.etcd, JOB)  # header + per-replica parts
-        if plan is None:
-            return 0, set()
-        self.__dict__.setdefault("plans", {}).setdefault(plan.generation, plan)
-        return plan.generation, {(g.node, g.index) for rep in plan.replicas if rep.tp_degree
-                                 for st in rep.stages for g in st.gpus}
-
-    def plan_gpus(self) -> set[tuple[str, int]]:
-        return self.plan()[1]
-
-    def inject(self, node: str, index: int, kind: str) -> None:
-        with self.agent_channel(node) as ch:
-            agent_pb2_grpc.AgentStub(ch).InjectFault(agent_pb2.InjectFaultRequest(index=index, kind=kind), timeout=5)
-
-
-class Records:
-    """The workers' JSON lines, read incrementally."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.all = path, 0, []
-
-    def poll(self) -> list[dict]:
-        if self.path.exists():
-            with open(self.path) as f:
-                f.seek(self.offset)
-                chunk = f.read()
-            end = chunk.rfind("\n") + 1
-            self.offset += len(chunk[:end].encode())
-            self.all.extend(json.loads(line) for line in chunk[:end].splitlines() if line)
-        return self.all
-
-    def progress(self) -> int:
-        """The highest step any rank completed (-1 before the first)."""
-        return max((r["step"] for r in self.poll() if r["kind"] == "step"), default=-1)
-
-
-def wait(cond, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"soak: {what} not within {timeout:.0f}s")
-
-
-def run_job(cluster: DemoCluster, work: Path, steps: int, *, stop_file: Path | None, checkpoints: bool,
-            pace_s: float = 0.0):
-    spec = demo_job_spec(JOB, [(r.name, r.node, r.gpus) for r in RACKS], LOCAL_BATCH, DEMO_MODEL.unit_counts())
-    write_spec(spec, work / "job.json")
-    env = {**os.environ, "TPFLEX_DEMO_OUT": str(work / "steps.jsonl"), "TPFLEX_DEMO_STEPS": str(steps),
-           "TPFLEX_DEMO_FINAL_DIR": str(work / "final"), "GLOO_SOCKET_IFNAME": "lo",
-           "TPFLEX_LOG_LEVEL": os.environ.get("TPFLEX_LOG_LEVEL", "WARNING"), "TPFLEX_COLLECTIVE_TIMEOUT_S": "60", "TPFLEX_PLAN_WAIT_S": "60"}
-    if stop_file is not None:
-        env["TPFLEX_DEMO_STOP_FILE"] = str(stop_file)
-    if pace_s > 0:
-        env["TPFLEX_DEMO_STEP_MIN_S"] = str(pace_s)
-    if checkpoints:
-        env.update(TPFLEX_CHECKPOINT_DIR=str(work / "ckpt"), TPFLEX_CHECKPOINT_EVERY="200")
-    for var in ("CUDA_VISIBLE_DEVICES", "TPFLEX_CONTROLLER", "TPFLEX_JOB", "TPFLEX_JOB_SPEC", "TPFLEX_STORE"):
-        env.pop(var, None)
-    procs = []
-    for r in RACKS:
-        procs.append(subprocess.Popen(
-            [str(Path(sys.executable).parent / "tpflex-run"), "--controller", cluster.trainer_endpoint,
-             "--job-spec", str(work / "job.json"), "--node", r.node, "--log-dir", str(work / "ranks"),
-             "--backoff-s", "0.5", "--max-restarts", "1000", "--beat-timeout-s", "3", "--",
-             sys.executable, "-m", "tpflex_trainer.demo.worker"],
-            env=env, stdout=subprocess.DEVNULL, stderr=open(work / f"{r.node}.log", "wb"), start_new_session=True))
-    return spec, procs
-
-
-class Chaos:
-    def __init__(self, cluster: SoakCluster, work: Path, records: Records, rng: random.Random,
-                 kinds: tuple[str, ...] = KINDS) -> None:
-        self.cluster, self.work, self.records, self.rng, self.kinds = cluster, work, records, rng, kinds
-        self.faults: list[dict] = []
-        self.due: list[str] = []  # this round's kinds, in a random order
-
-    def next_kind(self) -> str:
-        """Every kind once per round, each round in a random order: a short soak still
-        injects every kind."""
-        if not self.due:
-            self.due = self.rng.sample(self.kinds, len(self.kinds))
-        return self.due.pop()
-
-    def rank_pids(self) -> dict[tuple[str, int], int]:
-        """The newest process of each GPU's rank, from the launchers' logs."""
-        pids: dict[tuple[str, int], int] = {}
-        for r in RACKS:
-            for m in STARTED.finditer((self.work / f"{r.node}.log").read_text(errors="replace")):
-                pids[(m.group(1), int(m.group(2)))] = int(m.group(3))
-        return pids
-
-    def training_rank(self) -> tuple[tuple[str, int], int]:
-        active = {r["pid"] for r in self.records.poll()[-400:] if r["kind"] == "step"}
-        choices = [(gpu, pid) for gpu, pid in self.rank_pids().items() if pid in active]
-        return self.rng.choice(sorted(choices))
-
-    def healthy(self, after: float) -> bool:
-        """Every GPU in the plan, and 3 steps completed under that plan generation by all 8
-        ranks since ``after`` (a fault's end plus a settling time: the agents' lease, the
-        launchers' beat timeout)."""
-        if time.time() < after:
-            return False
-        generation, gpus = self.cluster.plan()
-        if gpus != ALL_GPUS:
-            return False
-        done: dict[int, set[int]] = {}
-        for r in self.records.poll()[-400:]:
-            if r["kind"] == "step" and r["generation"] == generation and r["t"] > after:
-                done.setdefault(r["step"], set()).add(r["rank"])
-        return sum(1 for ranks in done.values() if len(ranks) == 8) >= 3
-
-    def inject(self) -> dict:
-        kind = self.next_kind()
-        fault = {"kind": kind, "at": time.time()}
-        getattr(self, kind)(fault)
-        fault["done_at"] = time.time()
-        self.faults.append(fault)
-        log(f"fault {len(self.faults)} {kind} {fault.get('what', '')}")
-        return fault
-
-    def rank_sigkill(self, fault: dict) -> None:
-        gpu, pid = self.training_rank()
-        fault["what"] = f"{gpu} pid {pid}"
-        os.kill(pid, signal.SIGKILL)
-
-    def rank_hang(self, fault: dict) -> None:
-        gpu, pid = self.training_rank()
-        fault["what"] = f"{gpu} pid {pid} frozen"
-        os.kill(pid, signal.SIGSTOP)  # tpflex-run kills it after --beat-timeout-s
-
-    def xid79(self, fault: dict) -> None:
-        (node, index), pid = self.training_rank()
-        fault["what"] = f"{node}:{index}"
-        self.cluster.inject(node, index, "xid79")
-        os.kill(pid, signal.SIGKILL)  # its rank dies with it (a CUDA error, at once)
-        wait(lambda: (node, index) not in self.cluster.plan_gpus(), 30, "the re-plan without the failed GPU")
-        time.sleep(self.rng.uniform(2, 6))  # the GPU stays out of the job this long
-        self.cluster.inject(node, index, "recover")
-
-    def agent_freeze(self, fault: dict) -> None:
-        node = self.rng.choice([r.node for r in RACKS])
-        proc = self.cluster.procs[f"agent-{node}"]
-        hold = self.rng.uniform(0.5, 1.5)  # within its lease: the node stays in the job
-        fault["what"] = f"{node} {hold:.1f}s"
-        os.kill(proc.pid, signal.SIGSTOP)
-        time.sleep(hold)
-        os.kill(proc.pid, signal.SIGCONT)
-
-    def controller_leader_kill(self, fault: dict) -> None:
-        name = self.cluster.leader()
-        fault["what"] = name
-        proc = self.cluster.procs[name]
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        wait(lambda: self.cluster.leader() != name or self.cluster.etcd.get(keys.LEADER) is None, 30,
-             "the old leader's key to go")
-        time.sleep(1.0)
-        self.cluster.respawn(name)
-
-    def etcd_member_kill(self, fault: dict) -> None:
-        i = self.rng.randrange(3)
-        fault["what"] = f"member m{i}"
-        self.cluster.etcd_server.members[i].kill()
-        time.sleep(self.rng.uniform(1, 4))
-        self.cluster.etcd_server.restart_member(i)
 
 
 def pauses(records: list[dict], faults: list[dict]) -> list[float]:
@@ -375,15 +149,6 @@ def vs_reference(records: list[dict], state: dict) -> float:
     return state_rel_l2(state["param"], ref["param"])
 
 
-def record_plans(cluster: SoakCluster, stop: threading.Event) -> None:
-    """Read the job's plan every 0.1 s, so that every generation is kept (``plan``)."""
-    while not stop.wait(0.1):
-        try:
-            cluster.plan()
-        except Exception as exc:  # noqa: BLE001 -- an etcd member down: the next read
-            log(f"plan not read: {type(exc).__name__}")
-
-
 def chaos_run(work: Path, minutes: float, rng: random.Random, kinds: tuple[str, ...], max_faults: int = 0,
               pace_s: float = 0.0) -> dict:
     cluster = SoakCluster(free_demo_ports(), RACKS, work / "cluster")
@@ -437,6 +202,22 @@ def baseline_run(work: Path, steps: int) -> None:
         cluster.stop()
 
 
+def round_divergences(records: list[dict], replayed: list[dict]) -> list[dict]:
+    """The rounds (rank, generation, epoch, step) whose first step started from another
+    state in the chaos run than in the replay (``entered`` records against the replay's
+    digests), oldest step first; rounds only one side recorded are left out. Pure."""
+    key = lambda r: (r["rank"], r["generation"], r.get("epoch", 0), r["step"])  # noqa: E731
+    theirs = {key(r): r for r in replayed}
+    out = []
+    for r in records:
+        if r["kind"] == "entered" and key(r) in theirs and theirs[key(r)]["digest"] != r["digest"]:
+            t = theirs[key(r)]
+            out.append({"rank": r["rank"], "generation": r["generation"], "epoch": r.get("epoch", 0),
+                        "step": r["step"], "same_units": t["units"] == r["units"],
+                        "units": r["units"], "replay_units": t["units"]})
+    return sorted(out, key=lambda d: (d["step"], d["rank"]))
+
+
 def same_layout_l2(work: Path, chaos: dict, adapter, state_c: dict, state_b: dict) -> float | None:
     """The chaos run's final weights against the same-layout reference (``soak_replay``):
     the fixed-layout baseline itself when every round used one layout, else the replay of
@@ -451,7 +232,12 @@ def same_layout_l2(work: Path, chaos: dict, adapter, state_c: dict, state_b: dic
         return state_rel_l2(state_c["param"], state_b["param"])
     batches = {r["step"]: r["global_batch"] for r in chaos["records"] if r["kind"] == "step"}
     log(f"replaying {len(rounds)} rounds ({sum(1 for r in rounds if r.fresh)} with restarted ranks)")
-    replay(chaos["spec"], rounds, batches, work / "replay")
+    (work / "replay-digests").mkdir()
+    replay(chaos["spec"], rounds, batches, work / "replay", digest_dir=work / "replay-digests")
+    theirs = [json.loads(line) for f in sorted((work / "replay-digests").glob("*.jsonl"))
+              for line in f.read_text().splitlines()]
+    for d in round_divergences(chaos["records"], theirs)[:8]:
+        log(f"round state differs from the replay's: {d}")
     step_r, state_r = read_full_state(work / "replay", adapter)
     if step_r != chaos["steps"]:
         raise RuntimeError(f"the replay ended at step {step_r}, the chaos run at {chaos['steps']}")

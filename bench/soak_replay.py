@@ -16,6 +16,7 @@ Pure part: :func:`rounds_from` (records + plans -> rounds); the run: :func:`repl
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -34,20 +35,25 @@ class Round:
     end: int  # and trained up to (not including) this step in it
     generation: int
     plan: bytes  # the serialized Plan of ``generation``
-    fresh: tuple[int, ...]  # spec ranks whose process was new (no state) in this round
+    fresh: tuple[int, ...]  # spec ranks without usable state in this round (``rounds_from``)
+    epoch: int = 0  # the plan's restart epoch: the round is (generation, epoch)
 
 
 def rounds_from(records: list[dict], plans: dict[int, types_pb2.Plan], stop: int) -> list[Round]:
     """The rounds the chaos run applied (one per (generation, restart epoch), in the order
-    applied), with the spec ranks that started them without state. Raises
-    :class:`ReplayUnsupported` for a checkpoint restart or an unrecorded plan."""
+    applied), with the spec ranks that started them without usable state: a new process,
+    or a member a torn step left a step behind (its last collective failed, others applied
+    the update; the runtime counts it as holding nothing when the newest copy of every unit
+    survives, re-sends it its units, and plans the layout without it). Raises
+    :class:`ReplayUnsupported` for a checkpoint restart or an unrecorded plan. Pure."""
     applied: dict[tuple[int, int], list[dict]] = {}
     for r in records:
         if r["kind"] == "applied" and r["source"] != "idle":
             applied.setdefault((r["generation"], r.get("epoch", 0)), []).append(r)
     order = sorted(applied, key=lambda k: min(r.get("at", r["t"]) for r in applied[k]))
-    last_pid: dict[int, int] = {}
-    rounds: list[tuple[int, int, tuple[int, ...]]] = []
+    done = _steps_done(records)
+    last: dict[int, tuple[int, int]] = {}  # rank -> (pid, step) of its last applied round
+    rounds: list[tuple[int, tuple[int, int], tuple[int, ...]]] = []
     for key in order:
         recs = applied[key]
         if any(r["source"] == "checkpoint" for r in recs):
@@ -57,16 +63,39 @@ def rounds_from(records: list[dict], plans: dict[int, types_pb2.Plan], stop: int
             raise ReplayUnsupported(f"round {key}: members resumed at steps {sorted(steps)}")
         if key[0] not in plans:
             raise ReplayUnsupported(f"plan generation {key[0]} was not recorded")
-        fresh = tuple(sorted(r["rank"] for r in recs if last_pid.get(r["rank"]) != r["pid"]))
-        last_pid.update({r["rank"]: r["pid"] for r in recs})
-        rounds.append((steps.pop(), key[0], fresh))
+        step = steps.pop()
+        fresh = []
+        for r in recs:
+            pid, applied_step = last.get(r["rank"], (None, 0))
+            if pid != r["pid"]:
+                fresh.append(r["rank"])  # a new process
+            elif max(applied_step, done(r["rank"], r["pid"], r["t"])) == step - 1:
+                fresh.append(r["rank"])  # one step behind (a torn step): its state was not used
+        last.update({r["rank"]: (r["pid"], step) for r in recs})
+        rounds.append((step, key, tuple(sorted(fresh))))
     out = []
-    for i, (step, generation, fresh) in enumerate(rounds):
+    for i, (step, (generation, epoch), fresh) in enumerate(rounds):
         end = rounds[i + 1][0] if i + 1 < len(rounds) else stop
         if end < step:
             raise ReplayUnsupported(f"the round after step {step} went back to step {end}")
-        out.append(Round(step, end, generation, plans[generation].SerializeToString(), fresh))
+        out.append(Round(step, end, generation, plans[generation].SerializeToString(), fresh, epoch))
     return out
+
+
+def _steps_done(records: list[dict]):
+    """``done(rank, pid, t)``: the step the process's state was at after the steps it
+    recorded before time ``t`` (its newest recorded step + 1; 0 when none)."""
+    per: dict[tuple[int, int], tuple[list[float], list[int]]] = {}
+    for r in sorted((r for r in records if r["kind"] == "step"), key=lambda r: r["t"]):
+        times, best = per.setdefault((r["rank"], r["pid"]), ([], []))
+        times.append(r["t"])
+        best.append(max(r["step"] + 1, best[-1] if best else 0))
+
+    def done(rank: int, pid: int, t: float) -> int:
+        times, best = per.get((rank, pid), ([], []))
+        i = bisect.bisect_left(times, t)
+        return best[i - 1] if i else 0
+    return done
 
 
 def one_layout(rounds: list[Round]) -> bool:
@@ -83,8 +112,10 @@ def _batches_of(records: list[dict]) -> dict[int, int]:
 
 
 def replay(spec: types_pb2.JobSpec, rounds: list[Round], batches: dict[int, int], final_dir: Path,
-           timeout_s: float = 3600.0) -> None:
-    """Run the rounds in 8 gloo processes; the final state goes to ``final_dir``."""
+           timeout_s: float = 3600.0, digest_dir: Path | None = None) -> None:
+    """Run the rounds in 8 gloo processes; the final state goes to ``final_dir``. With
+    ``digest_dir``, each rank writes there (``rank<N>.jsonl``) the digest of the state each
+    round's first step starts from (``state_digest``), as the demo worker does."""
     import torch.distributed as dist
 
     from tests.support.ports import free_port
@@ -96,24 +127,28 @@ def replay(spec: types_pb2.JobSpec, rounds: list[Round], batches: dict[int, int]
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=600))
     try:
-        run_workers(_worker, n, (spec.SerializeToString(), rounds, batches, str(final_dir), port),
+        run_workers(_worker, n, (spec.SerializeToString(), rounds, batches, str(final_dir), port,
+                                       str(digest_dir) if digest_dir else ""),
                     timeout_s=timeout_s)
     finally:
         del store
 
 
 def _worker(rank: int, world_size: int, spec_bytes: bytes, rounds: list[Round], batches: dict[int, int],
-            final_dir: str, port: int) -> int:
+            final_dir: str, port: int, digest_dir: str = "") -> int:
+    import json
+
     import torch.distributed as dist
     from tpflex_trainer.demo.data import global_batch
     from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_MODEL, DEMO_SEED
-    from tpflex_trainer.hooks.trainer import _spec_ranks
+    from tpflex_trainer.hooks.plans import spec_ranks
     from tpflex_trainer.ntp.layout import Member
     from tpflex_trainer.ntp.plan_adapter import placements_from_plan
     from tpflex_trainer.ntp.runtime import NtpRuntime
+    from tpflex_trainer.ntp.state import state_digest
 
     spec = types_pb2.JobSpec.FromString(spec_bytes)
-    me = _spec_ranks(spec)[rank][0]
+    me = spec_ranks(spec)[rank][0]
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=600))
     dist.destroy_process_group()  # the harness's group: each round forms its own
     runtime: NtpRuntime | None = None
@@ -136,6 +171,11 @@ def _worker(rank: int, world_size: int, spec_bytes: bytes, rounds: list[Round], 
             runtime.apply_plan(placements, world)
         if runtime.step != rnd.step:
             raise RuntimeError(f"round {k}: the replay is at step {runtime.step}, the chaos run resumed at {rnd.step}")
+        if digest_dir and runtime.state is not None and rnd.end > rnd.step:
+            with open(Path(digest_dir) / f"rank{rank}.jsonl", "a") as f:
+                f.write(json.dumps({"rank": rank, "generation": rnd.generation, "epoch": rnd.epoch, "step": rnd.step,
+                                    "units": {u: list(v) for u, v in runtime.state.units.items()},
+                                    "digest": state_digest(runtime.state)}) + "\n")
         for step in range(rnd.step, rnd.end):
             layout = runtime.layout
             if batches.get(step, layout.global_batch) != layout.global_batch:

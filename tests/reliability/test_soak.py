@@ -105,3 +105,52 @@ def test_the_replay_follows_the_chaos_runs_rounds_with_their_restarted_ranks():
         rounds_from([*records, _applied(0, 100, 3, 3, 0, 5.0, "checkpoint")], plans, 12)
     with pytest.raises(ReplayUnsupported, match="went back"):
         rounds_from(records, plans, 9)
+
+
+def test_the_replay_starts_a_member_left_behind_by_a_torn_step_without_state():
+    # the chaos run: rank 1 died inside step 5, whose last collective failed on rank 2 while
+    # ranks 0 and 3 applied the update. When the job goes on from step 6 (the newest copies
+    # all survived), rank 2's state (at step 5) is not used: the runtime plans the layout
+    # without it and re-sends it its units, as for a new process (tests/trainer/
+    # test_torn_step.py shows the two are the same bit for bit, and a holder is not)
+    from bench.soak_replay import rounds_from
+
+    def step(rank: int, pid: int, s: int) -> dict:
+        return {"kind": "step", "rank": rank, "pid": pid, "step": s, "t": 1.0 + s / 10 + rank / 100}
+
+    plans = {1: _plan(1, [0, 1, 2, 3])}
+    first = [_applied(r, 100 + r, 1, 0, 0, -4.5, "init") for r in range(4)]
+    steps = [step(r, 100 + r, s) for s in range(5) for r in range(4)] + [step(r, 100 + r, 5) for r in (0, 3)]
+    forward = [_applied(r, 201 if r == 1 else 100 + r, 1, 1, 6, 3.0) for r in range(4)]
+    rounds = rounds_from([*first, *steps, *forward], plans, 9)
+    assert [(r.step, r.end, r.fresh) for r in rounds] == [(0, 6, (0, 1, 2, 3)), (6, 9, (1, 2))]
+    # the other way out of a torn step: ranks 0 and 3 undo their update, step 5 is run
+    # again; every survivor holds its state at step 5
+    rollback = [_applied(r, 201 if r == 1 else 100 + r, 1, 1, 5, 3.0) for r in range(4)]
+    rounds = rounds_from([*first, *steps, *rollback], plans, 9)
+    assert [(r.step, r.end, r.fresh) for r in rounds] == [(0, 5, (0, 1, 2, 3)), (5, 9, (1,))]
+
+
+def test_state_digests_tell_rounds_that_started_from_other_bits():
+    import torch
+    from tpflex_trainer.ntp.state import LocalState, state_digest
+
+    from bench.soak import round_divergences
+
+    def state(step: int, bump: float = 0.0) -> LocalState:
+        w = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        w[1, 2] += bump
+        return LocalState({"heads": (0, 1)}, {"param": {"w": w}, "exp_avg": {"w": torch.zeros(2, 3)}}, step)
+
+    same, other = state_digest(state(4)), state_digest(state(4, 2.0 ** -20))  # one element changed
+    assert same == state_digest(state(4)) and same != other and same != state_digest(state(5))
+
+    def entered(rank: int, step: int, digest: str, units=None) -> dict:
+        return {"kind": "entered", "rank": rank, "generation": 2, "epoch": 1, "step": step, "digest": digest,
+                "units": units or {"heads": [0, 1]}}
+
+    chaos = [entered(0, 10, same), entered(1, 10, other, {"heads": [2, 3]}), entered(1, 30, same)]
+    replayed = [{**entered(0, 10, same), "kind": "replayed"}, {**entered(1, 10, same), "kind": "replayed"}]
+    assert round_divergences(chaos, replayed) == [
+        {"rank": 1, "generation": 2, "epoch": 1, "step": 10, "same_units": False,
+         "units": {"heads": [2, 3]}, "replay_units": {"heads": [0, 1]}}]

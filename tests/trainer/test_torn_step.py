@@ -63,6 +63,36 @@ def test_torn_step_is_replayed_without_a_checkpoint():
         assert _rel_l2(got, want, kind) <= 1e-6, kind
 
 
+@pytest.mark.slow
+def test_a_member_behind_a_torn_step_holds_nothing_when_every_newest_copy_survived():
+    # the dead member's units survive at the newer step on replica 0's member ahead, so the
+    # job goes forward; the member left behind counts as holding nothing: the new layout is
+    # planned without it and its units are re-sent, exactly as for a fresh process in its
+    # place (what the soak's same-layout replay models: bench/soak_replay.rounds_from).
+    # Planned with it as a holder, the layout differs, and so do the float sums. Two
+    # replicas at TP 4 (the soak's job); one GPU of replica 1 is lost.
+    start = (rp(0, range(4)), rp(1, range(4)))
+    dead, behind = Member(1, 1), Member(0, 0)
+    degraded = (rp(0, range(4)), rp(1, (0, 2, 3)))
+    torn = Change(TORN_AT, degraded, kill=dead, rejoin_port=free_port(), torn=(behind,))
+    runs = {}
+    for name, change in (
+        ("torn", torn),
+        ("fresh", Change(TORN_AT + 1, degraded, kill=dead, rejoin_port=free_port(), restart=behind)),
+        ("holder", Change(TORN_AT + 1, degraded, kill=dead, rejoin_port=free_port())),
+    ):
+        sc = Scenario(CFG, 4, start, steps=STEPS, members=members_of(*start), changes=(change,))
+        runs[name] = run_workers(run_scenario, len(sc.members), (sc,), expect_exits=1, timeout_s=90)
+    outcomes = {res["member"]: res["reports"][1]["torn"] for res in runs["torn"].values()}
+    assert outcomes == {m: "InjectedFault" if m == tuple(behind) else "updated"
+                        for m in members_of(*start) if m != dead}
+    assert {res["reports"][2]["step"] for res in runs["torn"].values()} == {TORN_AT + 1}  # forward
+    states = {name: _final_states(results) for name, results in runs.items()}
+    for kind in ("param", "exp_avg", "exp_avg_sq"):
+        assert _rel_l2(states["torn"], states["fresh"], kind) == 0.0, kind
+    assert _rel_l2(states["torn"], states["holder"], "param") > 0.0
+
+
 def test_rollback_step_needs_every_member_ahead_to_undo_one_step():
     a, b, c = Member(0, 0), Member(0, 1), Member(1, 0)
     assert rollback_step({a: (5, 4), b: (4, 3), c: (5, 4)}) == 4

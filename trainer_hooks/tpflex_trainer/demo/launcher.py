@@ -4,6 +4,12 @@ Like torchrun's agent it serves the c10d TCPStore the ranks rendezvous on; unlik
 it does not restart the whole job when a rank dies: the survivors carry on in-process
 (tpflex hooks), and a process is started for a GPU only when a plan uses that GPU and no
 process runs there (a repaired GPU).
+
+Unlike tpflex-run it does not report a rank's exit to the controller (``ReportRankExit``):
+a reported exit is a soft failure, the controller keeps the GPU in the plan and the job
+waits for the rank to rejoin, and this launcher never restarts a rank. The demo's ranks
+die with their GPU (XID 79); the survivors learn it from the failure generation on the
+plan stream (``hooks.abort``), blocked collectives included.
 """
 
 from __future__ import annotations

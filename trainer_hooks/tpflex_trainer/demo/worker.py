@@ -9,7 +9,8 @@ Optional: ``TPFLEX_DEMO_FINAL_DIR`` (write a checkpoint of the final state there
 and Adam moments, for weight parity), ``TPFLEX_DEMO_STOP_FILE`` (a file that may name a
 step to stop at, read at every step: a soak ends every rank at the same step),
 ``TPFLEX_DEMO_STEP_MIN_S`` (pace the steps, so that a test's fault lands mid-training),
-``TPFLEX_DEMO_HOLD_FILE`` (a file that may hold ``STEP GENERATION``: an active rank does not
+``TPFLEX_DEMO_DIGESTS=1`` (record, per round, a digest of the state its first step started
+from: the soak compares them with its replay's), ``TPFLEX_DEMO_HOLD_FILE`` (a file that may hold ``STEP GENERATION``: an active rank does not
 start step STEP or later before its plan stream has delivered plan GENERATION; the story
 holds the job there until the plan its repair causes arrives, so a short job cannot finish
 before the repaired GPU's plan).
@@ -28,6 +29,7 @@ import torch
 from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_SEED, demo_model
 from tpflex_trainer.hooks.config import HooksConfigError
 from tpflex_trainer.hooks.trainer import HooksError, TpflexHooks
+from tpflex_trainer.ntp.state import state_digest
 from tpflex_trainer.train.worker import degrees
 
 
@@ -48,6 +50,8 @@ def main() -> int:
         print(f"tpflex-demo worker: {exc}", file=sys.stderr)
         return 2
     seen = 0
+    digests = os.environ.get("TPFLEX_DEMO_DIGESTS") == "1"
+    last_round = None
 
     def record(kind: str, **fields) -> None:
         out.write(json.dumps({"kind": kind, "rank": hooks.rank, "t": time.time(), "pid": os.getpid(),
@@ -72,6 +76,11 @@ def main() -> int:
         flush_history()
         if loss is None:
             continue
+        if digests and (hooks.generation, hooks.epoch) != last_round and hooks.runtime.undo is not None:
+            last_round = (hooks.generation, hooks.epoch)  # the state this round's first step started from
+            undo = hooks.runtime.undo
+            record("entered", step=undo.step, generation=hooks.generation, epoch=hooks.epoch,
+                   units={f: list(u) for f, u in undo.units.items()}, digest=state_digest(undo))
         layout = hooks.runtime.layout
         record("step", step=hooks.step - 1, loss=loss, generation=hooks.generation, tp=hooks.tp_degree,
                global_batch=layout.global_batch, seconds=time.perf_counter() - t0,

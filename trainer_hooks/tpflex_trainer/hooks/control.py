@@ -2,8 +2,8 @@
 
 ``ControlClient`` streams a job's plans from any of the configured controller endpoints
 on a background thread, reconnecting with backoff and resuming after the last generation
-(and restart epoch) seen; a plan with a newer restart epoch is passed to ``on_restart``
-(the hooks abort their process groups). A second thread keeps one ``Heartbeat`` stream
+(and restart epoch) seen; each newer round is passed to ``on_round`` (the hooks abort
+their process groups when it says a member of theirs is gone: ``hooks.abort``). A second thread keeps one ``Heartbeat`` stream
 open on the same channel and sends a beat every ``beat_interval_s`` (when
 ``beat_interval_s`` > 0). Acks and step reports are queued and sent by a sender thread with per-call
 timeouts and bounded retries, so nothing here blocks a training step: if the controller
@@ -97,7 +97,7 @@ BeatState = Callable[[], tuple[int, int, int, float]]  # generation, epoch, step
 
 
 class ControlClient:
-    def __init__(self, config: ControlConfig, *, on_restart: Callable[[types_pb2.Plan], None] = lambda p: None,
+    def __init__(self, config: ControlConfig, *, on_round: Callable[[types_pb2.Plan], None] = lambda p: None,
                  beat_state: BeatState = lambda: (0, 0, 0, 0.0)) -> None:
         if not config.endpoints:
             raise ValueError("at least one controller endpoint is required")
@@ -105,7 +105,7 @@ class ControlClient:
         self._lock = threading.Condition()
         self._latest: types_pb2.Plan | None = None
         self._seen = (0, 0)
-        self.on_restart, self.beat_state = on_restart, beat_state
+        self.on_round, self.beat_state = on_round, beat_state
         self.beats_sent = 0
         self._stop = threading.Event()
         self._outbox: queue.Queue = queue.Queue(maxsize=config.queue_size)
@@ -236,7 +236,7 @@ class ControlClient:
         if restarted:
             log.warning("restart epoch job=%s rank=%d generation=%d epoch=%d reason=%s", self.config.job,
                         self.config.rank, plan.generation, plan.restart.epoch, plan.restart.reason)
-            self.on_restart(plan)
+        self.on_round(plan)
 
     def _watch_loop(self) -> None:
         backoff = self._backoff()

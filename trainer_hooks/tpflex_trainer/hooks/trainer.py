@@ -22,9 +22,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,13 +32,22 @@ import torch
 import torch.distributed as dist
 from tpflex_proto import controller_pb2, types_pb2
 
+from tpflex_trainer.hooks.abort import FAILURE_ABORT_GRACE_S, GroupSockets, abort_reason
 from tpflex_trainer.hooks.config import HooksConfig, load_spec
 from tpflex_trainer.hooks.control import (
     ControlClient,
     ControlConfig,
     PlanRejected,
-    check_plan,
     plan_round,
+)
+from tpflex_trainer.hooks.plans import (  # noqa: F401  (HooksError, plan_placements: public here too)
+    AppliedPlan,
+    HooksError,
+    endpoint_ports,
+    plan_placements,
+    round_name,
+    spec_ranks,
+    spec_stages,
 )
 from tpflex_trainer.hooks.rendezvous import (
     RendezvousAbandoned,
@@ -49,76 +58,13 @@ from tpflex_trainer.hooks.rendezvous import (
 from tpflex_trainer.hooks.watchdog import Watchdog, abort_groups
 from tpflex_trainer.ntp.config import GPTConfig
 from tpflex_trainer.ntp.errors import NtpError
-from tpflex_trainer.ntp.layout import Member, ReplicaPlacement, validate_request
+from tpflex_trainer.ntp.layout import Member, ReplicaPlacement
 from tpflex_trainer.ntp.optim import AdamSettings, TrainSettings
-from tpflex_trainer.ntp.plan_adapter import placements_from_plan
 from tpflex_trainer.ntp.runtime import NtpRuntime, ReshardReport
-from tpflex_trainer.ntp.stages import split_stages
 
 log = logging.getLogger(__name__)
 
 BatchFn = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
-
-
-class HooksError(RuntimeError):
-    """The job cannot go on here (no plan within the wait, this rank not in the spec)."""
-
-
-@dataclass(frozen=True)
-class AppliedPlan:
-    """One generation as this rank applied it (for logs, tests and the demo's summary)."""
-
-    generation: int
-    tp_degree: int  # of this rank's replica; 0 when idle
-    world_size: int
-    source: str  # live / checkpoint / init / idle
-    step: int  # training resumes from this step
-    reshard_s: float
-    bytes_moved: int
-    peer_units: int
-    after_failure: bool
-    applied_at: float
-    bytes_sent: int = 0  # by this rank in the reshard (0: it was not a source)
-    epoch: int = 0  # the plan's restart epoch (the round is (generation, epoch))
-
-
-def spec_stages(spec: types_pb2.JobSpec) -> int:
-    """Pipeline stages per replica (every replica of the spec has the same count)."""
-    counts = {len(rep.stages) for rep in spec.replicas}
-    if len(counts) != 1 or 0 in counts:
-        raise HooksError(f"job spec replicas have {sorted(counts)} stages: every replica needs the same "
-                         "number of stages (at least one)")
-    return counts.pop()
-
-
-def _spec_ranks(spec: types_pb2.JobSpec) -> list[tuple[Member, tuple[str, int]]]:
-    spec_stages(spec)
-    out = []
-    for r, rep in enumerate(spec.replicas):
-        for k, stage in enumerate(rep.stages):
-            for slot, g in enumerate(stage.ranks):
-                out.append((Member(r, slot, k), (g.node, g.index)))
-    return out
-
-
-def plan_placements(plan: types_pb2.Plan, spec: types_pb2.JobSpec, job: str,
-                    applied_generation: int,
-                    unit_counts: dict[str, int] | list[dict[str, int]]) -> tuple[ReplicaPlacement, ...]:
-    """The placements of a plan this job can apply; PlanRejected (another job, not newer
-    than the applied generation) or an NtpError (a GPU outside the job spec, a stage
-    missing, an invalid layout of a stage) naming why not. ``unit_counts``: per stage
-    (or one dict without stages). Pure."""
-    check_plan(plan, job, applied_generation)
-    placements = placements_from_plan(plan, spec)
-    per_stage = [unit_counts] if isinstance(unit_counts, dict) else list(unit_counts)
-    for counts, placed in zip(per_stage, split_stages(placements, len(per_stage)), strict=True):
-        validate_request(counts, placed, spec.base_tp)
-    return placements
-
-
-def _round_name(plan: types_pb2.Plan) -> str:
-    """The rendezvous namespace of a plan in a restart epoch (``g<generation>[e<epoch>]``)."""
-    return f"{plan.generation}e{plan.restart.epoch}" if plan.restart.epoch else str(plan.generation)
 
 
 class TpflexHooks:
@@ -136,7 +82,7 @@ class TpflexHooks:
         self.spec = spec if spec is not None else load_spec(config.spec_file)
         if self.spec.name != config.job:
             raise HooksError(f"job spec is for {self.spec.name!r}, TPFLEX_JOB is {config.job!r}")
-        ranks = _spec_ranks(self.spec)
+        ranks = spec_ranks(self.spec)
         mine = [(i, m) for i, (m, gpu) in enumerate(ranks) if gpu == (config.node, config.gpu)]
         if not mine:
             raise HooksError(f"GPU {config.node}:{config.gpu} is not a rank of job {config.job}")
@@ -154,9 +100,13 @@ class TpflexHooks:
             tls_server_name=config.tls_server_name or None,
             beat_interval_s=config.beat_interval_s, incarnation=config.incarnation,
             beat_file=config.beat_file,
-        ), on_restart=self._on_restart, beat_state=self._beat_state)
+        ), on_round=self._on_round, beat_state=self._beat_state)
         self.watchdog = Watchdog(config.watchdog_after_s, self._on_hang)
         self.backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.sockets = GroupSockets(endpoint_ports(
+            [*config.controller, *config.store.removeprefix("tpflex://").split(",")]))
+        self._abort_lock = threading.Lock()
+        self._entering = (0, 0)  # the round whose groups this rank builds or uses
         self.store: dist.Store | None = None
         self.generation = 0
         self.epoch = 0  # the restart epoch applied (Plan.restart.epoch)
@@ -381,16 +331,20 @@ class TpflexHooks:
 
     def _apply(self, plan, placements, members, world, mode) -> AppliedPlan:
         newer = lambda: plan_round(self.client.latest_plan()) > plan_round(plan)  # noqa: E731
-        self._rendezvous(plan, "", world, newer)
-        t0 = time.perf_counter()
-        if self.runtime.layout is None:
-            report = self.runtime.start(placements, world, self._latest_checkpoint())
-        else:
-            report = self.runtime.apply_plan(placements, world, self._latest_checkpoint())
+        with self._abort_lock:  # a plan-stream abort from here on is for a newer round
+            self._entering = plan_round(plan)
+        with self.sockets.track():
+            self._rendezvous(plan, "", world, newer)
+            t0 = time.perf_counter()
+            if self.runtime.layout is None:
+                report = self.runtime.start(placements, world, self._latest_checkpoint())
+            else:
+                report = self.runtime.apply_plan(placements, world, self._latest_checkpoint())
         if set(world) != set(members):  # leaving ranks are done: shrink to the plan's members
             if self.me not in members:
                 return self._go_idle(plan, mode, report)
-            self._rendezvous(plan, "a", {m: i for i, m in enumerate(members)}, newer)
+            with self.sockets.track():
+                self._rendezvous(plan, "a", {m: i for i, m in enumerate(members)}, newer)
             self.world = {m: i for i, m in enumerate(members)}
         else:
             self.world = world
@@ -398,14 +352,14 @@ class TpflexHooks:
 
     def _rendezvous(self, plan: types_pb2.Plan, suffix: str, world, give_up) -> None:
         join_generation(
-            self.store, self.config.job, f"{_round_name(plan)}{suffix}",
+            self.store, self.config.job, f"{round_name(plan)}{suffix}",
             world, self.me, backend=self.backend,
             collective_timeout=timedelta(seconds=self.config.collective_timeout_s),
             give_up=give_up, deadline_s=self.config.plan_wait_s,
         )
 
     def _applied(self, plan, report: ReshardReport, mode: str, seconds: float) -> AppliedPlan:
-        previous = _round_name(self.plan) if self.plan is not None else ""
+        previous = round_name(self.plan) if self.plan is not None else ""
         self.generation, self.epoch, self.plan = plan.generation, plan.restart.epoch, plan
         # every member of the new layout (newcomers too) skips the checkpoint of the step it
         # resumes from, so all of them take the same checkpoints from here on
@@ -413,7 +367,7 @@ class TpflexHooks:
         if self.world and self.world.get(self.me) == 0:
             self.store.set(f"tpflex/{self.config.job}/world",
                            json.dumps({"generation": plan.generation, "members": [list(m) for m in self.world]}))
-            if previous and previous != _round_name(plan):  # every member has left it
+            if previous and previous != round_name(plan):  # every member has left it
                 forget_generation(self.store, self.config.job, previous)
         applied = AppliedPlan(
             generation=plan.generation, tp_degree=self.tp_degree, world_size=len(self.world),
@@ -452,18 +406,46 @@ class TpflexHooks:
     def _beat_state(self) -> tuple[int, int, int, float]:
         return self.generation, self.epoch, self.step, self.watchdog.hung_s()
 
-    def _on_restart(self, plan: types_pb2.Plan) -> None:
-        """Plan-stream thread: a newer restart epoch (a rank died or hung): abort this
-        process's groups so a collective blocked on the lost rank ends now (NCCL; gloo's
-        end when the dead peer's sockets close). The main thread then re-forms them."""
-        if plan.restart.epoch > self.epoch and self.active:
-            abort_groups(self.runtime.group_cache.groups.values(), f"restart epoch {plan.restart.epoch}: {plan.restart.reason}")
+    def _on_round(self, plan: types_pb2.Plan) -> None:
+        """Plan-stream thread, each newer round: when it says a member of this rank's
+        round is gone (a restart epoch; a generation dropping a failed GPU,
+        ``abort_reason``), abort this process's groups so that a collective blocked on the
+        lost rank ends now, without a transport error or the watchdog. The main thread
+        then recovers (``_recover``) and re-forms them with the new plan."""
+        with self._abort_lock:
+            if plan_round(plan) <= self._entering or not self.active:
+                return  # the main thread already builds that round's groups (or none)
+            reason = abort_reason(plan, self.plan, self.epoch)
+            if not reason:
+                return
+            if plan.restart.epoch > self.epoch:
+                self._abort(reason)
+                return
+        # a failed GPU: ranks that talked to a dead process learn it from their sockets at
+        # once and are recovering; the abort is for those nothing tells (a frozen peer),
+        # so it waits FAILURE_ABORT_GRACE_S and is skipped if this rank left the round
+        timer = threading.Timer(FAILURE_ABORT_GRACE_S, self._abort_if_still_in, (plan, reason))
+        timer.daemon = True
+        timer.start()
+
+    def _abort_if_still_in(self, plan: types_pb2.Plan, reason: str) -> None:
+        with self._abort_lock:
+            if plan_round(plan) > self._entering and self.active:
+                self._abort(reason)
 
     def _on_hang(self, stuck_s: float) -> None:
         """Watchdog thread: this rank's step has been stuck in collectives too long."""
         log.error("collective hang job=%s rank=%d generation=%d epoch=%d step=%d stuck_s=%.1f",
                   self.config.job, self.rank, self.generation, self.epoch, self.step, stuck_s)
-        abort_groups(self.runtime.group_cache.groups.values(), f"watchdog: stuck {stuck_s:.1f}s")
+        self._abort(f"watchdog: stuck {stuck_s:.1f}s")
+
+    def _abort(self, reason: str) -> None:
+        """Abort every process group (NCCL: a blocked collective ends); with gloo, whose
+        abort does nothing, shut the groups' connections down too (``abort.GroupSockets``)."""
+        abort_groups(self.runtime.group_cache.groups.values(), reason)
+        if self.backend == "gloo":
+            log.warning("gloo connections shut down job=%s rank=%d connections=%d reason=%s",
+                        self.config.job, self.rank, self.sockets.shutdown(), reason)
 
     # ------------------------------------------------------------------ checkpoints
     def _latest_checkpoint(self) -> str | None:

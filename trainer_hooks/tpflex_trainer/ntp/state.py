@@ -7,6 +7,7 @@ checkpoints move payloads; which member holds a unit is decided by the layout.
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -107,3 +108,15 @@ def build_state(
                     tensors[kind][s.name][_rows(s, pos)].copy_(chunk.view(s.unit_rows, *s.shape[1:]))
                     offset += s.unit_numel
     return LocalState(dict(units), tensors, step)
+
+
+def state_digest(state: LocalState) -> str:
+    """A digest of ``state``: its step, units and every tensor's bits (two states with the
+    same digest are the same bit for bit; a soak compares rounds with its replay). Pure."""
+    h = hashlib.sha256(repr((state.step, sorted(state.units.items()))).encode())
+    for kind in sorted(state.tensors):
+        for name in sorted(state.tensors[kind]):
+            t = state.tensors[kind][name].detach().to("cpu").contiguous()
+            h.update(f"{kind}/{name}/{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -1,0 +1,127 @@
+"""When the plan stream tells a rank to abort its process groups, and how gloo's are aborted.
+
+A survivor blocked in a collective with a member that is gone must not depend on a
+transport error (NCCL gives none; a frozen peer's sockets stay open) or on its watchdog.
+The controller's plan stream says it: a newer restart epoch (a rank died or hung, its GPU
+healthy) or a newer generation that drops, for a failed GPU, a GPU of the round this rank
+applied (:func:`abort_reason`). The hooks then abort every process group
+(``watchdog.abort_groups``) and re-form them with the new plan.
+
+``ProcessGroupGloo.abort`` does nothing in torch 2.13 (a blocked gloo collective ends only
+when a peer's socket closes, or at the collective timeout), so for gloo the hooks also
+shut down the TCP connections the groups opened (:class:`GroupSockets`): the blocked
+collective raises at once ("connection closed"), as NCCL's aborted one does, and the same
+recovery code runs. Only connected sockets that appeared while this process built its
+groups are touched (not gloo's listeners, whose shutdown ends the process; not the
+controller's or the store's connections); each is checked to be the same socket (its
+inode) before it is shut down, so a descriptor number reused since is left alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+from tpflex_proto import types_pb2
+
+log = logging.getLogger(__name__)
+
+# why a plan drops GPUs that are gone: their ranks cannot hand their units over
+FAILURE_CAUSES = frozenset({"gpu_failed"})
+# A failure generation's abort waits this long, and is skipped when the rank has left its
+# round by then: a rank whose peer died sees its sockets close and is already recovering;
+# the abort is for the ranks that nothing tells (the peer frozen, or stuck in a driver
+# call). Aborting at once, while the others were recovering, left a gloo rank in a send
+# until the 60 s collective timeout in 3 of 9 XID 79 faults of the soak.
+FAILURE_ABORT_GRACE_S = 2.0
+
+
+def plan_gpus(plan: types_pb2.Plan) -> set[tuple[str, int]]:
+    """The GPUs a plan trains on (replicas with a degree). Pure."""
+    return {(g.node, g.index) for rep in plan.replicas if rep.tp_degree for st in rep.stages for g in st.gpus}
+
+
+def abort_reason(plan: types_pb2.Plan, applied: types_pb2.Plan | None, applied_epoch: int) -> str:
+    """Why a rank that applied ``applied`` (in restart epoch ``applied_epoch``) must abort
+    its process groups on receiving ``plan``, or "" (keep them: a planned change is applied
+    together at a step boundary, leaving ranks handing their units over). Pure."""
+    if plan.restart.epoch > applied_epoch:
+        return f"restart epoch {plan.restart.epoch}: {plan.restart.reason}"
+    if applied is None or plan.generation <= applied.generation or plan.cause not in FAILURE_CAUSES:
+        return ""
+    lost = sorted(plan_gpus(applied) - plan_gpus(plan))
+    if not lost:
+        return ""
+    return f"generation {plan.generation} ({plan.cause}) drops {', '.join(f'{n}:{i}' for n, i in lost)}"
+
+
+def _sockets() -> dict[int, str]:
+    """This process's socket descriptors -> their identity (``socket:[inode]``)."""
+    out = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # no procfs: nothing is tracked, gloo's collectives end at their timeout
+        return out
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            out[int(name)] = link
+    return out
+
+
+class GroupSockets:
+    """The TCP connections this process's gloo groups opened (``track`` around the code
+    that builds them), and their shutdown (``shutdown``, from any thread)."""
+
+    def __init__(self, keep_ports: Iterable[int] = ()) -> None:
+        self.keep_ports = frozenset(keep_ports)  # peers never touched (controller, store)
+        self._lock = threading.Lock()
+        self._tracked: dict[int, str] = {}
+
+    @contextmanager
+    def track(self) -> Iterator[None]:
+        before = _sockets()
+        try:
+            yield
+        finally:
+            new = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}
+            with self._lock:
+                live = _sockets()
+                self._tracked = {fd: link for fd, link in self._tracked.items() if live.get(fd) == link}
+                self._tracked.update(new)
+
+    def tracked(self) -> int:
+        with self._lock:
+            return len(self._tracked)
+
+    def shutdown(self) -> int:
+        """Shut down every tracked connection that is still the same socket; returns how
+        many. A collective blocked on one of them fails at once."""
+        with self._lock:
+            tracked = dict(self._tracked)
+        n = 0
+        for fd, link in tracked.items():
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") != link:
+                    continue
+                s = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                peer = s.getpeername()  # a listener has none: gloo ends the process if it fails
+                if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6) \
+                        and peer[1] not in self.keep_ports:
+                    s.shutdown(socket.SHUT_RDWR)
+                    n += 1
+            except OSError:
+                pass
+            finally:
+                s.close()  # the duplicate only: the group's descriptor stays its own
+        return n
