@@ -17,9 +17,12 @@ record in and write what comes out (``liveness_service`` does, with a compare-an
   ``recent``. Its process's real death later is then a new failure that raises the epoch
   again; kept, it would be a "duplicate" and the round the process joined would wait for
   it forever (its successor does not join a round its predecessor was in).
-- A rank that dies while its GPU is outside the plan (the GPU failed, or the rank was
-  handing its units over after a re-plan) raises the epoch too -- peers may be blocked on
-  it -- but counts against no GPU.
+- A rank that dies while its GPU is outside the plan because the rank was handing its
+  units over after a re-plan (a drain, a repair) raises the epoch too -- peers may be
+  blocked on it -- but counts against no GPU. One whose GPU *failed* changes nothing: the
+  failure generation that dropped the GPU already told its peers to abort and re-form
+  (the trainer hooks' ``abort_reason``), and a later epoch would only make every rank
+  re-form again (its death is often seen a beat timeout after the GPU's).
 - The ``max_soft_failures``-th soft failure of one GPU within ``window_s`` is a **hard**
   failure: the epoch goes up and the GPU is drained with the reasons (the leader re-plans
   without it).
@@ -60,7 +63,7 @@ class LivenessPolicy:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a failure does: ``kind`` is duplicate / outside_plan / soft / hard / hang;
+    """What a failure does: ``kind`` is duplicate / gpu_failed / outside_plan / soft / hard / hang;
     ``record`` is the record to store (None: leave it); ``drain`` the drain reason (hard)."""
 
     kind: str
@@ -179,10 +182,13 @@ def _next(record: types_pb2.Liveness | None, job: str, recent: Iterable[types_pb
 
 
 def apply_failure(record: types_pb2.Liveness | None, job: str, failure: types_pb2.SoftFailure,
-                  policy: LivenessPolicy, now: float, *, in_plan: bool) -> Outcome:
+                  policy: LivenessPolicy, now: float, *, in_plan: bool, gpu_failed: bool = False) -> Outcome:
     """The record after ``failure`` (a rank of ``job`` died or went silent at ``now``).
     ``in_plan``: the rank's GPU is in the job's current plan (else the plan already does
-    without it: a GPU failure or a drain, not a soft failure)."""
+    without it: a GPU failure or a drain, not a soft failure). ``gpu_failed``: its agent
+    reports the GPU failed."""
+    if not in_plan and gpu_failed:  # the failure generation already re-formed the peers
+        return Outcome("gpu_failed")
     recent = [f for f in (record.recent if record is not None else ()) if now - f.at <= policy.window_s]
     if any(f.rank == failure.rank and f.incarnation >= failure.incarnation for f in recent):
         return Outcome("duplicate")

@@ -157,12 +157,19 @@ class LivenessService:
         if rank < len(gpus):
             node, gpu = gpus[rank]
             in_plan = (node, gpu) in plan_gpus(self.store.plan(job))
+            gpu_failed = not in_plan and self._gpu_failed(node, gpu)
         else:  # a spec whose stages name no GPUs: the rank's GPU is the planner's choice
-            node, gpu, in_plan = "", 0, True
+            node, gpu, in_plan, gpu_failed = "", 0, True, False
         failure = types_pb2.SoftFailure(rank=rank, node=node, gpu=gpu, incarnation=incarnation,
                                         reason=clean_reason(reason), at=self.clock())
         return self._update(job, lambda rec: apply_failure(rec, job, failure, self.policy, failure.at,
-                                                           in_plan=in_plan))
+                                                           in_plan=in_plan, gpu_failed=gpu_failed))
+
+    def _gpu_failed(self, node: str, gpu: int) -> bool:
+        """The node's agent reports the GPU failed (``health/<node>``)."""
+        health = self.store.node_health(node)
+        return health is not None and any(
+            g.index == gpu and g.state == types_pb2.GPU_FAILED for g in health.gpus)
 
     def rank_exit(self, req: controller_pb2.RankExit) -> controller_pb2.RankExitResponse:
         """tpflex-run: the process of a rank on (node, gpu) ended abnormally."""

@@ -96,6 +96,9 @@ class Store:
         kvs, _ = self.etcd.get_prefix(keys.HEALTH)
         return _decode_all(types_pb2.NodeHealth, kvs, keys.HEALTH)
 
+    def node_health(self, node: str) -> types_pb2.NodeHealth | None:
+        return self._get(types_pb2.NodeHealth, keys.health(node))
+
     def job(self, name: str) -> types_pb2.JobSpec | None:
         return self._get(types_pb2.JobSpec, keys.job_spec(name))
 

@@ -52,6 +52,15 @@ def test_the_same_death_counts_once():
     assert newer.kind == "soft"
 
 
+def test_the_death_of_a_rank_whose_failed_gpu_the_plan_dropped_changes_nothing():
+    # the failure generation already made its peers abort and re-form; an epoch now (often a
+    # beat timeout after the GPU failed) would make every rank re-form once more
+    first = apply_failure(None, "j", fail(inc=0), POLICY, 10.0, in_plan=False, gpu_failed=True)
+    assert first.kind == "gpu_failed" and first.record is None and not first.drain
+    # a rank on a failed GPU that the plan still holds is a soft failure as before
+    assert apply_failure(None, "j", fail(inc=0), POLICY, 10.0, in_plan=True, gpu_failed=True).kind == "soft"
+
+
 def test_a_gpu_outside_the_plan_re_forms_the_groups_but_counts_nothing():
     rec = None
     for inc in range(5):  # never escalates

@@ -227,6 +227,24 @@ def test_a_gpu_outside_the_plan_re_forms_the_groups_but_counts_nothing(etcd, liv
     assert outcomes == [("j", "outside_plan")] * 4
 
 
+def test_a_rank_on_a_failed_gpu_the_plan_dropped_raises_no_epoch(etcd, live):
+    stub, outcomes, _ = live
+    plan = types_pb2.Plan(job="j", generation=2, policy="ntp-pw", cause="gpu_failed")
+    plan.replicas.add(index=0, tp_degree=2).stages.add(gpus=[types_pb2.GpuRef(node=n, index=i) for n, i in GPUS[:2]])
+    etcd.put(keys.job_plan("j"), codec.encode(plan))
+    health = types_pb2.NodeHealth(node="rack0-n01", gpus=[types_pb2.GpuHealth(index=1, state=types_pb2.GPU_FAILED)])
+    etcd.put(keys.health("rack0-n01"), codec.encode(health))
+    stub.ReportRankExit(controller_pb2.RankExit(job="j", node="rack0-n01", gpu=1, incarnation=0,
+                                                reason="exit:1"), timeout=5)
+    assert _record(etcd) is None and outcomes == []
+    # the same GPU healthy again (repaired, not yet re-planned): a hand-over may be under way
+    health.gpus[0].state = types_pb2.GPU_HEALTHY
+    etcd.put(keys.health("rack0-n01"), codec.encode(health))
+    stub.ReportRankExit(controller_pb2.RankExit(job="j", node="rack0-n01", gpu=1, incarnation=1,
+                                                reason="exit:1"), timeout=5)
+    assert _epoch(etcd) == 1 and outcomes == [("j", "outside_plan")]
+
+
 def test_a_rank_declared_failed_that_beats_on_is_revived_and_its_death_counts(etcd, live):
     """The 10-minute soak's checkpoint restart: rank 0 was declared failed while the process
     lived on (there: its stream broke on a replica's etcd error; here: a beat gap; epoch 1); it joined the epoch-1 round and beat at
