@@ -23,10 +23,13 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from tpflex_proto import types_pb2
+
+from tpflex_trainer.hooks.control import plan_round
+from tpflex_trainer.hooks.watchdog import abort_groups
 
 log = logging.getLogger(__name__)
 
@@ -125,3 +128,58 @@ class GroupSockets:
             finally:
                 s.close()  # the duplicate only: the group's descriptor stays its own
         return n
+
+
+class RoundAborts:
+    """Who aborts a rank's process groups, and when: the plan-stream thread on a newer
+    round whose :func:`abort_reason` says a member of this rank's round is gone, and the
+    watchdog on a hang. The main thread says which round it is entering (``entering``);
+    an abort applies only to a newer round than that one, never to the groups the main
+    thread is building for the round itself."""
+
+    def __init__(self, *, groups: Callable[[], Iterable], applied: Callable[[], tuple],
+                 active: Callable[[], bool], sockets: GroupSockets | None, label: str) -> None:
+        self._groups = groups  # -> the live process groups
+        self._applied = applied  # -> (plan applied or None, restart epoch applied)
+        self._active = active
+        self.sockets = sockets  # gloo: whose connections an abort shuts down; NCCL: None
+        self.label = label  # for the log: "job=... rank=..."
+        self._lock = threading.Lock()
+        self._entering = (0, 0)
+
+    def entering(self, round_: tuple[int, int]) -> None:
+        with self._lock:  # a plan-stream abort from here on is for a newer round
+            self._entering = round_
+
+    def on_round(self, plan: types_pb2.Plan) -> None:
+        """Plan-stream thread, each newer round: a restart epoch aborts at once; a
+        generation dropping a failed GPU aborts after ``FAILURE_ABORT_GRACE_S`` unless this
+        rank has left its round by then (ranks that talked to a dead process learn it from
+        their sockets and are already recovering; the abort is for those nothing tells,
+        behind a frozen peer)."""
+        with self._lock:
+            if plan_round(plan) <= self._entering or not self._active():
+                return  # the main thread already builds that round's groups (or none)
+            applied, epoch = self._applied()
+            reason = abort_reason(plan, applied, epoch)
+            if not reason:
+                return
+            if plan.restart.epoch > epoch:
+                self.abort(reason)
+                return
+        timer = threading.Timer(FAILURE_ABORT_GRACE_S, self._abort_if_still_in, (plan, reason))
+        timer.daemon = True
+        timer.start()
+
+    def _abort_if_still_in(self, plan: types_pb2.Plan, reason: str) -> None:
+        with self._lock:
+            if plan_round(plan) > self._entering and self._active():
+                self.abort(reason)
+
+    def abort(self, reason: str) -> None:
+        """Abort every process group (NCCL: a blocked collective ends); with gloo, whose
+        abort does nothing, shut the groups' connections down too."""
+        abort_groups(self._groups(), reason)
+        if self.sockets is not None:
+            log.warning("gloo connections shut down %s connections=%d reason=%s",
+                        self.label, self.sockets.shutdown(), reason)

@@ -19,20 +19,20 @@ latest checkpoint when nobody holds state.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tpflex_proto import controller_pb2, types_pb2
 
-from tpflex_trainer.hooks.abort import FAILURE_ABORT_GRACE_S, GroupSockets, abort_reason
+from tpflex_trainer.hooks.abort import GroupSockets, RoundAborts
+from tpflex_trainer.hooks.checkpoints import CheckpointDir
 from tpflex_trainer.hooks.config import HooksConfig, load_spec
 from tpflex_trainer.hooks.control import (
     ControlClient,
@@ -55,7 +55,7 @@ from tpflex_trainer.hooks.rendezvous import (
     forget_generation,
     join_generation,
 )
-from tpflex_trainer.hooks.watchdog import Watchdog, abort_groups
+from tpflex_trainer.hooks.watchdog import Watchdog
 from tpflex_trainer.ntp.config import GPTConfig
 from tpflex_trainer.ntp.errors import NtpError
 from tpflex_trainer.ntp.layout import Member, ReplicaPlacement
@@ -88,6 +88,13 @@ class TpflexHooks:
             raise HooksError(f"GPU {config.node}:{config.gpu} is not a rank of job {config.job}")
         self.rank, self.me = mine[0]
         self.model_config = model
+        self.backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        sockets = GroupSockets(endpoint_ports(
+            [*config.controller, *config.store.removeprefix("tpflex://").split(",")]))
+        self.aborts = RoundAborts(
+            groups=lambda: self.runtime.group_cache.groups.values(), applied=lambda: (self.plan, self.epoch),
+            active=lambda: self.active, sockets=sockets if self.backend == "gloo" else None,
+            label=f"job={config.job} rank={self.rank}")
         self.runtime = NtpRuntime(
             model, self.spec.base_tp, self.me, adam=adam, seed=seed, train=train,
             timeout=timedelta(seconds=config.collective_timeout_s), stages=spec_stages(self.spec),
@@ -100,13 +107,8 @@ class TpflexHooks:
             tls_server_name=config.tls_server_name or None,
             beat_interval_s=config.beat_interval_s, incarnation=config.incarnation,
             beat_file=config.beat_file,
-        ), on_round=self._on_round, beat_state=self._beat_state)
+        ), on_round=self.aborts.on_round, beat_state=self._beat_state)
         self.watchdog = Watchdog(config.watchdog_after_s, self._on_hang)
-        self.backend = config.backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.sockets = GroupSockets(endpoint_ports(
-            [*config.controller, *config.store.removeprefix("tpflex://").split(",")]))
-        self._abort_lock = threading.Lock()
-        self._entering = (0, 0)  # the round whose groups this rank builds or uses
         self.store: dist.Store | None = None
         self.generation = 0
         self.epoch = 0  # the restart epoch applied (Plan.restart.epoch)
@@ -114,7 +116,7 @@ class TpflexHooks:
         self.world: dict[Member, int] = {}
         self.history: list[AppliedPlan] = []
         self.failures = 0
-        self._checkpointed_step = -1
+        self.checkpoints = CheckpointDir(config.checkpoint_dir, config.checkpoint_every)
         self._refused_generation = 0  # newest plan refused at a step boundary
 
     @classmethod
@@ -177,7 +179,8 @@ class TpflexHooks:
                 continue
             failure = ""
             try:
-                self._maybe_checkpoint()  # at the step boundary: a failure here loses no step
+                if self.checkpoints.due(self.step):  # at the step boundary: a failure here loses no step
+                    self.checkpoints.save(self.runtime, self.step, writer=self.world.get(self.me) == 0)
                 if self._follow_newer_plan():
                     continue  # a new layout: agree again (newcomers start with the agreement)
                 with self.watchdog.guard():  # the step's collectives (a re-plan has its own deadline)
@@ -331,24 +334,27 @@ class TpflexHooks:
 
     def _apply(self, plan, placements, members, world, mode) -> AppliedPlan:
         newer = lambda: plan_round(self.client.latest_plan()) > plan_round(plan)  # noqa: E731
-        with self._abort_lock:  # a plan-stream abort from here on is for a newer round
-            self._entering = plan_round(plan)
-        with self.sockets.track():
+        self.aborts.entering(plan_round(plan))
+        with self._tracked():
             self._rendezvous(plan, "", world, newer)
             t0 = time.perf_counter()
             if self.runtime.layout is None:
-                report = self.runtime.start(placements, world, self._latest_checkpoint())
+                report = self.runtime.start(placements, world, self.checkpoints.latest())
             else:
-                report = self.runtime.apply_plan(placements, world, self._latest_checkpoint())
+                report = self.runtime.apply_plan(placements, world, self.checkpoints.latest())
         if set(world) != set(members):  # leaving ranks are done: shrink to the plan's members
             if self.me not in members:
                 return self._go_idle(plan, mode, report)
-            with self.sockets.track():
+            with self._tracked():
                 self._rendezvous(plan, "a", {m: i for i, m in enumerate(members)}, newer)
             self.world = {m: i for i, m in enumerate(members)}
         else:
             self.world = world
         return self._applied(plan, report, mode, time.perf_counter() - t0)
+
+    def _tracked(self):
+        """Around building groups: gloo's new connections are the ones an abort shuts."""
+        return self.aborts.sockets.track() if self.aborts.sockets is not None else contextlib.nullcontext()
 
     def _rendezvous(self, plan: types_pb2.Plan, suffix: str, world, give_up) -> None:
         join_generation(
@@ -361,9 +367,7 @@ class TpflexHooks:
     def _applied(self, plan, report: ReshardReport, mode: str, seconds: float) -> AppliedPlan:
         previous = round_name(self.plan) if self.plan is not None else ""
         self.generation, self.epoch, self.plan = plan.generation, plan.restart.epoch, plan
-        # every member of the new layout (newcomers too) skips the checkpoint of the step it
-        # resumes from, so all of them take the same checkpoints from here on
-        self._checkpointed_step = report.step
+        self.checkpoints.skip(report.step)  # every member resumes at report.step
         if self.world and self.world.get(self.me) == 0:
             self.store.set(f"tpflex/{self.config.job}/world",
                            json.dumps({"generation": plan.generation, "members": [list(m) for m in self.world]}))
@@ -406,68 +410,8 @@ class TpflexHooks:
     def _beat_state(self) -> tuple[int, int, int, float]:
         return self.generation, self.epoch, self.step, self.watchdog.hung_s()
 
-    def _on_round(self, plan: types_pb2.Plan) -> None:
-        """Plan-stream thread, each newer round: when it says a member of this rank's
-        round is gone (a restart epoch; a generation dropping a failed GPU,
-        ``abort_reason``), abort this process's groups so that a collective blocked on the
-        lost rank ends now, without a transport error or the watchdog. The main thread
-        then recovers (``_recover``) and re-forms them with the new plan."""
-        with self._abort_lock:
-            if plan_round(plan) <= self._entering or not self.active:
-                return  # the main thread already builds that round's groups (or none)
-            reason = abort_reason(plan, self.plan, self.epoch)
-            if not reason:
-                return
-            if plan.restart.epoch > self.epoch:
-                self._abort(reason)
-                return
-        # a failed GPU: ranks that talked to a dead process learn it from their sockets at
-        # once and are recovering; the abort is for those nothing tells (a frozen peer),
-        # so it waits FAILURE_ABORT_GRACE_S and is skipped if this rank left the round
-        timer = threading.Timer(FAILURE_ABORT_GRACE_S, self._abort_if_still_in, (plan, reason))
-        timer.daemon = True
-        timer.start()
-
-    def _abort_if_still_in(self, plan: types_pb2.Plan, reason: str) -> None:
-        with self._abort_lock:
-            if plan_round(plan) > self._entering and self.active:
-                self._abort(reason)
-
     def _on_hang(self, stuck_s: float) -> None:
         """Watchdog thread: this rank's step has been stuck in collectives too long."""
         log.error("collective hang job=%s rank=%d generation=%d epoch=%d step=%d stuck_s=%.1f",
                   self.config.job, self.rank, self.generation, self.epoch, self.step, stuck_s)
-        self._abort(f"watchdog: stuck {stuck_s:.1f}s")
-
-    def _abort(self, reason: str) -> None:
-        """Abort every process group (NCCL: a blocked collective ends); with gloo, whose
-        abort does nothing, shut the groups' connections down too (``abort.GroupSockets``)."""
-        abort_groups(self.runtime.group_cache.groups.values(), reason)
-        if self.backend == "gloo":
-            log.warning("gloo connections shut down job=%s rank=%d connections=%d reason=%s",
-                        self.config.job, self.rank, self.sockets.shutdown(), reason)
-
-    # ------------------------------------------------------------------ checkpoints
-    def _latest_checkpoint(self) -> str | None:
-        if not self.config.checkpoint_dir:
-            return None
-        pointer = Path(self.config.checkpoint_dir) / "latest"
-        if not pointer.exists():
-            return None
-        path = Path(self.config.checkpoint_dir) / pointer.read_text().strip()
-        return str(path) if path.exists() else None
-
-    def _maybe_checkpoint(self) -> None:
-        every = self.config.checkpoint_every
-        step = self.step
-        if not (self.config.checkpoint_dir and every and step and step % every == 0):
-            return
-        if step == self._checkpointed_step:
-            return
-        self._checkpointed_step = step
-        name = f"step-{self.step:08d}"
-        self.runtime.save_checkpoint(Path(self.config.checkpoint_dir) / name)
-        if self.world.get(self.me) == 0:
-            tmp = Path(self.config.checkpoint_dir) / "latest.tmp"
-            tmp.write_text(name)
-            tmp.replace(Path(self.config.checkpoint_dir) / "latest")
+        self.aborts.abort(f"watchdog: stuck {stuck_s:.1f}s")
