@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.backoff import Backoff
-from tpflex_proto.etcd import Cmp, Etcd, EtcdError, Op, TxnResult, WatchEvent
+from tpflex_proto.etcd import Cmp, Etcd, EtcdError, Op, TxnResult
+from tpflex_proto.informer import Batch, Informer
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +108,9 @@ class Elector:
     """Campaigns for ``keys.LEADER`` and keeps the lease alive while leading.
 
     ``on_elected(session)`` and ``on_deposed(reason)`` are called from the elector's
-    thread; they must not block for long.
+    thread; they must not block for long. The leader key's changes (another holder, a
+    deletion) come from an informer as a registered handler: the process's shared one
+    (``informer``), or else the elector's own informer of the leader key.
     """
 
     def __init__(
@@ -119,6 +122,7 @@ class Elector:
         ttl: int = 5,
         on_elected: Callable[[LeaderSession], None] = lambda s: None,
         on_deposed: Callable[[str], None] = lambda why: None,
+        informer: Informer | None = None,
     ) -> None:
         if ttl < 1:
             raise ValueError("lease TTL must be at least 1 s")
@@ -133,7 +137,9 @@ class Elector:
         self._session: LeaderSession | None = None
         self._last: LeaderSession | None = None  # the latest session, to resume after an outage
         self._thread = threading.Thread(target=self._run, name="elector", daemon=True)
-        self._watch = None
+        self._shared = informer
+        self._own: Informer | None = None
+        self._unregister: Callable[[], None] | None = None
         self.leader_id: str = ""  # last known leader (any process); "" = none known
 
     @property
@@ -146,7 +152,12 @@ class Elector:
         return self.session is not None
 
     def start(self) -> None:
-        self._watch = self.etcd.watch_prefix(keys.LEADER, self._on_leader_events)
+        informer = self._shared
+        if informer is None:
+            informer = self._own = Informer(self.etcd, keys.LEADER)
+        self._unregister = informer.add_handler(self._on_leader_changes)
+        if self._own is not None:
+            self._own.start()
         self._thread.start()
 
     def stop(self, *, resign: bool = True) -> None:
@@ -155,8 +166,10 @@ class Elector:
         leading = self.session
         self._stop.set()
         self._wake.set()
-        if self._watch is not None:
-            self._watch.cancel()
+        if self._unregister is not None:
+            self._unregister()
+        if self._own is not None:
+            self._own.stop()
         if self._thread.ident is not None:
             self._thread.join(timeout=5)
         if leading is None:
@@ -170,23 +183,19 @@ class Elector:
             except EtcdError as exc:
                 log.warning("leader resign failed id=%s error=%s", self.identity, exc)
 
-    # ---- watch on the leader key ----
+    # ---- the leader key's changes (an informer's handler) ----
 
-    def _on_leader_events(self, events: list[WatchEvent]) -> None:
-        for ev in events:
-            if ev.key != keys.LEADER:
+    def _on_leader_changes(self, batch: Batch) -> None:
+        for c in batch.changes:
+            if c.key != keys.LEADER:
                 continue
             s = self._session
-            if ev.kind == "delete":
+            if c.deleted:
                 self.leader_id = ""
                 if s is not None:
                     s.deactivate("leader key deleted")
             else:
-                try:
-                    rec = codec.decode(types_pb2.LeaderRecord, ev.value, ev.key)
-                    self.leader_id = rec.id
-                except codec.MalformedValue:
-                    self.leader_id = "?"
+                self.leader_id = c.msg.id if c.msg is not None else "?"  # "?": malformed
                 if s is not None and self.leader_id != self.identity:
                     s.deactivate("another process holds the leader key")
         self._wake.set()

@@ -172,6 +172,7 @@ class ControllerProcess:
             rendezvous=s.rendezvous.limits(),
             liveness=s.liveness.policy(),
             on_liveness=self.metrics.liveness_outcome,
+            informer=self.informer,
         )
         self.rest = _start_rest(s, self.registry, self.steps)
         self.grpc_server.start()
@@ -184,6 +185,7 @@ class ControllerProcess:
             ttl=s.etcd.lease_ttl_s,
             on_elected=self.reconciler.on_elected,
             on_deposed=self.reconciler.on_deposed,
+            informer=self.informer,
         )
         self.elector.start()
         log.info(

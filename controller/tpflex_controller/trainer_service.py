@@ -27,6 +27,7 @@ from tpflex_proto import (
     types_pb2,
 )
 from tpflex_proto.etcd import Cmp, Etcd, EtcdError, EtcdUnavailable, Op
+from tpflex_proto.informer import Informer
 from tpflex_proto.tls import ServerTls, bind_grpc, server_interceptors
 
 from tpflex_controller.liveness import LivenessPolicy, Outcome
@@ -146,14 +147,15 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
     def __init__(self, etcd: Etcd, *, steps: StepStats, clock: Callable[[], float] = time.time,
                  min_step_seconds: float = DEFAULT_MIN_STEP_SECONDS,
                  liveness: LivenessPolicy = LivenessPolicy(),
-                 on_liveness: Callable[[str, Outcome], None] = lambda job, out: None):
+                 on_liveness: Callable[[str, Outcome], None] = lambda job, out: None,
+                 informer: Informer | None = None):
         self.etcd = etcd
         self.store = Store(etcd)
         self.steps = steps
         self.clock = clock
         self.min_step_seconds = min_step_seconds
         self.facts = JobFactsCache(self.store)
-        self.feed = PlanFeed(etcd)
+        self.feed = PlanFeed(etcd, informer)  # the process's informer (main) or the feed's own
         self.liveness = LivenessService(etcd, self.store, self.facts, policy=liveness, clock=clock,
                                         on_outcome=on_liveness)
 
@@ -258,8 +260,8 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
                 item = sub.get(timeout=1.0)
                 if isinstance(item, types_pb2.Liveness):
                     restart = item.restart if item.restart.epoch > restart.epoch else restart
-                elif item is not None:
-                    current = item
+                elif item is not None and (current is None or item.generation >= current.generation):
+                    current = item  # the feed may offer a plan again, or one older than the read
                 if current is not None and (current.generation, restart.epoch) > last:
                     last = (current.generation, restart.epoch)
                     yield _with_restart(current, restart)
@@ -334,11 +336,14 @@ def create_grpc_server(
     rendezvous: RendezvousLimits | None = RendezvousLimits(),
     liveness: LivenessPolicy = LivenessPolicy(),
     on_liveness: Callable[[str, Outcome], None] = lambda job, out: None,
+    informer: Informer | None = None,
 ) -> tuple[grpc.Server, int]:
     """A started-not-yet ``grpc.Server`` serving ``Trainer`` (and the jobs' ``Rendezvous``
     store unless ``rendezvous`` is None), bound to ``bind``; returns it and the bound port
     (``bind`` may use port 0). Call ``server.start()``. ``tls``: none = plaintext, a
-    certificate = TLS, plus a client CA = mutual TLS, gRPC's own (see tpflex_proto.tls)."""
+    certificate = TLS, plus a client CA = mutual TLS, gRPC's own (see tpflex_proto.tls).
+    ``informer``: the process's shared informer, which the plan feed then takes its plans
+    from (tpflex_controller.planfeed); without one the feed runs one per watched job."""
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="trainer-rpc"),
         options=[("grpc.max_send_message_length", 64 << 20)],
@@ -346,7 +351,7 @@ def create_grpc_server(
     )
     servicer = TrainerServicer(etcd, steps=steps or StepStats(), clock=clock,
                                min_step_seconds=min_step_seconds, liveness=liveness,
-                               on_liveness=on_liveness)
+                               on_liveness=on_liveness, informer=informer)
     servicer.liveness.start()
     controller_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
     if rendezvous is not None:  # parked calls hold worker threads: at most half of them

@@ -257,6 +257,12 @@ class Informer:
 
         return unregister
 
+    def locked(self) -> threading.RLock:
+        """``with informer.locked():`` no batch is delivered, and ``items`` and
+        ``revision`` stay as they are, while it is held (a handler's owner reads the current
+        state and starts taking batches with nothing in between). Hold it briefly."""
+        return self._lock
+
     def _snapshot(self) -> tuple[Change, ...]:
         return tuple(self._items[k] for k in sorted(self._items))
 

@@ -118,3 +118,27 @@ def test_leader_steps_down_when_its_lease_is_revoked(etcd):
         assert cb.sessions[1].create_revision > first.create_revision
     finally:
         e.stop()
+
+
+def test_an_elector_on_the_shared_informer_is_deposed_when_its_key_is_deleted(etcd):
+    """The controller's elector takes the leader key's changes from the process's informer:
+    a deleted key deposes the leader at once (its lease is still alive, so nothing else
+    would tell it) and it campaigns again."""
+    from tpflex_proto.informer import Informer
+
+    informer = Informer(etcd).start()
+    cb = _Elected()
+    e = Elector(etcd, "a", ttl=30, on_elected=cb.on_elected, on_deposed=cb.on_deposed, informer=informer)
+    e.start()
+    try:
+        assert cb.event.wait(5)
+        first = cb.sessions[0]
+        assert informer.wait_revision(first.create_revision, 5)
+        cb.event.clear()
+        etcd.delete(keys.LEADER)
+        assert cb.event.wait(10), "not deposed and elected again after the key was deleted"
+        assert not first.active and cb.deposed == ["lease lost"]
+        assert cb.sessions[1].create_revision > first.create_revision and e.leader_id == "a"
+    finally:
+        e.stop()
+        informer.stop()

@@ -150,16 +150,51 @@ def test_report_step_feeds_the_goodput_window(etcd, trainer):
     assert steps.achieved_samples_per_second("zz") is None
 
 
-def test_plan_feed_shares_one_watch_and_drops_it_with_the_last_stream(etcd):
+def test_plan_feed_shares_one_informer_and_drops_it_with_the_last_stream(etcd):
     from tpflex_controller.planfeed import PlanFeed
 
-    feed = PlanFeed(etcd)
+    feed = PlanFeed(etcd)  # no shared informer: one of the job's own keys
     a, b = feed.subscribe("j"), feed.subscribe("j")
-    assert len(feed._watches) == 1
+    assert list(feed._own) == ["j"]
+    informer = feed._own["j"][0]
     _plan(etcd, "j", 1)
     assert a.get(timeout=5).generation == 1 and b.get(timeout=5).generation == 1
     feed.unsubscribe(a)
-    assert len(feed._watches) == 1
+    assert list(feed._own) == ["j"]
     b.close()
     feed.unsubscribe(b)
-    assert feed._watches == {} and b.get(timeout=0.1) is None
+    assert feed._own == {} and feed.watched_jobs() == [] and b.get(timeout=0.1) is None
+    assert not informer._thread.is_alive()
+
+
+def test_plan_feed_on_the_shared_informer_offers_what_follows_each_subscription(etcd):
+    """The controller's feed takes plans from the process's informer: a subscription made
+    before the informer synced and one made after both get every later generation; the
+    plan current at a subscription is not offered as news; an unwatched job's plans are
+    not assembled."""
+    from tpflex_controller.planfeed import PlanFeed
+    from tpflex_proto.informer import Informer
+
+    informer = Informer(etcd)
+    feed = PlanFeed(etcd, informer)
+    early = feed.subscribe("j")  # before the informer has listed anything
+    informer.start()
+    try:
+        assert informer.synced.wait(10)
+        _plan(etcd, "j", 1)
+        assert early.get(timeout=5).generation == 1
+        late = feed.subscribe("j")
+        other = feed.subscribe("k")
+        _plan(etcd, "k", 7)
+        assert other.get(timeout=5).generation == 7
+        assert late.get(timeout=0.2) is None  # generation 1 was current when it subscribed
+        _plan(etcd, "j", 2)
+        assert early.get(timeout=5).generation == 2 and late.get(timeout=5).generation == 2
+        for sub in (early, late, other):
+            feed.unsubscribe(sub)
+        assert feed.watched_jobs() == []
+        _plan(etcd, "j", 3)
+        assert informer.wait_revision(etcd.get(keys.job_plan("j")).mod_revision, 5)
+        assert early.get(timeout=0.2) is None
+    finally:
+        informer.stop()
