@@ -30,9 +30,9 @@ $(STAMP): $(PYPROJECTS)
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
 	    etcd-server prometheus chromium >/dev/null; }
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt torch
-	$(PIP) install -q -c constraints.txt -r tests/requirements.txt \
+	@# one resolution for everything; --no-compile: no byte-compiling of every installed
+	@# file (torch's thousands): Python compiles what is imported, once, on first import
+	$(PIP) install -q --no-compile -c constraints.txt torch -r tests/requirements.txt \
 	  -e 'proto[etcd,dev]' -e 'controller[sim]' -e agent -e 'trainer_hooks[demo]'
 	@touch $@
 

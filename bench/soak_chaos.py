@@ -24,6 +24,8 @@ from tpflex_trainer.demo.launcher import demo_job_spec
 from tpflex_trainer.demo.model import DEMO_MODEL
 from tpflex_trainer.hooks.config import write_spec
 
+from tests.support.wait import wait_until
+
 JOB, LOCAL_BATCH = "soak", 4
 RACKS = (RackLayout("rack-0", "node-0", 4), RackLayout("rack-1", "node-1", 4))
 ALL_GPUS = {(r.node, i) for r in RACKS for i in range(r.gpus)}
@@ -131,13 +133,9 @@ class Records:
 
 
 def wait(cond, timeout: float, what: str, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(interval)
-    raise TimeoutError(f"soak: {what} not within {timeout:.0f}s")
+    """tests/support/wait.py's ``wait_until``, failing with the soak's own TimeoutError."""
+    return wait_until(cond, timeout, what, interval,
+                      fail=lambda: TimeoutError(f"soak: {what} not within {timeout:.0f}s"))
 
 
 def run_job(cluster: DemoCluster, work: Path, steps: int, *, stop_file: Path | None, checkpoints: bool,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import zipfile
 
+import pytest
 from packaging.requirements import Requirement
 
 from tests.deploy.tools import REPO
@@ -18,10 +19,17 @@ PACKAGES = {
 }
 
 
-def test_make_dist_builds_a_wheel_per_component(tmp_path):
-    out = tmp_path / "dist"
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory):
+    """One `make dist` for the module's tests (they only read the wheels): (out, result)."""
+    out = tmp_path_factory.mktemp("dist") / "dist"
     result = subprocess.run(["make", "-s", "dist", f"DIST={out}"], cwd=REPO, capture_output=True,
                             text=True, timeout=110)
+    return out, result
+
+
+def test_make_dist_builds_a_wheel_per_component(dist):
+    out, result = dist
     assert result.returncode == 0, result.stdout + result.stderr
     wheels = sorted(p.name for p in out.glob("*.whl"))
     assert [w.split("-")[0] for w in wheels] == sorted(PACKAGES), wheels
@@ -42,13 +50,11 @@ def _metadata(wheel) -> list[str]:
         return z.read(name).decode().splitlines()
 
 
-def test_wheels_declare_ranges_a_license_and_a_version_from_git(tmp_path):
+def test_wheels_declare_ranges_a_license_and_a_version_from_git(dist):
     """Operators install the wheels beside their own stack (the trainer into an NGC or
     Megatron image with its own torch): dependencies are ranges, exact pins live only in
     constraints.txt; the version comes from git (setuptools-scm), the license is Apache-2.0."""
-    out = tmp_path / "dist"
-    result = subprocess.run(["make", "-s", "dist", f"DIST={out}"], cwd=REPO, capture_output=True,
-                            text=True, timeout=110)
+    out, result = dist
     assert result.returncode == 0, result.stdout + result.stderr
     describe = subprocess.run(["git", "describe", "--tags", "--always"], cwd=REPO, capture_output=True,
                               text=True).stdout.strip()

@@ -1,11 +1,33 @@
 """The demo's story, shortened, end to end: real etcd, controller and simulated agents
 (processes), a real 8-process gloo job following the controller's plans through a GPU
-failure (4+4 -> 4+3, rack 1 boosted) and its repair (back to 4+4)."""
+failure (4+4 -> 4+3, rack 1 boosted) and its repair (back to 4+4).
+
+The run has TLS and tokens on (issue 7): etcd with client TLS, client-certificate checks
+and user/password auth; mTLS between the controller and the agents and on the trainer
+plan stream; REST over HTTPS with admin and read-only tokens. The story's outcome must be
+the plain run's, and the security must really be on. (One cluster run asserts both: the
+plain cluster runs in test_demo_pipeline, test_demo_hf, test_checkpoint_restart and
+tests/launch.)"""
 
 from __future__ import annotations
 
+import ssl
+
+import grpc
+import httpx
 import pytest
-from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto import (
+    agent_pb2,
+    agent_pb2_grpc,
+    codec,
+    controller_pb2,
+    controller_pb2_grpc,
+    keys,
+    types_pb2,
+)
+from tpflex_proto.etcd import Etcd, EtcdTls
+from tpflex_proto.tls import channel_credentials
+from tpflex_trainer.demo.cluster import DemoCluster
 from tpflex_trainer.demo.story import FAILED_GPU, JOB, Story, StoryConfig
 from tpflex_trainer.demo.summary import summarize
 
@@ -22,13 +44,63 @@ def _plan_gpus(plan: types_pb2.Plan) -> set[tuple[str, int]]:
     return {(g.node, g.index) for r in plan.replicas for st in r.stages for g in st.gpus}
 
 
+def _refused(method, request) -> grpc.StatusCode:
+    with pytest.raises(grpc.RpcError) as err:
+        method(request, timeout=3)
+    return err.value.code()
+
+
+def _security_checks(cluster: DemoCluster) -> None:
+    c = cluster.certs
+    # the trainer plan stream: a plaintext client, and a TLS client without a certificate
+    register = controller_pb2.RegisterJobRequest()
+    with grpc.insecure_channel(cluster.trainer_endpoint) as ch:
+        stub = controller_pb2_grpc.TrainerStub(ch)
+        assert _refused(stub.RegisterJob, register) == grpc.StatusCode.UNAVAILABLE
+    with grpc.secure_channel(cluster.trainer_endpoint, channel_credentials(c.ca)) as ch:
+        stub = controller_pb2_grpc.TrainerStub(ch)
+        assert _refused(stub.RegisterJob, register) == grpc.StatusCode.UNAVAILABLE
+
+    # an agent: plaintext and certificate-less TLS refused, mTLS with a CA-signed one served
+    agent = cluster.agent_addresses["node-0"]
+    for creds in (None, channel_credentials(c.ca)):
+        with (grpc.secure_channel(agent, creds) if creds else grpc.insecure_channel(agent)) as ch:
+            stub = agent_pb2_grpc.AgentStub(ch)
+            code = _refused(stub.GetDevices, agent_pb2.GetDevicesRequest())
+            assert code == grpc.StatusCode.UNAVAILABLE
+    with cluster.agent_channel("node-0") as ch:
+        assert len(agent_pb2_grpc.AgentStub(ch).GetDevices(agent_pb2.GetDevicesRequest(), timeout=5).gpus) == 4
+
+    # REST: HTTPS only; a mutating call needs the admin token
+    ctx = ssl.create_default_context(cafile=c.ca)
+    with httpx.Client(base_url=cluster.rest_url, verify=ctx, timeout=10) as http:
+        drain, body = "/v1/nodes/node-0/gpus/0/drain", {"reason": "test"}
+        assert http.post(drain, json=body).status_code == 401
+        read_only = cluster.rest_headers(admin=False)
+        assert http.post(drain, json=body, headers=read_only).status_code == 403
+        assert http.get("/v1/status", headers=read_only).status_code == 200
+        assert http.get("/v1/nodes/node-0/gpus/0", headers=read_only).json()["drained"] is False
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(cluster.rest_url.replace("https://", "http://") + "/v1/status", timeout=5)
+
+    # etcd: auth is on. Without a user etcd takes the certificate's CN as the user name (the
+    # services' certificates name their users); the trainers' CN is no etcd user
+    anonymous = Etcd([cluster.etcd_endpoint], timeout=3.0,
+                     tls=EtcdTls(c.ca, c.cert("trainer"), c.key("trainer")))
+    try:
+        with pytest.raises(Exception, match="(?i)user|auth|permission"):
+            anonymous.get(keys.LEADER)
+    finally:
+        anonymous.close()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(270)
-def test_short_demo_story(tmp_path):
+def test_short_demo_story_with_tls_and_tokens(tmp_path):
     # 40 steps after the repair: the job must still be training when the repaired GPU is
     # planned again (after the controller's 2 s flap hold-down)
     story = Story(StoryConfig(workdir=tmp_path, base_port=free_base_port(), steps=64,
-                              fail_at_step=10, repair_at_step=24, phase_timeout_s=PHASE_S))
+                              fail_at_step=10, repair_at_step=24, phase_timeout_s=PHASE_S, tls=True))
     try:
         story.start()
         run = story.play()
@@ -37,8 +109,12 @@ def test_short_demo_story(tmp_path):
         acks = etcd_history(etcd, keys.job_acks(JOB), types_pb2.Ack)
         kv = etcd.get(keys.rack("rack-1"))
         rack1 = codec.decode(types_pb2.Rack, kv.value, kv.key)
+        _security_checks(story.cluster)
     finally:
         story.stop()
+
+    # the trainers ran with TLS and a client certificate
+    assert story.cluster.trainer_env()["TPFLEX_TLS_CERT"].endswith("trainer.pem")
 
     # plan generations 1, 2, 3: 4+4, 4+3 without the failed GPU, 4+4 again
     assert [p.generation for p in plans] == [1, 2, 3]

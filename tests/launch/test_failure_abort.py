@@ -9,26 +9,19 @@ can get them out."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from tpflex_proto import agent_pb2, agent_pb2_grpc
-from tpflex_trainer.demo.cluster import DemoCluster, DemoPorts, RackLayout
-from tpflex_trainer.demo.launcher import demo_job_spec
-from tpflex_trainer.demo.model import DEMO_MODEL
-from tpflex_trainer.hooks.config import write_spec
+from tpflex_trainer.demo.cluster import DemoCluster, DemoPorts
 
 from tests.e2e.support import free_base_port
-from tests.launch.support import RUN, base_env
+from tests.launch.demo_job import RACKS, kill_launchers, read_records, start_job, wait_rank_step
+from tests.launch.support import base_env
 from tests.support.wait import wait_until
 
-STEPS, LOCAL_BATCH, VICTIM = 14, 4, 5  # rank 5: node-1, GPU 1
-RACKS = (RackLayout("rack-0", "node-0", 4), RackLayout("rack-1", "node-1", 4))
+STEPS, VICTIM = 14, 5  # rank 5: node-1, GPU 1
 WATCHDOG_S, SURVIVORS_WAIT_S = 400, 120  # the survivors must be out long before their watchdog
 
 
@@ -39,41 +32,23 @@ class _Cluster(DemoCluster):
         super()._spawn(name, argv, env)
 
 
-def _records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a line being written
-    return out
+def _records(path) -> list[dict]:
+    return read_records(path, partial_ok=True)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_survivors_blocked_on_a_frozen_rank_leave_through_the_failure_plan(tmp_path):
     cluster = _Cluster(DemoPorts(free_base_port()), RACKS, tmp_path / "cluster")
-    spec = demo_job_spec("abort", [(r.name, r.node, r.gpus) for r in RACKS], LOCAL_BATCH, DEMO_MODEL.unit_counts())
-    write_spec(spec, tmp_path / "job.json")
     out = tmp_path / "steps.jsonl"
     env = base_env(TPFLEX_DEMO_OUT=str(out), TPFLEX_DEMO_STEPS=str(STEPS), TPFLEX_DEMO_STEP_MIN_S="0.3",
                    GLOO_SOCKET_IFNAME="lo", TPFLEX_LOG_LEVEL="WARNING", TPFLEX_WATCHDOG_S=str(WATCHDOG_S),
                    TPFLEX_COLLECTIVE_TIMEOUT_S=str(2 * WATCHDOG_S), TPFLEX_PLAN_WAIT_S="120")
-    launchers, victim = [], None
+    launchers = []
     try:
         cluster.start()
-        for r in RACKS:
-            launchers.append(subprocess.Popen(
-                [RUN, "--controller", cluster.trainer_endpoint, "--job-spec", str(tmp_path / "job.json"),
-                 "--node", r.node, "--log-dir", str(tmp_path / r.node), "--beat-timeout-s", "3600", "--",
-                 sys.executable, "-m", "tpflex_trainer.demo.worker"],
-                env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"{r.node}.log", "wb"),
-                start_new_session=True))
-        victim = wait_until(lambda: next((r for r in _records(out) if r["kind"] == "step"
-                                          and r["rank"] == VICTIM and r["step"] >= 2), None),
-                            180, "the victim rank's step 2")
+        _, launchers = start_job(cluster, tmp_path, "abort", env, ["--beat-timeout-s", "3600"])
+        victim = wait_rank_step(out, VICTIM, 2)
         os.kill(victim["pid"], signal.SIGSTOP)  # alive, sockets open: its peers block on it
         with cluster.agent_channel("node-1") as ch:
             agent_pb2_grpc.AgentStub(ch).InjectFault(agent_pb2.InjectFaultRequest(index=1, kind="xid79"), timeout=5)
@@ -81,10 +56,7 @@ def test_survivors_blocked_on_a_frozen_rank_leave_through_the_failure_plan(tmp_p
             [r for r in _records(out) if r["kind"] == "done"]), SURVIVORS_WAIT_S, "the survivors' last step")
         records = _records(out)
     finally:
-        for p in launchers:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        kill_launchers(launchers)
         for pid in {r["pid"] for r in _records(out)}:  # ranks run in sessions of their own
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -8,34 +8,31 @@ restart, with the single-process reference's losses, weights and Adam moments.""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from tpflex_proto import codec, keys, types_pb2
-from tpflex_trainer.demo.cluster import DemoCluster, DemoPorts, RackLayout
+from tpflex_trainer.demo.cluster import DemoCluster, DemoPorts
 from tpflex_trainer.demo.data import global_batch
-from tpflex_trainer.demo.launcher import demo_job_spec
 from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_MODEL, DEMO_SEED
-from tpflex_trainer.hooks.config import write_spec
 from tpflex_trainer.ntp.adapter import as_adapter
 from tpflex_trainer.ntp.checkpoint import read_full_state
 from tpflex_trainer.ntp.reference import reference_state, state_rel_l2
 
 from tests.e2e.support import free_base_port, rel_diff
-from tests.launch.support import RUN, base_env
-from tests.support.wait import wait_until
+from tests.launch.demo_job import (
+    LOCAL_BATCH,
+    RACKS,
+    kill_launchers,
+    read_records,
+    start_job,
+    wait_rank_step,
+)
+from tests.launch.support import base_env
 
-STEPS, LOCAL_BATCH, VICTIM = 10, 4, 5  # rank 5: node-1, local rank 1
-RACKS = (RackLayout("rack-0", "node-0", 4), RackLayout("rack-1", "node-1", 4))
-
-
-def _records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+STEPS, VICTIM = 10, 5  # rank 5: node-1, local rank 1
 
 
 def _run_job(tmp: Path, kill: bool) -> dict:
@@ -43,9 +40,6 @@ def _run_job(tmp: Path, kill: bool) -> dict:
     its step 2. Returns what the test checks."""
     tmp.mkdir()
     cluster = DemoCluster(DemoPorts(free_base_port()), RACKS, tmp / "cluster")
-    spec = demo_job_spec("liveness", [(r.name, r.node, r.gpus) for r in RACKS], LOCAL_BATCH,
-                         DEMO_MODEL.unit_counts())
-    write_spec(spec, tmp / "job.json")
     out, final = tmp / "steps.jsonl", tmp / "final"
     env = base_env(TPFLEX_DEMO_OUT=str(out), TPFLEX_DEMO_STEPS=str(STEPS), TPFLEX_DEMO_FINAL_DIR=str(final),
                    TPFLEX_DEMO_STEP_MIN_S="0.2" if kill else "0", GLOO_SOCKET_IFNAME="lo",
@@ -53,32 +47,21 @@ def _run_job(tmp: Path, kill: bool) -> dict:
     launchers, liveness, drained = [], None, -1
     try:
         cluster.start()
-        for r in RACKS:
-            launchers.append(subprocess.Popen(
-                [RUN, "--controller", cluster.trainer_endpoint, "--job-spec", str(tmp / "job.json"),
-                 "--node", r.node, "--log-dir", str(tmp / r.node), "--backoff-s", "0.5", "--",
-                 sys.executable, "-m", "tpflex_trainer.demo.worker"],
-                env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{r.node}.log", "wb"),
-                start_new_session=True))
+        spec, launchers = start_job(cluster, tmp, "liveness", env, ["--backoff-s", "0.5"])
         if kill:
-            victim = wait_until(lambda: next((r for r in _records(out) if r["kind"] == "step"
-                                              and r["rank"] == VICTIM and r["step"] >= 2), None),
-                                180, "the victim rank's step 2")
+            victim = wait_rank_step(out, VICTIM, 2)
             os.kill(victim["pid"], signal.SIGKILL)
         statuses = [p.wait(timeout=200) for p in launchers]
         kv = cluster.etcd.get(keys.liveness("liveness"))
         liveness = codec.decode(types_pb2.Liveness, kv.value) if kv is not None else None
         drained = cluster.etcd.count_prefix(keys.gpu_override("node-1", 1))
     finally:
-        for p in launchers:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.wait()
+        kill_launchers(launchers)
         cluster.stop()
     logs = {r.node: (tmp / f"{r.node}.log").read_text()[-3000:] for r in RACKS}
     assert statuses == [0, 0], logs
     step, state = read_full_state(final, as_adapter(DEMO_MODEL, spec.base_tp))
-    return dict(records=_records(out), logs=logs, liveness=liveness, drained=drained, step=step,
+    return dict(records=read_records(out), logs=logs, liveness=liveness, drained=drained, step=step,
                 state=state)
 
 

@@ -154,3 +154,15 @@ def test_state_digests_tell_rounds_that_started_from_other_bits():
     assert round_divergences(chaos, replayed) == [
         {"rank": 1, "generation": 2, "epoch": 1, "step": 10, "same_units": False,
          "units": {"heads": [2, 3]}, "replay_units": {"heads": [0, 1]}}]
+
+
+def test_the_soaks_wait_is_the_shared_poll_with_the_soaks_own_failure():
+    from bench.soak_chaos import wait
+    from tests.support.wait import wait_until
+
+    seen = iter([None, 0, "ready"])
+    assert wait(lambda: next(seen), 5, "a value", interval=0.001) == "ready"
+    with pytest.raises(TimeoutError, match=r"^soak: the thing not within 0s$"):
+        wait(lambda: None, 0.05, "the thing", interval=0.001)
+    with pytest.raises(AssertionError, match=r"^timed out after 0.05s waiting for the thing$"):
+        wait_until(lambda: None, 0.05, "the thing", interval=0.001)
