@@ -39,6 +39,7 @@ from tpflex_proto.powermodel import DEFAULT_POWER_MODEL, PowerModel
 
 from tpflex_controller.planner import power
 from tpflex_controller.planner.caps import MergedCaps
+from tpflex_controller.planner.lone import plan_lone
 from tpflex_controller.planner.memo import IdentityMemo
 from tpflex_controller.planner.model import (
     ClusterState,
@@ -136,15 +137,32 @@ def context(
 
 
 def plan_replicas(
-    ctx: PlanContext, cluster: ClusterState, job: JobSpec, indices: Iterable[int]
+    ctx: PlanContext, cluster: ClusterState, job: JobSpec, indices: Iterable[int], *, lone: bool = True
 ) -> dict[int, ReplicaOutcome]:
     """Plan the replicas ``indices`` (ascending) together; a replica left out of the result
     gets the identity assignment. Correct on its own only when ``indices`` hold every
     replica the ones planned are coupled with (a rack whose budget they share, the spare
-    pool): ``plan`` passes all, ``incremental.replan`` the coupled ones."""
+    pool): ``plan`` passes all, ``incremental.replan`` the coupled ones. ``lone``: the
+    common case's one-pass planning (``lone.py``) where it applies; False plans every
+    replica through the general path (the reference its tests compare with)."""
     pins = {r: t for r, t in ctx.pins.items()}
     survey = Survey(cluster)
     curve = power.Curve(ctx.model)
+    if lone and ctx.policy is Policy.NTP_PW and not (cluster.power_pins or cluster.gpu_speed):
+        done, indices = plan_lone(survey, job, indices, pins, ctx.full_degree, curve, ReplicaOutcome)
+        if not indices:
+            return done
+        out = _plan_general(ctx, survey, curve, job, pins, indices)
+        done.update(out)
+        return done
+    return _plan_general(ctx, survey, curve, job, pins, indices)
+
+
+def _plan_general(
+    ctx: PlanContext, survey: Survey, curve: power.Curve, job: JobSpec, pins: dict[int, int],
+    indices: Iterable[int],
+) -> dict[int, ReplicaOutcome]:
+    cluster = survey.cluster
     drafts = _drafts(survey, job, pins, ctx.full_degree, indices)
     lost = {d.index for d in drafts if d.lost_any}
     _decide(ctx.policy, drafts, cluster, job)
@@ -218,7 +236,7 @@ def assemble(
     earlier plan of the job) and ``replaced`` (the earlier outcome, None for identity, of
     each replica planned again since), the rest is copied from ``base``."""
     if base is None:
-        replicas = [_outcome_or_identity(outcomes, job, i) for i in range(len(job.replicas))]
+        replicas = _with_identities(outcomes, job)
         parts = _parts_of(outcomes)
         caps = MergedCaps(parts)
     else:
@@ -244,6 +262,25 @@ def assemble(
 
 def _parts_of(outcomes: Mapping[int, ReplicaOutcome]) -> dict[int, Mapping[GpuKey, float]]:
     return {i: o.caps for i, o in outcomes.items() if o.caps}
+
+
+def _with_identities(outcomes: Mapping[int, ReplicaOutcome], job: JobSpec) -> list[ReplicaAssignment]:
+    """Every replica's assignment: its outcome's, else its identity (``_identity``,
+    inlined: thousands of replicas each whole-job plan)."""
+    t, batch = job.base_tp, job.local_batch
+    memo = _IDENTITY
+    out = []
+    for i, spec in enumerate(job.replicas):
+        o = outcomes.get(i)
+        if o is not None:
+            out.append(o.assignment)
+            continue
+        hit = memo.peek(spec)
+        if hit is None or hit.index != i or hit.tp_degree != t or hit.local_batch != batch:
+            hit = _build_identity(spec, i, t, batch)
+            memo.put(spec, hit)
+        out.append(hit)
+    return out
 
 
 def _outcome_or_identity(outcomes: Mapping[int, ReplicaOutcome], job: JobSpec, i: int) -> ReplicaAssignment:
@@ -298,6 +335,28 @@ def validate(cluster: ClusterState, job: JobSpec, overrides: JobOverrides | None
     for name in job.spare_racks:
         if name not in cluster.racks:
             raise PlanningError(f"job {job.name}: spare rack {name!r} is unknown")
+    if not _stages_fit(cluster, job):
+        _stage_problem(cluster, job)
+    return min(job.base_tp, *job.units.values()) if job.units else job.base_tp
+
+
+def _stages_fit(cluster: ClusterState, job: JobSpec) -> bool:
+    """Whether every replica has stages, each on a known rack with ``base_tp`` GPUs (the
+    checks of ``_stage_problem``, iterated in C: thousands of replicas each plan)."""
+    stages_of = list(map(_stages_of, job.replicas))
+    if not all(stages_of):
+        return False
+    stages = list(chain.from_iterable(stages_of))
+    return cluster.racks.keys() >= set(map(_rack_of, stages)) and set(
+        map(len, map(_gpus_of, stages))
+    ) == {job.base_tp}
+
+
+_stages_of, _rack_of, _gpus_of = attrgetter("stages"), attrgetter("rack"), attrgetter("gpus")
+
+
+def _stage_problem(cluster: ClusterState, job: JobSpec) -> None:
+    """Raise the first stage problem of the spec, in replica order."""
     for i, rep in enumerate(job.replicas):
         if not rep.stages:
             raise PlanningError(f"job {job.name}: replica {i} has no stages")
@@ -309,7 +368,6 @@ def validate(cluster: ClusterState, job: JobSpec, overrides: JobOverrides | None
                     f"job {job.name}: replica {i} stage {s_idx} has {len(st.gpus)} ranks, "
                     f"base TP degree is {job.base_tp}"
                 )
-    return min(job.base_tp, *job.units.values()) if job.units else job.base_tp
 
 
 def pin_problem(job: JobSpec, replica: int, degree: int, full: int) -> str | None:
@@ -375,7 +433,11 @@ def _identity(job: JobSpec, index: int) -> ReplicaAssignment:
 
 
 def _build_identity(spec: ReplicaSpec, index: int, t: int, batch: int) -> ReplicaAssignment:
-    stages = tuple(StageAssignment(st.rack, t, st.gpus, i) for i, st in enumerate(spec.stages))
+    if len(spec.stages) == 1:
+        st = spec.stages[0]
+        stages: tuple[StageAssignment, ...] = (StageAssignment(st.rack, t, st.gpus, 0),)
+    else:
+        stages = tuple(StageAssignment(st.rack, t, st.gpus, i) for i, st in enumerate(spec.stages))
     return ReplicaAssignment(index, ReplicaState.HEALTHY, stages, t, batch, 1.0, "healthy")
 
 
