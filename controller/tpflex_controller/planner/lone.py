@@ -21,7 +21,6 @@ from collections.abc import Iterable
 from tpflex_controller.planner import power
 from tpflex_controller.planner.caps import UniformCaps
 from tpflex_controller.planner.model import (
-    GpuStatus,
     JobSpec,
     ReplicaAssignment,
     ReplicaState,
@@ -30,7 +29,6 @@ from tpflex_controller.planner.model import (
 from tpflex_controller.planner.reasons import _batch, _ntp_pw_tail
 from tpflex_controller.planner.stages import StageDraft, Survey
 
-_STATUS_NAMES = {s: s.value for s in GpuStatus}
 _DEGRADED = ReplicaState.DEGRADED
 _EPS = 1e-9
 
@@ -98,18 +96,18 @@ def plan_lone(
         if name in owner:
             clash.add(name)
         owner[name] = i
-        lost = tuple([(g, status[g]) for g in map(gpus.__getitem__, at)])
         usable = _without(gpus, at)
         key = (rack.tdp_w, rack.max_w, rack.power_budget_w, n, left, degree)
         shape = shapes.get(key)
         if shape is None:
-            shape = shapes[key] = _shape(cluster, rack, gpus, usable, lost, degree, job, curve)
+            shape = shapes[key] = _shape(cluster, rack, gpus, usable, degree, job, curve)
         used = usable[:degree]
         caps = {} if shape.cap is None else UniformCaps(used, shape.cap)
         assignment = ReplicaAssignment(
             i, _DEGRADED, (StageAssignment(name, degree, used, 0),), degree, shape.batch, shape.rel, shape.why
         )
-        described = ", ".join([f"{g[0]}:{g[1]} {_STATUS_NAMES[s]}" for g, s in lost])
+        # stages.describe_lost (an enum's _value_ is a plain attribute, its hash is not)
+        described = ", ".join([f"{g[0]}:{g[1]} {status[g]._value_}" for g in map(gpus.__getitem__, at)])
         head = f"replica {i}:"
         line = f"{head} rack {name} has {shape.usable_of}{described}){shape.tail}"
         if shape.rel < 1.0 - 1e-12:
@@ -168,10 +166,10 @@ def _without(gpus: tuple, at: list[int]) -> tuple:
     return usable + gpus[start:]
 
 
-def _shape(cluster, rack, gpus, usable, lost, degree: int, job: JobSpec, curve: power.Curve) -> _Shape:
+def _shape(cluster, rack, gpus, usable, degree: int, job: JobSpec, curve: power.Curve) -> _Shape:
     """The parts of a lone stage's plan that its shape decides, through the general code
     (``power.plan_boosts``, ``power.plain_stage_speed``, the planner's arithmetic)."""
-    draft = StageDraft(0, rack, gpus, usable, lost, degree)
+    draft = StageDraft(0, rack, gpus, usable, (), degree)
     power.plan_boosts([draft], cluster, job.base_tp, curve)
     out = _Shape()
     out.degree = degree
