@@ -96,7 +96,15 @@ def plan_lone(
         if name in owner:
             clash.add(name)
         owner[name] = i
-        usable = _without(gpus, at)
+        if len(at) == 1:  # the common case: one lost GPU
+            p = at[0]
+            usable = gpus[:p] + gpus[p + 1:]
+            g = gpus[p]
+            described = f"{g[0]}:{g[1]} {status[g]._value_}"
+        else:
+            usable = _without(gpus, at)
+            # stages.describe_lost (an enum's _value_ is a plain attribute, its hash is not)
+            described = ", ".join([f"{g[0]}:{g[1]} {status[g]._value_}" for g in map(gpus.__getitem__, at)])
         key = (rack.tdp_w, rack.max_w, rack.power_budget_w, n, left, degree)
         shape = shapes.get(key)
         if shape is None:
@@ -106,12 +114,9 @@ def plan_lone(
         assignment = ReplicaAssignment(
             i, _DEGRADED, (StageAssignment(name, degree, used, 0),), degree, shape.batch, shape.rel, shape.why
         )
-        # stages.describe_lost (an enum's _value_ is a plain attribute, its hash is not)
-        described = ", ".join([f"{g[0]}:{g[1]} {status[g]._value_}" for g in map(gpus.__getitem__, at)])
-        head = f"replica {i}:"
-        line = f"{head} rack {name} has {shape.usable_of}{described}){shape.tail}"
+        line = f"replica {i}: rack {name} has {shape.usable_of}{described}){shape.tail}"
         if shape.rel < 1.0 - 1e-12:
-            reasons = (line, f"{head} boost falls short -> {shape.batch_text}")
+            reasons = (line, f"replica {i}: boost falls short -> {shape.batch_text}")
         else:
             reasons = (line,)
         done[i] = outcome(assignment, caps, reasons, None, True)
