@@ -38,7 +38,7 @@ from operator import attrgetter
 from tpflex_proto.powermodel import DEFAULT_POWER_MODEL, PowerModel
 
 from tpflex_controller.planner import power
-from tpflex_controller.planner.caps import MergedCaps
+from tpflex_controller.planner.caps import MergedCaps, UniformCaps
 from tpflex_controller.planner.lone import plan_lone
 from tpflex_controller.planner.memo import IdentityMemo
 from tpflex_controller.planner.model import (
@@ -261,7 +261,13 @@ def assemble(
 
 
 def _parts_of(outcomes: Mapping[int, ReplicaOutcome]) -> dict[int, Mapping[GpuKey, float]]:
-    return {i: o.caps for i, o in outcomes.items() if o.caps}
+    out = {}
+    for i, o in outcomes.items():
+        c = o.caps
+        # a uniform part's emptiness from its GPU tuple (its len() is a Python call)
+        if c.gpus if type(c) is UniformCaps else c:
+            out[i] = c
+    return out
 
 
 def _with_identities(outcomes: Mapping[int, ReplicaOutcome], job: JobSpec) -> list[ReplicaAssignment]:
