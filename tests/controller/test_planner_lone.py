@@ -11,13 +11,22 @@ import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tpflex_controller import convert
 from tpflex_controller.planbytes import PlanEncoder
-from tpflex_controller.planner import ClusterState, GpuStatus, JobOverrides, JobSpec, Policy, plan
+from tpflex_controller.planner import (
+    ClusterState,
+    GpuStatus,
+    JobOverrides,
+    JobSpec,
+    Policy,
+    plan,
+)
 from tpflex_controller.planner import planner as general
 from tpflex_controller.planner.lone import plan_lone
 from tpflex_controller.planner.model import ReplicaSpec, StageSpec
 from tpflex_controller.planner.power import Curve
 from tpflex_controller.planner.stages import Survey
+from tpflex_proto import codec
 from tpflex_proto.powermodel import DEFAULT_POWER_MODEL
 
 from tests.controller.planner_fixtures import make_rack
@@ -112,6 +121,8 @@ def test_the_common_case_is_planned_in_one_pass_and_equals_the_general_path():
     assert {job.replicas[i].stages[0].rack for i in done} == lost_racks
     assert any(len(o.assignment.stages[0].gpus) < 71 for o in done.values())  # some lost 2+
     _assert_same_plan(cluster, job)
+    got = plan(cluster, job)  # and the bytes as protobuf encodes the whole plan
+    assert PlanEncoder().encode(got, 5, cause="c") == codec.encode(convert.plan_to_proto(got, 5, cause="c"))
 
 
 def test_a_rack_claimed_twice_goes_to_the_general_path():
