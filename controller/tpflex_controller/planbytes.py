@@ -20,6 +20,7 @@ from operator import is_not
 from tpflex_proto import codec, types_pb2
 
 from tpflex_controller import convert
+from tpflex_controller.planner.caps import UniformCaps
 from tpflex_controller.planner.model import (
     GpuKey,
     PlanResult,
@@ -156,7 +157,10 @@ class PlanEncoder:
         for i in todo:
             mine = cap_parts.get(i)
             data = self._replica_bytes(result.replicas[i])
-            if mine:
+            if type(mine) is UniformCaps:  # one watts for all: no per-GPU look-up
+                watts = mine.watts
+                data = data + b"".join([self._cap_bytes(g, watts) for g in sorted(mine.gpus)])
+            elif mine:
                 data = data + b"".join(self._cap_bytes(g, mine[g]) for g in sorted(mine))
             parts[i] = data
         self._last[result.job] = _Split(result.replicas, cap_parts, parts)

@@ -13,8 +13,10 @@ it has folded, and hands typed change records to registered handlers:
   vanished ones) as one ``resync`` batch, then watches on from that revision.
 
 Values are decoded once, here (``keys.parse`` + the message type of the key kind; plan
-headers and parts stay bytes: tpflex_proto.planstore assembles them). Change records are
-frozen; the messages in them are shared by every handler and must be treated as
+headers and parts stay bytes: tpflex_proto.planstore assembles them), on the first look
+at a change's message, so that changes no handler reads cost nothing (the echo of the
+controller's own commit: a plan, a dozen power plans, an event). Change records are
+read-only; the messages in them are shared by every handler and must be treated as
 read-only. Handlers run on the informer's feeder thread, one after the other, and must be
 quick (hand the batch to a queue); one that raises is logged and the others still run.
 """
@@ -56,18 +58,63 @@ class Op(enum.Enum):
     DELETE = "delete"
 
 
-@dataclass(frozen=True, slots=True)
+_UNDECODED = object()
+
+
 class Change:
     """One key's change. ``msg`` is the decoded value (None for a delete, a kind kept as
-    bytes, or a malformed value: ``malformed`` says which)."""
+    bytes, or a malformed value: ``malformed`` says which). The value is decoded once, on
+    the first look at ``msg`` or ``malformed`` (a change no handler reads, such as the
+    echo of a controller's own commit, costs no decoding on the watch's thread);
+    concurrent first looks may both decode, to equal messages. Read-only."""
 
-    op: Op
-    key: str
-    parsed: Key | None
-    value: bytes
-    mod_revision: int
-    msg: Message | None = None
-    malformed: bool = False
+    __slots__ = ("_malformed", "_msg", "key", "mod_revision", "op", "parsed", "value")
+
+    def __init__(
+        self, op: Op, key: str, parsed: Key | None, value: bytes, mod_revision: int,
+        msg: Message | None | object = None, malformed: bool = False,
+    ) -> None:
+        self.op = op
+        self.key = key
+        self.parsed = parsed
+        self.value = value
+        self.mod_revision = mod_revision
+        self._msg = msg
+        self._malformed = malformed
+
+    @property
+    def msg(self) -> Message | None:
+        if self._msg is _UNDECODED:
+            self._decode()
+        return self._msg  # type: ignore[return-value]
+
+    @property
+    def malformed(self) -> bool:
+        if self._msg is _UNDECODED:
+            self._decode()
+        return self._malformed
+
+    def _decode(self) -> None:
+        cls = MESSAGE_TYPES[self.parsed.kind]  # type: ignore[union-attr]
+        try:
+            msg = codec.decode(cls, self.value, self.key)
+        except codec.MalformedValue as exc:
+            log.warning("skipping malformed etcd value key=%s error=%s", self.key, exc)
+            self._malformed = True
+            self._msg = None
+            return
+        self._msg = msg
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Change):
+            return NotImplemented
+        return (self.op, self.key, self.parsed, self.value, self.mod_revision, self.msg, self.malformed) == (
+            other.op, other.key, other.parsed, other.value, other.mod_revision, other.msg, other.malformed)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"Change(op={self.op}, key={self.key!r}, mod_revision={self.mod_revision})"
 
     @property
     def deleted(self) -> bool:
@@ -103,15 +150,9 @@ def decode_change(op: Op, key: str, value: bytes, mod_revision: int) -> Change:
     parsed = keys.parse(key)
     if op is Op.DELETE or parsed is None:
         return Change(op, key, parsed, b"" if op is Op.DELETE else value, mod_revision)
-    cls = MESSAGE_TYPES.get(parsed.kind)
-    if cls is None:
+    if parsed.kind not in MESSAGE_TYPES:
         return Change(op, key, parsed, value, mod_revision)
-    try:
-        msg = codec.decode(cls, value, key)
-    except codec.MalformedValue as exc:
-        log.warning("skipping malformed etcd value key=%s error=%s", key, exc)
-        return Change(op, key, parsed, value, mod_revision, None, True)
-    return Change(op, key, parsed, value, mod_revision, msg)
+    return Change(op, key, parsed, value, mod_revision, _UNDECODED)  # decoded on first look
 
 
 def diff(items: dict[str, Change], listed: list[KeyValue], revision: int) -> list[Change]:

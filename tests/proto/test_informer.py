@@ -198,3 +198,19 @@ def test_diff_is_exact():
     out = diff(items, listed, 10)
     assert [(c.op, c.key, c.mod_revision) for c in out] == [
         (Op.PUT, "/tpflex/v1/racks/c", 9), (Op.DELETE, "/tpflex/v1/racks/b", 10)]
+
+
+def test_a_value_is_decoded_on_the_first_look_only(caplog):
+    """A change no handler reads is never decoded (no log line for a malformed one either);
+    the first look decodes it, the next ones get the same message."""
+    value = _rack("r7")
+    change = decode_change(Op.PUT, keys.rack("r7"), value, 5)
+    assert change._msg is not None and not isinstance(change._msg, types_pb2.Rack)  # not decoded yet
+    first = change.msg
+    assert first == codec.decode(types_pb2.Rack, value, keys.rack("r7")) and change.msg is first
+    assert not change.malformed
+    with caplog.at_level(logging.WARNING):
+        bad = decode_change(Op.PUT, keys.rack("bad"), b"\xff\xff\xff", 6)
+        assert "skipping malformed" not in caplog.text
+        assert bad.malformed and bad.msg is None
+    assert caplog.text.count("skipping malformed etcd value key=/tpflex/v1/racks/bad") == 1

@@ -146,13 +146,28 @@ class MergedCaps(Mapping):
         i = self._holder(gpu)
         if i is None:
             raise KeyError(gpu)
-        return self.parts[i][gpu]
+        part = self.parts[i]
+        # the holder's part holds the GPU (the index and the overlay say so)
+        return part.watts if type(part) is UniformCaps else part[gpu]
 
     def get(self, gpu, default=None):
+        """``_holder`` inlined for the common look-up (a commit asks for the caps of the
+        GPUs of the replicas it changes, a few hundred)."""
         if self._dict is not None:
             return self._dict.get(gpu, default)
-        i = self._holder(gpu)
-        return default if i is None else self.parts[i][gpu]
+        owner = self._root._owner
+        held = (owner if owner is not None else self._index()).get(gpu)
+        if type(held) is tuple:
+            i = self._holder(gpu)
+        else:
+            i = held if held not in self._dirty else None
+            over = self._overlay.get(gpu)
+            if over and (i is None or over[-1] > i):
+                i = over[-1]
+        if i is None:
+            return default
+        part = self.parts[i]
+        return part.watts if type(part) is UniformCaps else part[gpu]
 
     def __contains__(self, gpu: object) -> bool:
         if self._dict is not None:

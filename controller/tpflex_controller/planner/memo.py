@@ -29,3 +29,13 @@ class IdentityMemo(Generic[V]):
             self._entries.clear()
         self._entries[id(key)] = (key, value)
         return value
+
+    def peek(self, key: Any) -> V | None:
+        """The value memoised for ``key`` (None when absent)."""
+        hit = self._entries.get(id(key))
+        return hit[1] if hit is not None and hit[0] is key else None
+
+    def put(self, key: Any, value: V) -> None:
+        if len(self._entries) >= self._limit:
+            self._entries.clear()
+        self._entries[id(key)] = (key, value)

@@ -38,14 +38,15 @@ from operator import attrgetter
 from tpflex_proto.powermodel import DEFAULT_POWER_MODEL, PowerModel
 
 from tpflex_controller.planner import power
-from tpflex_controller.planner.caps import MergedCaps
+from tpflex_controller.planner.caps import MergedCaps, UniformCaps
+from tpflex_controller.planner.checks import pin_problem, valid_pins, validate  # noqa: F401 (re-exported)
+from tpflex_controller.planner.lone import plan_lone
 from tpflex_controller.planner.memo import IdentityMemo
 from tpflex_controller.planner.model import (
     ClusterState,
     GpuKey,
     JobOverrides,
     JobSpec,
-    PlanningError,
     PlanResult,
     Policy,
     ReplicaAssignment,
@@ -131,20 +132,37 @@ def context(
     eff = Policy(policy or overrides.policy or job.policy)
     if full_degree is None:
         full_degree = validate(cluster, job)
-    pins, invalid = _valid_pins(job, overrides.pins, full_degree)
+    pins, invalid = valid_pins(job, overrides.pins, full_degree)
     return PlanContext(eff, power_model or DEFAULT_POWER_MODEL, full_degree, pins, tuple(invalid))
 
 
 def plan_replicas(
-    ctx: PlanContext, cluster: ClusterState, job: JobSpec, indices: Iterable[int]
+    ctx: PlanContext, cluster: ClusterState, job: JobSpec, indices: Iterable[int], *, lone: bool = True
 ) -> dict[int, ReplicaOutcome]:
     """Plan the replicas ``indices`` (ascending) together; a replica left out of the result
     gets the identity assignment. Correct on its own only when ``indices`` hold every
     replica the ones planned are coupled with (a rack whose budget they share, the spare
-    pool): ``plan`` passes all, ``incremental.replan`` the coupled ones."""
+    pool): ``plan`` passes all, ``incremental.replan`` the coupled ones. ``lone``: the
+    common case's one-pass planning (``lone.py``) where it applies; False plans every
+    replica through the general path (the reference its tests compare with)."""
     pins = {r: t for r, t in ctx.pins.items()}
     survey = Survey(cluster)
     curve = power.Curve(ctx.model)
+    if lone and ctx.policy is Policy.NTP_PW and not (cluster.power_pins or cluster.gpu_speed):
+        done, indices = plan_lone(survey, job, indices, pins, ctx.full_degree, curve, ReplicaOutcome)
+        if not indices:
+            return done
+        out = _plan_general(ctx, survey, curve, job, pins, indices)
+        done.update(out)
+        return done
+    return _plan_general(ctx, survey, curve, job, pins, indices)
+
+
+def _plan_general(
+    ctx: PlanContext, survey: Survey, curve: power.Curve, job: JobSpec, pins: dict[int, int],
+    indices: Iterable[int],
+) -> dict[int, ReplicaOutcome]:
+    cluster = survey.cluster
     drafts = _drafts(survey, job, pins, ctx.full_degree, indices)
     lost = {d.index for d in drafts if d.lost_any}
     _decide(ctx.policy, drafts, cluster, job)
@@ -218,7 +236,7 @@ def assemble(
     earlier plan of the job) and ``replaced`` (the earlier outcome, None for identity, of
     each replica planned again since), the rest is copied from ``base``."""
     if base is None:
-        replicas = [_outcome_or_identity(outcomes, job, i) for i in range(len(job.replicas))]
+        replicas = _with_identities(outcomes, job)
         parts = _parts_of(outcomes)
         caps = MergedCaps(parts)
     else:
@@ -243,7 +261,32 @@ def assemble(
 
 
 def _parts_of(outcomes: Mapping[int, ReplicaOutcome]) -> dict[int, Mapping[GpuKey, float]]:
-    return {i: o.caps for i, o in outcomes.items() if o.caps}
+    out = {}
+    for i, o in outcomes.items():
+        c = o.caps
+        # a uniform part's emptiness from its GPU tuple (its len() is a Python call)
+        if c.gpus if type(c) is UniformCaps else c:
+            out[i] = c
+    return out
+
+
+def _with_identities(outcomes: Mapping[int, ReplicaOutcome], job: JobSpec) -> list[ReplicaAssignment]:
+    """Every replica's assignment: its outcome's, else its identity (``_identity``,
+    inlined: thousands of replicas each whole-job plan)."""
+    t, batch = job.base_tp, job.local_batch
+    memo = _IDENTITY
+    out = []
+    for i, spec in enumerate(job.replicas):
+        o = outcomes.get(i)
+        if o is not None:
+            out.append(o.assignment)
+            continue
+        hit = memo.peek(spec)
+        if hit is None or hit.index != i or hit.tp_degree != t or hit.local_batch != batch:
+            hit = _build_identity(spec, i, t, batch)
+            memo.put(spec, hit)
+        out.append(hit)
+    return out
 
 
 def _outcome_or_identity(outcomes: Mapping[int, ReplicaOutcome], job: JobSpec, i: int) -> ReplicaAssignment:
@@ -280,68 +323,6 @@ def _decide(eff: Policy, drafts: list[ReplicaDraft], cluster: ClusterState, job:
         decide(d, job)
 
 
-def validate(cluster: ClusterState, job: JobSpec, overrides: JobOverrides | None = None) -> int:
-    """Check the spec (not its pins, which ``plan`` suspends when they cannot hold); returns
-    the full degree (base TP capped by the smallest unit count). ``overrides`` is ignored
-    (kept for callers of the old signature)."""
-    if job.base_tp < 1:
-        raise PlanningError(f"job {job.name}: base TP degree must be >= 1, got {job.base_tp}")
-    if not 1 <= job.min_tp <= job.base_tp:
-        raise PlanningError(f"job {job.name}: min_tp {job.min_tp} must be in 1..{job.base_tp}")
-    if not job.replicas:
-        raise PlanningError(f"job {job.name}: has no replicas")
-    if job.local_batch < 1:
-        raise PlanningError(f"job {job.name}: local batch must be >= 1, got {job.local_batch}")
-    bad_units = [f"{k}={v}" for k, v in job.units.items() if v < 1]
-    if bad_units:
-        raise PlanningError(f"job {job.name}: unit counts must be >= 1 ({', '.join(bad_units)})")
-    for name in job.spare_racks:
-        if name not in cluster.racks:
-            raise PlanningError(f"job {job.name}: spare rack {name!r} is unknown")
-    for i, rep in enumerate(job.replicas):
-        if not rep.stages:
-            raise PlanningError(f"job {job.name}: replica {i} has no stages")
-        for s_idx, st in enumerate(rep.stages):
-            if st.rack not in cluster.racks:
-                raise PlanningError(f"job {job.name}: replica {i} stage {s_idx} names unknown rack {st.rack!r}")
-            if len(st.gpus) != job.base_tp:
-                raise PlanningError(
-                    f"job {job.name}: replica {i} stage {s_idx} has {len(st.gpus)} ranks, "
-                    f"base TP degree is {job.base_tp}"
-                )
-    return min(job.base_tp, *job.units.values()) if job.units else job.base_tp
-
-
-def pin_problem(job: JobSpec, replica: int, degree: int, full: int) -> str | None:
-    """Why a TP pin is invalid for the spec (None when it is valid)."""
-    if not 0 <= replica < len(job.replicas):
-        return f"no such replica (job has {len(job.replicas)})"
-    if degree < 1:
-        return "a TP degree must be >= 1"
-    if degree > job.base_tp:
-        return f"TP {degree} is above the base TP degree {job.base_tp}"
-    if degree < job.min_tp:
-        return f"TP {degree} is below min_tp {job.min_tp}"
-    if degree > full:
-        smallest = min(job.units, key=job.units.__getitem__)
-        return f"TP {degree} leaves a rank with no units ({smallest} has {job.units[smallest]})"
-    return None
-
-
-def _valid_pins(
-    job: JobSpec, pins: Mapping[int, int], full: int
-) -> tuple[dict[int, int], list[SuspendedPin]]:
-    valid: dict[int, int] = {}
-    suspended: list[SuspendedPin] = []
-    for r, t in pins.items():
-        why = pin_problem(job, r, t, full)
-        if why is None:
-            valid[r] = t
-        else:
-            suspended.append(SuspendedPin(r, t, why))
-    return valid, suspended
-
-
 def _unheld_pins(drafts: list[ReplicaDraft], pins: Mapping[int, int]) -> list[SuspendedPin]:
     """Pins above the usable GPUs of a stage of their replica cannot hold now: the replica
     runs at what it has (the same degrees as unpinned), and the pin is reported (in the
@@ -375,7 +356,11 @@ def _identity(job: JobSpec, index: int) -> ReplicaAssignment:
 
 
 def _build_identity(spec: ReplicaSpec, index: int, t: int, batch: int) -> ReplicaAssignment:
-    stages = tuple(StageAssignment(st.rack, t, st.gpus, i) for i, st in enumerate(spec.stages))
+    if len(spec.stages) == 1:
+        st = spec.stages[0]
+        stages: tuple[StageAssignment, ...] = (StageAssignment(st.rack, t, st.gpus, 0),)
+    else:
+        stages = tuple(StageAssignment(st.rack, t, st.gpus, i) for i, st in enumerate(spec.stages))
     return ReplicaAssignment(index, ReplicaState.HEALTHY, stages, t, batch, 1.0, "healthy")
 
 

@@ -39,8 +39,13 @@ class Survey:
         self.live = cluster.live_nodes
         self.touched = touched_gpus(cluster)
         self.by_node: dict[str, list[GpuKey]] = {}  # the touched GPUs of each node
+        by_node = self.by_node
         for g in self.touched:
-            self.by_node.setdefault(g[0], []).append(g)
+            held = by_node.get(g[0])
+            if held is None:
+                by_node[g[0]] = [g]
+            else:
+                held.append(g)
         self.touched_nodes = set(self.by_node)
         self.unusable = unusable_gpus(cluster)
         self._racks: dict[str, bool] = {}
