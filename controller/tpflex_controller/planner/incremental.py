@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from tpflex_proto.powermodel import PowerModel
 
+from tpflex_controller.planner.gcpause import gc_paused
 from tpflex_controller.planner.model import (
     ClusterState,
     JobOverrides,
@@ -81,6 +82,7 @@ def plan_job(
     return JobPlan(assemble(ctx, job, outcomes), job, ctx, outcomes, _index(cluster, job), len(job.replicas))
 
 
+@gc_paused
 def replan(
     prev: JobPlan | None,
     cluster: ClusterState,

@@ -40,6 +40,7 @@ from tpflex_proto.powermodel import DEFAULT_POWER_MODEL, PowerModel
 from tpflex_controller.planner import power
 from tpflex_controller.planner.caps import MergedCaps, UniformCaps
 from tpflex_controller.planner.checks import pin_problem, valid_pins, validate  # noqa: F401 (re-exported)
+from tpflex_controller.planner.gcpause import gc_paused
 from tpflex_controller.planner.lone import plan_lone
 from tpflex_controller.planner.memo import IdentityMemo
 from tpflex_controller.planner.model import (
@@ -74,6 +75,7 @@ _STATE_NAMES = {s: s.value for s in ReplicaState}  # an enum's .value is a slow 
 _DECIDE = {Policy.NTP_PW: decide_ntp_pw, Policy.NTP: decide_ntp, Policy.DP_DROP: decide_dp_drop}
 
 
+@gc_paused
 def plan(
     cluster: ClusterState,
     job: JobSpec,
