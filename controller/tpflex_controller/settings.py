@@ -86,6 +86,14 @@ class RestSection(_Listener):
         description="nodes whose rendered GPU rows the REST process keeps for the list endpoints"
         " (least recently used out; about 2.5 KB a node of 4 GPUs)",
     )
+    response_cache_entries: int = Field(
+        1024, ge=0, le=1_000_000,
+        description="rendered GET responses the REST process keeps, each valid until what it"
+        " renders changes (least recently used out; 0 = off)",
+    )
+    response_cache_mb: int = Field(
+        64, ge=1, le=65_536, description="at most this many MiB of cached response bodies",
+    )
 
     @model_validator(mode="after")
     def _tokens(self) -> RestSection:

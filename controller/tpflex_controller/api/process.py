@@ -118,7 +118,8 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
         store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry, steps=link,
         state=cache, max_in_flight=r.max_in_flight, busy_wait_s=r.busy_wait_s,
         max_body_bytes=r.max_body_bytes, max_bodies=r.max_concurrent_bodies,
-        body_timeout_s=r.body_timeout_s,
+        body_timeout_s=r.body_timeout_s, response_cache_entries=r.response_cache_entries,
+        response_cache_bytes=r.response_cache_mb << 20,
     ))
     server = uvicorn.Server(uvicorn.Config(
         app, log_level="warning", ssl_certfile=r.tls_cert_file or None,
