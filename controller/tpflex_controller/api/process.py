@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != ns.parent_pid:  # it died before the line above took effect
         return 1
     settings = ControllerSettings.model_validate(json.loads(sys.stdin.read()))
+    if settings.rest.nice:
+        os.nice(settings.rest.nice)  # rest.nice: the decision loop first under contention
     logging.basicConfig(level=settings.controller.log_level,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     return _serve(settings, ns.listen_fd, ns.link_fd, ns.parent_pid)
