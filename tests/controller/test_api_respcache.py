@@ -14,7 +14,7 @@ from tpflex_controller.api import create_app
 from tpflex_controller.api.cache import ApiStateCache
 from tpflex_controller.api.deps import TokenConfig
 from tpflex_controller.api.index import NodeIndex
-from tpflex_controller.api.respcache import ResponseCache, resource_of
+from tpflex_controller.api.respcache import ResponseCache, ResponseCacheCollector, resource_of
 from tpflex_controller.api.rows import STATES, NodeRow, counts_view
 from tpflex_controller.store import Store
 from tpflex_proto import codec, keys, types_pb2
@@ -102,6 +102,9 @@ def test_concurrent_misses_share_one_render():
     asyncio.run(main())
     assert len(renders) == 2
     assert deps.response_stats == {"hits": 1, "renders": 2, "shared": 19, "uncached": 0}
+    [family] = ResponseCacheCollector(deps.response_stats).collect()
+    assert {s.labels["result"]: s.value for s in family.samples if s.name.endswith("_total")} == {
+        "hits": 1.0, "renders": 2.0, "shared": 19.0, "uncached": 0.0}
 
 
 # ---- against a real etcd, real uvicorn, real HTTP ----

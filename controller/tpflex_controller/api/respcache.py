@@ -166,3 +166,27 @@ class ResponseCache:
 async def _send(entry: _Entry, send) -> None:
     await send(entry.start)
     await send({"type": "http.response.body", "body": entry.body, "more_body": False})
+
+
+class ResponseCacheCollector:
+    """``tpflex_rest_response_cache_total{result}``: the REST process's GET requests of
+    cached paths by outcome (hit, render, shared, uncached), read at scrape time."""
+
+    NAME = "tpflex_rest_response_cache"
+    HELP = "REST GET requests by response cache outcome (api/respcache.py)"
+
+    def __init__(self, stats: dict[str, int]) -> None:
+        self.stats = stats
+
+    def describe(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        return [CounterMetricFamily(self.NAME, self.HELP, labels=["result"])]
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        family = CounterMetricFamily(self.NAME, self.HELP, labels=["result"])
+        for name in ("hits", "renders", "shared", "uncached"):
+            family.add_metric([name], float(self.stats.get(name, 0)))
+        yield family
