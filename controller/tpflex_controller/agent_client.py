@@ -10,7 +10,9 @@ closed first) and each closed after ``channel_idle_s`` without a send (settings
 ``agents.max_channels``, ``agents.channel_idle_s``): a channel keeps gRPC's connection
 state and reconnect timers, so one per agent ever pushed to grew the controller's memory
 with the fleet (tens of MB at 10,000 unreachable agents). A channel in use is never closed;
-a send after a close opens a new one.
+a send after a close opens a new one. A send is handed to the worker pool only when a
+worker is free: sends that are due wait in the schedule (one per node), so retries to
+unreachable agents neither pile up as queued futures nor hold back a new plan's send.
 """
 
 from __future__ import annotations
@@ -90,6 +92,10 @@ class AgentPusher:
         # address -> [channel, last use, sends in flight]; least recently used first
         self._channels: OrderedDict[str, list] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="agent-push")
+        # a send is handed to the pool only when a worker is free: the sends due wait in
+        # the heap (one per node), not as a growing queue of futures in the executor (which
+        # also made a new plan's send wait behind every retry to an unreachable agent)
+        self._slots = threading.Semaphore(max_workers)
         self._closed = False
         self._thread = threading.Thread(target=self._dispatch, name="agent-push", daemon=True)
         self._thread.start()
@@ -125,6 +131,11 @@ class AgentPusher:
             raise ValueError("need max_channels >= 1 and channel_idle_s > 0")
         self._max_channels, self._channel_idle_s = max_channels, channel_idle_s
 
+    def sending(self) -> int:
+        """Sends handed to the worker pool and not finished (at most ``max_workers``)."""
+        with self._cv:
+            return sum(t.in_flight for t in self._targets.values())
+
     def channel_count(self) -> int:
         with self._cv:
             return len(self._channels)
@@ -158,6 +169,9 @@ class AgentPusher:
 
     def _dispatch(self) -> None:
         while True:
+            while not self._slots.acquire(timeout=0.5):  # a free worker first
+                if self._closed:
+                    return
             with self._cv:
                 while not self._closed:
                     now = time.monotonic()
@@ -167,15 +181,23 @@ class AgentPusher:
                     wait = self._heap[0][0] - now if self._heap else self._channel_idle_s
                     self._cv.wait(min(wait, self._channel_idle_s))
                 if self._closed:
+                    self._slots.release()
                     return
                 _, _, node = heapq.heappop(self._heap)
                 t = self._targets.get(node)
                 if t is None or t.in_flight or not t.address:
+                    self._slots.release()
                     continue
                 t.in_flight = True
                 t.attempts += 1
                 plan, address, attempts = t.plan, t.address, t.attempts
-            self._pool.submit(self._attempt, node, address, plan, attempts)
+            self._pool.submit(self._attempt_in_slot, node, address, plan, attempts)
+
+    def _attempt_in_slot(self, node: str, address: str, plan: types_pb2.NodePowerPlan, attempts: int) -> None:
+        try:
+            self._attempt(node, address, plan, attempts)
+        finally:
+            self._slots.release()
 
     def _attempt(self, node: str, address: str, plan: types_pb2.NodePowerPlan, attempts: int) -> None:
         req = agent_pb2.ApplyPowerPlanRequest(generation=plan.generation, caps=list(plan.caps))

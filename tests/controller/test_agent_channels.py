@@ -49,6 +49,32 @@ def test_channels_are_bounded_and_closed_when_idle():
     assert pusher.channel_count() == 0
 
 
+def test_sends_are_handed_to_the_workers_only_when_one_is_free():
+    """30 unreachable agents retried over 2 workers: never more than 2 sends handed over
+    (before, every due retry was queued in the executor: thousands of futures at 10,000
+    agents, and a new plan's send waited behind them), and a live agent's caps still
+    arrive among the retries."""
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    failures = []
+    live_port, *dead_ports = free_ports(31)
+    agent = _start_agent("live", "rack0", live_port)
+    pusher = AgentPusher(results.put, timeout=1.0, backoff_initial=0.01, backoff_max=0.05, max_workers=2,
+                         on_failure=lambda: failures.append(1))
+    try:
+        for i, port in enumerate(dead_ports):
+            pusher.push(f"dead{i}", f"127.0.0.1:{port}", _plan(f"dead{i}", 1))
+        seen = []
+        while len(failures) < 3 * len(dead_ports):  # every dead agent retried a few times
+            seen.append(pusher.sending())
+        assert max(seen) <= 2
+        pusher.push("live", f"127.0.0.1:{live_port}", _plan("live", 1))
+        got = results.get(timeout=15)
+        assert (got.node, got.ok) == ("live", True)
+    finally:
+        pusher.close()
+        agent.stop(0)
+
+
 def test_pool_bounds_are_settings_and_checked():
     s = ControllerSettings.model_validate({"agents": {"max_channels": 64, "channel_idle_s": 5}})
     assert (s.agents.max_channels, s.agents.channel_idle_s) == (64, 5.0)
