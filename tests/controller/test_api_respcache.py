@@ -164,6 +164,23 @@ def test_a_response_follows_its_data_and_ignores_unrelated_changes(etcd, tmp_pat
         cache.stop()
 
 
+def test_a_cached_page_keeps_the_link_of_the_host_asked(etcd, tmp_path):
+    h.seed(Store(etcd))
+    cache, deps, server = _served(etcd, tmp_path)
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as http:
+            assert cache.wait_revision(etcd.status().header.revision, 10)
+            port = server.url.rsplit(":", 1)[1]
+            for host in ("127.0.0.1", "localhost", "127.0.0.1"):
+                resp = http.get("/v1/nodes?limit=1", headers={"Host": f"{host}:{port}"})
+                assert resp.status_code == 200
+                assert resp.headers["Link"].startswith(f"<http://{host}:{port}/v1/nodes?"), resp.headers
+            assert deps.response_stats["hits"] == 1 and deps.response_stats["renders"] == 2
+    finally:
+        server.stop()
+        cache.stop()
+
+
 def test_cached_reads_still_need_a_token_when_reads_are_protected(etcd, tmp_path):
     h.seed(Store(etcd))
     cache, deps, server = _served(etcd, tmp_path, protect_reads=True)

@@ -4,7 +4,8 @@
 A dashboard's 200 users poll the same few pages; the REST process used to render each
 request anew (6.7 ms of CPU per request at 10,000 nodes: FastAPI's routing, dependencies
 and response validation, and the render). :class:`ResponseCache` keeps each successful
-(200) response's status, headers and body keyed by the request's path and query string,
+(200) response's status, headers and body keyed by the request's path, query string and
+Host header (a page's ``Link`` header names the URL asked for),
 valid for one **version of the data it renders** (``ApiStateCache.version``): a job's
 pages by that job's records, a node's page by that node's records, the list pages by any
 node or rack, ``/v1/status`` by the etcd revision. A GPU failure therefore does not
@@ -66,7 +67,7 @@ class ResponseCache:
     def __init__(self, app, *, deps, max_entries: int = 1024, max_bytes: int = 64 << 20) -> None:
         self.app, self.deps = app, deps
         self.max_entries, self.max_bytes = max_entries, max_bytes
-        self._entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, bytes, bytes], _Entry] = OrderedDict()
         self._bytes = 0
         self._flights: dict[tuple, asyncio.Future] = {}
         self.stats = deps.response_stats if isinstance(getattr(deps, "response_stats", None), dict) else {}
@@ -99,7 +100,9 @@ class ResponseCache:
             self.stats["uncached"] += 1
             await self.app(scope, receive, send)
             return
-        key = (scope["path"], scope["query_string"])
+        # the Host header too: a page's Link header names the URL the client asked for
+        host = next((v for k, v in scope["headers"] if k == b"host"), b"")
+        key = (scope["path"], scope["query_string"], host)
         entry = self._entries.get(key)
         if entry is not None and entry.version == version:
             self._entries.move_to_end(key)
