@@ -19,7 +19,8 @@ job's plan uses -> the first plan of that job without it, seen by a watcher),
 ``rss_after_warmup_mb`` (controller VmRSS after the first minute of injection),
 ``rss_start_mb`` / ``rss_end_mb`` (controller VmRSS after the first plans / at the end; the
 controller process only: the REST API runs in its child process, whose VmRSS is
-``rest_rss_*_mb``),
+``rest_rss_*_mb``), ``rest_cache_hit_ratio`` (the REST process's response cache:
+hits and shared renders over cacheable GETs, from its /metrics after the paced load),
 ``rest_p99_ms`` (the realistic load: ``--rest-clients`` users, each polling at
 ``--rest-rate`` requests a second on a fixed open-loop schedule, from
 ``bench/rest_clients.py`` in its own process; ``rest_offered_rps``,
@@ -206,11 +207,12 @@ def _seed(etcd: Etcd, nodes: int) -> tuple[list[types_pb2.Rack], dict[str, types
     return racks, jobs
 
 
-def _start_controller(endpoints: list[str], workdir: Path) -> tuple[subprocess.Popen, str]:
+def _start_controller(endpoints: list[str], workdir: Path, rest_nice: int = 0) -> tuple[subprocess.Popen, str]:
     rest_port, trainer_port = free_ports(2)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TPFLEX_")}
     env["TPFLEX_CONTROLLER__FLAP_HOLD_DOWN_S"] = "0"  # every change is a decision to check
     env["TPFLEX_CONTROLLER__LOG_LEVEL"] = "WARNING"
+    env["TPFLEX_REST__NICE"] = str(rest_nice)
     log = open(workdir / "controller.log", "wb")
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "tpflex-controller"), "--name", "load",
@@ -374,6 +376,7 @@ def _rest_into(out: dict, url: str, paths: list[str], args, pid: int) -> None:
                            "--processes", str(args.rest_processes))
     out["end"], out["cpu_s"] = time.monotonic(), _cpu_s(pid) - cpu
     out["rest_cpu_s"] = _cpu_s(child) - rest_cpu if child else -1.0
+    out["cache"] = _cache_counts(url)
     out["saturated_start"] = time.monotonic()
     out["closed"] = _clients(url, paths, "--mode", "closed", "--clients", str(args.rest_clients),
                              "--requests", str(args.rest_requests), "--processes", str(args.rest_processes))
@@ -384,12 +387,33 @@ def _rest_into(out: dict, url: str, paths: list[str], args, pid: int) -> None:
     out["saturated_end"] = time.monotonic()
 
 
+def _cache_counts(url: str) -> dict[str, float]:
+    """The REST process's response cache outcomes so far (tpflex_rest_response_cache_total)."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("tpflex_rest_response_cache_total{"):
+            label, _, value = line.partition("} ")
+            out[label.split('"')[1]] = float(value)
+    return out
+
+
 def _wait(cond, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
             raise TimeoutError(what)
         time.sleep(0.1)
+
+
+def _hit_ratio(counts: dict[str, float]) -> float:
+    """Hits (and misses served by another request's render) over the cacheable requests,
+    since the REST process started."""
+    total = sum(counts.get(k, 0.0) for k in ("hits", "renders", "shared"))
+    return round((counts.get("hits", 0.0) + counts.get("shared", 0.0)) / total, 3) if total else -1.0
 
 
 def _run(args, workdir: Path) -> dict:
@@ -409,7 +433,7 @@ def _run(args, workdir: Path) -> dict:
             etcd.put("/bench/put", b"x" * 200)
             puts.append((time.monotonic() - t) * 1000)
         log = PlanLog(etcd)
-        ctl, url = _start_controller(cluster.endpoints, workdir)
+        ctl, url = _start_controller(cluster.endpoints, workdir, args.rest_nice)
         procs.append(ctl)
         _wait(lambda: len(log.plans) == len(jobs), 120, "initial plans")
         rss_start = _rss_mb(ctl.pid)
@@ -520,7 +544,8 @@ def _run(args, workdir: Path) -> dict:
             "rest_healthz_saturated_rps": healthz.get("achieved_rps", -1.0),
             "controller_cpu_s_during_rest_load": round(rest.get("cpu_s", -1.0), 1),
             "rest_process_cpu_s_during_rest_load": round(rest.get("rest_cpu_s", -1.0), 1),
-            "rest_process": rest_pid is not None,
+            "rest_process": rest_pid is not None, "rest_nice": args.rest_nice,
+            "rest_cache_hit_ratio": _hit_ratio(rest.get("cache", {})),
             "rest_rss_start_mb": rest_rss["start"], "rest_rss_after_warmup_mb": rest_rss.get("warm", -1.0),
             "rest_rss_end_mb": rest_rss["end"],
             "lease_keepalives": fleet.keepalive_acks, "leases_expired": fleet.expired,
@@ -555,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="how long the paced REST load runs (default: 40%% of the injection, at most 120 s)")
     p.add_argument("--rest-processes", type=int, default=1, help="processes of the REST load generator")
     p.add_argument("--rest-requests", type=int, default=5, help="saturation run: GETs per REST client")
+    p.add_argument("--rest-nice", type=int, default=0, choices=range(20), metavar="0..19",
+                   help="the controller's rest.nice (niceness of its REST process)")
     p.add_argument("--seed", type=int, default=8)
     args = p.parse_args(argv)
     if args.rest_seconds is None:

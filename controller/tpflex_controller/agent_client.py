@@ -4,6 +4,15 @@
 thread pool and retried with exponential backoff until the agent applies it, a newer plan
 supersedes it, or the agent refuses it for good (a stale or invalid plan). Each outcome is
 reported through ``on_result``. Sends are idempotent: the agent keys them by generation.
+
+Channels to agents are pooled by address, at most ``max_channels`` (least recently used
+closed first) and each closed after ``channel_idle_s`` without a send (settings
+``agents.max_channels``, ``agents.channel_idle_s``): a channel keeps gRPC's connection
+state and reconnect timers, so one per agent ever pushed to grew the controller's memory
+with the fleet (tens of MB at 10,000 unreachable agents). A channel in use is never closed;
+a send after a close opens a new one. A send is handed to the worker pool only when a
+worker is free: sends that are due wait in the schedule (one per node), so retries to
+unreachable agents neither pile up as queued futures nor hold back a new plan's send.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -64,6 +74,9 @@ class AgentPusher:
         backoff_max: float = 5.0,
         on_failure: Callable[[], None] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
+        max_channels: int = 256,
+        channel_idle_s: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._on_result = on_result
         self._credentials = credentials
@@ -74,8 +87,15 @@ class AgentPusher:
         self._heap: list[tuple[float, int, str]] = []
         self._seq = itertools.count()
         self._cv = threading.Condition()
-        self._channels: dict[str, grpc.Channel] = {}
+        self._pool_bounds(max_channels, channel_idle_s)
+        self._clock = clock
+        # address -> [channel, last use, sends in flight]; least recently used first
+        self._channels: OrderedDict[str, list] = OrderedDict()
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="agent-push")
+        # a send is handed to the pool only when a worker is free: the sends due wait in
+        # the heap (one per node), not as a growing queue of futures in the executor (which
+        # also made a new plan's send wait behind every retry to an unreachable agent)
+        self._slots = threading.Semaphore(max_workers)
         self._closed = False
         self._thread = threading.Thread(target=self._dispatch, name="agent-push", daemon=True)
         self._thread.start()
@@ -100,6 +120,26 @@ class AgentPusher:
                 t.address, t.attempts = address, 0
                 self._schedule(node, 0.0)
 
+    def set_channel_bounds(self, max_channels: int, channel_idle_s: float) -> None:
+        """The channel pool's bounds (``agents.max_channels``, ``agents.channel_idle_s``)."""
+        with self._cv:
+            self._pool_bounds(max_channels, channel_idle_s)
+            self._trim_channels()
+
+    def _pool_bounds(self, max_channels: int, channel_idle_s: float) -> None:
+        if max_channels < 1 or channel_idle_s <= 0:
+            raise ValueError("need max_channels >= 1 and channel_idle_s > 0")
+        self._max_channels, self._channel_idle_s = max_channels, channel_idle_s
+
+    def sending(self) -> int:
+        """Sends handed to the worker pool and not finished (at most ``max_workers``)."""
+        with self._cv:
+            return sum(t.in_flight for t in self._targets.values())
+
+    def channel_count(self) -> int:
+        with self._cv:
+            return len(self._channels)
+
     def pending(self) -> dict[str, int]:
         with self._cv:
             return {n: t.plan.generation for n, t in self._targets.items()}
@@ -116,8 +156,10 @@ class AgentPusher:
             self._cv.notify_all()
         self._thread.join(timeout=5)
         self._pool.shutdown(wait=True, cancel_futures=True)
-        for ch in self._channels.values():
-            ch.close()
+        with self._cv:
+            for ch, _, _ in self._channels.values():
+                ch.close()
+            self._channels.clear()
 
     # ---- scheduling ----
 
@@ -127,30 +169,42 @@ class AgentPusher:
 
     def _dispatch(self) -> None:
         while True:
+            while not self._slots.acquire(timeout=0.5):  # a free worker first
+                if self._closed:
+                    return
             with self._cv:
                 while not self._closed:
                     now = time.monotonic()
+                    self._trim_channels()
                     if self._heap and self._heap[0][0] <= now:
                         break
-                    self._cv.wait(self._heap[0][0] - now if self._heap else None)
+                    wait = self._heap[0][0] - now if self._heap else self._channel_idle_s
+                    self._cv.wait(min(wait, self._channel_idle_s))
                 if self._closed:
+                    self._slots.release()
                     return
                 _, _, node = heapq.heappop(self._heap)
                 t = self._targets.get(node)
                 if t is None or t.in_flight or not t.address:
+                    self._slots.release()
                     continue
                 t.in_flight = True
                 t.attempts += 1
                 plan, address, attempts = t.plan, t.address, t.attempts
-            self._pool.submit(self._attempt, node, address, plan, attempts)
+            self._pool.submit(self._attempt_in_slot, node, address, plan, attempts)
+
+    def _attempt_in_slot(self, node: str, address: str, plan: types_pb2.NodePowerPlan, attempts: int) -> None:
+        try:
+            self._attempt(node, address, plan, attempts)
+        finally:
+            self._slots.release()
 
     def _attempt(self, node: str, address: str, plan: types_pb2.NodePowerPlan, attempts: int) -> None:
         req = agent_pb2.ApplyPowerPlanRequest(generation=plan.generation, caps=list(plan.caps))
         retry = False
+        channel = self._channel(address)
         try:
-            resp = agent_pb2_grpc.AgentStub(self._channel(address)).ApplyPowerPlan(
-                req, timeout=self._timeout
-            )
+            resp = agent_pb2_grpc.AgentStub(channel).ApplyPowerPlan(req, timeout=self._timeout)
             result = self._result(node, plan, True, _OUTCOMES.Name(resp.outcome), _errors(resp), attempts)
         except grpc.RpcError as exc:
             code = exc.code()
@@ -165,6 +219,7 @@ class AgentPusher:
                 node, plan.generation, result.outcome, attempts, detail,
             )
         with self._cv:
+            self._release(address)
             t = self._targets.get(node)
             if t is None:
                 return  # cancelled
@@ -183,9 +238,10 @@ class AgentPusher:
         return PushResult(node, plan.generation, ok, outcome, detail, attempts, time.time())
 
     def _channel(self, address: str) -> grpc.Channel:
+        """The pooled channel to ``address``, counted in use until ``_release``."""
         with self._cv:
-            ch = self._channels.get(address)
-            if ch is None:
+            entry = self._channels.get(address)
+            if entry is None:
                 options = [
                     ("grpc.initial_reconnect_backoff_ms", 100),
                     ("grpc.max_reconnect_backoff_ms", 1000),
@@ -194,8 +250,32 @@ class AgentPusher:
                     ch = grpc.secure_channel(address, self._credentials, options=options)
                 else:
                     ch = grpc.insecure_channel(address, options=options)
-                self._channels[address] = ch
-            return ch
+                entry = self._channels[address] = [ch, 0.0, 0]
+            self._channels.move_to_end(address)
+            entry[1], entry[2] = self._clock(), entry[2] + 1
+            self._trim_channels()
+            return entry[0]
+
+    def _release(self, address: str) -> None:
+        """Under ``_cv``: one send on ``address``'s channel ended."""
+        entry = self._channels.get(address)
+        if entry is not None:
+            entry[1], entry[2] = self._clock(), entry[2] - 1
+        self._trim_channels()
+
+    def _trim_channels(self) -> None:
+        """Under ``_cv``: close idle channels, least recently used first, while above the
+        bound or idle for ``channel_idle_s``; channels in use stay."""
+        now = self._clock()
+        excess = len(self._channels) - self._max_channels
+        for address, (ch, used, busy) in list(self._channels.items()):
+            if excess <= 0 and now - used < self._channel_idle_s:
+                break  # the rest were used more recently
+            if busy:
+                continue
+            del self._channels[address]
+            ch.close()
+            excess -= 1
 
 
 def _errors(resp: agent_pb2.ApplyPowerPlanResponse) -> str:

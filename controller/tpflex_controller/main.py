@@ -156,6 +156,8 @@ class ControllerProcess:
             override_coalesce_s=c.override_coalesce_s,
             informer=self.informer,
         )
+        self.reconciler.pusher.set_channel_bounds(settings.agents.max_channels,
+                                                  settings.agents.channel_idle_s)
         self.grpc_server = None
         self.rest: RestSupervisor | None = None
         self.elector: Elector | None = None

@@ -86,6 +86,19 @@ class RestSection(_Listener):
         description="nodes whose rendered GPU rows the REST process keeps for the list endpoints"
         " (least recently used out; about 2.5 KB a node of 4 GPUs)",
     )
+    response_cache_entries: int = Field(
+        1024, ge=0, le=1_000_000,
+        description="rendered GET responses the REST process keeps, each valid until what it"
+        " renders changes (least recently used out; 0 = off)",
+    )
+    response_cache_mb: int = Field(
+        64, ge=1, le=65_536, description="at most this many MiB of cached response bodies",
+    )
+    nice: int = Field(
+        0, ge=0, le=19,
+        description="niceness added to the REST process (os.nice): under CPU contention the"
+        " decision loop's process is scheduled first",
+    )
 
     @model_validator(mode="after")
     def _tokens(self) -> RestSection:
@@ -148,6 +161,13 @@ class AgentsSection(config.Section):
     cert_file: str = ""
     key_file: str = ""
     rpc_timeout_s: float = Field(2.0, gt=0, le=60)
+    max_channels: int = Field(
+        256, ge=1, le=1_000_000,
+        description="gRPC channels to agents kept open at once (least recently used closed first)",
+    )
+    channel_idle_s: float = Field(
+        60.0, gt=0, le=86_400, description="a channel to an agent is closed after this long unused",
+    )
 
     @model_validator(mode="after")
     def _files(self) -> AgentsSection:

@@ -10,6 +10,7 @@ from tpflex_controller.api.console import routes as console
 from tpflex_controller.api.deps import ApiDeps, require_reader
 from tpflex_controller.api.errors import install_error_handlers
 from tpflex_controller.api.limits import BodyGuard, InFlightLimit
+from tpflex_controller.api.respcache import ResponseCache
 from tpflex_controller.api.routes import events, jobs, nodes, racks, system
 
 _ERRORS = {
@@ -41,6 +42,9 @@ def create_app(deps: ApiDeps) -> FastAPI:
     app.include_router(console.pages)
     if deps.max_in_flight > 0:
         app.add_middleware(InFlightLimit, limit=deps.max_in_flight, wait_s=deps.busy_wait_s)
+    # outside the in-flight bound: a cached response costs no slot (api/respcache.py)
+    app.add_middleware(ResponseCache, deps=deps, max_entries=deps.response_cache_entries,
+                       max_bytes=deps.response_cache_bytes)
     # outermost: a body is read only after its token was checked, and within the bounds
     app.add_middleware(BodyGuard, tokens=deps.tokens, max_bytes=deps.max_body_bytes,
                        max_bodies=deps.max_bodies, wait_s=deps.busy_wait_s,

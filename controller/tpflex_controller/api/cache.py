@@ -27,6 +27,7 @@ from tpflex_proto.keys import Kind as KeyKind
 
 from tpflex_controller.api.errors import ApiError, ErrorCode
 from tpflex_controller.api.feed import Change, Handler, Kind, Subscribers, Unsubscribe, classify
+from tpflex_controller.api.index import NodeIndex
 from tpflex_controller.api.rows import NodeRow, RowCache, render_node
 from tpflex_controller.store import Snapshot, Store, apply_kv, decode_or_skip
 
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 
 
 _NODE_KEYS = frozenset({KeyKind.NODE, KeyKind.HEALTH, KeyKind.GPU_OVERRIDE, KeyKind.GPU_HOLD})
+_JOB_KEYS = frozenset({KeyKind.JOB_SPEC, KeyKind.JOB_PLAN, KeyKind.JOB_HISTORY, KeyKind.JOB_ASSIGN,
+                       KeyKind.JOB_ACK, KeyKind.JOB_OVERRIDE})
 _epochs = itertools.count(1)
 
 
@@ -45,7 +48,10 @@ class _Tables:
         self.epoch = next(_epochs)  # a fresh table set invalidates every rendered row
         self.node_ver: dict[str, int] = {}  # bumped when a record a node's rows derive from changes
         self.names_ver = 0  # bumped when the set of known nodes may have changed
-        self._ver = 0
+        self._ver = 0  # bumped when any node's record (or a rack) changes
+        self.dirty: set[str] = set()  # nodes touched since the NodeIndex last looked
+        self.job_ver: dict[str, int] = {}  # bumped when a record of the job changes
+        self.jobs_ver = 0  # bumped when any job's record changes
         self.snap = Snapshot(revision=revision)
         self.node_rack: dict[str, str] = {}  # rack members -> rack (registrations add theirs)
         self.node_overrides: dict[str, set[int]] = {}  # node -> GPU indices with an override or hold
@@ -64,7 +70,10 @@ class _Tables:
     def fold(self, kv: KeyValue, deleted: bool, msg: Message | None = None) -> None:
         k = keys.parse(kv.key)
         kind = k.kind if k is not None else None
-        if kind in _NODE_KEYS:
+        if kind in _JOB_KEYS:
+            self.jobs_ver += 1
+            self.job_ver[k.name] = self.jobs_ver
+        elif kind in _NODE_KEYS:
             self._touch(k.name)
             if kind is KeyKind.NODE and deleted == (k.name in self.snap.nodes):
                 self.names_ver += 1  # a node registers or goes
@@ -112,6 +121,21 @@ class _Tables:
     def _touch(self, node: str) -> None:
         self._ver += 1
         self.node_ver[node] = self._ver
+        self.dirty.add(node)
+
+    def version(self, resource: str, name: str) -> tuple:
+        """What a response about ``resource`` renders changes only when this does:
+        ``job`` (a job's spec, plan, acks, override), ``node`` (a node's records or its
+        rack), ``cluster`` (any node or rack), ``jobs`` (any job), ``all`` (anything)."""
+        if resource == "job":
+            return (self.epoch, self.job_ver.get(name, 0))
+        if resource == "node":
+            return (self.epoch, self.node_ver.get(name, 0))
+        if resource == "cluster":
+            return (self.epoch, self._ver, self.names_ver)
+        if resource == "jobs":
+            return (self.epoch, self.jobs_ver)
+        return (self.epoch, self.snap.revision)
 
     def _index_override(self, node: str, index: int) -> None:
         if (node, index) in self.snap.gpu_overrides or (node, index) in self.snap.gpu_holds:
@@ -170,6 +194,8 @@ class ApiStateCache:
         self._synced = False
         self._unregister = None
         self._subscribers = Subscribers()
+        self._index = NodeIndex()
+        self._index_lock = threading.Lock()
 
     def subscribe(self, handler: Handler) -> Unsubscribe:
         return self._subscribers.subscribe(handler)
@@ -342,6 +368,39 @@ class ApiStateCache:
         out = sorted(names)
         self._names = (version, out)
         return out
+
+    def version(self, resource: str, name: str = "") -> tuple:
+        """The version of what a response renders (``_Tables.version``): equal versions,
+        equal responses. Raises ApiError(503) as the reads do."""
+        t = self._tables()
+        with self._lock:
+            return t.version(resource, name)
+
+    def _indexed(self, read):
+        """``read(index)`` on the NodeIndex with every node changed since its last use
+        folded in (one reader at a time: the fold is O(changes))."""
+        t = self._tables()
+        with self._index_lock:
+            with self._lock:
+                fresh = self._index.epoch != t.epoch
+                dirty, t.dirty = t.dirty, set()
+            if fresh:
+                self._index = NodeIndex(t.epoch)
+                nodes = self.node_names()
+            else:
+                nodes = sorted(dirty)
+            for i in range(0, len(nodes), 256):
+                chunk = nodes[i:i + 256]
+                self._index.apply(zip(chunk, self.node_rows(chunk), strict=True))
+            return read(self._index)
+
+    def status_counts(self) -> tuple[int, int, tuple[int, ...]]:
+        """(known nodes, live nodes, GPU counts per ``rows.STATES``): O(changes)."""
+        return self._indexed(NodeIndex.totals)
+
+    def nodes_in_state(self, state: str) -> list[str]:
+        """The nodes with a GPU in ``state``, sorted."""
+        return self._indexed(lambda index: index.nodes_in_state(state))
 
     def rack_count(self) -> int:
         return len(self._tables().snap.racks)

@@ -103,6 +103,9 @@ class ApiDeps:
     max_body_bytes: int = 1 << 20  # a longer request body is refused (413) unread
     max_bodies: int = 8  # request bodies read at once (memory bound: max_bodies x max_body_bytes)
     body_timeout_s: float = 10.0  # a body must arrive within this (408 otherwise)
+    response_cache_entries: int = 1024  # rendered GET responses kept (api/respcache.py); 0 = off
+    response_cache_bytes: int = 64 << 20  # and at most this many bytes of their bodies
+    response_stats: dict[str, int] = field(default_factory=dict)  # the cache's counts (tests)
     memo: RenderMemo = field(default_factory=RenderMemo)  # rendered plans, per job
 
     @property

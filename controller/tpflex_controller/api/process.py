@@ -103,6 +103,7 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
 
     from tpflex_controller.api import ApiDeps, create_app, load_tokens
     from tpflex_controller.api.cache import ApiStateCache
+    from tpflex_controller.api.respcache import ResponseCacheCollector
     from tpflex_controller.main import create_etcd
     from tpflex_controller.store import Store
 
@@ -114,12 +115,15 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
                          protect_reads=r.protect_reads)
     etcd = create_etcd(settings)
     cache = ApiStateCache(etcd, row_cache_nodes=r.row_cache_nodes).start()  # its own informer
-    app = create_app(ApiDeps(
+    deps = ApiDeps(
         store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry, steps=link,
         state=cache, max_in_flight=r.max_in_flight, busy_wait_s=r.busy_wait_s,
         max_body_bytes=r.max_body_bytes, max_bodies=r.max_concurrent_bodies,
-        body_timeout_s=r.body_timeout_s,
-    ))
+        body_timeout_s=r.body_timeout_s, response_cache_entries=r.response_cache_entries,
+        response_cache_bytes=r.response_cache_mb << 20,
+    )
+    registry.register(ResponseCacheCollector(deps.response_stats))
+    app = create_app(deps)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level="warning", ssl_certfile=r.tls_cert_file or None,
         ssl_keyfile=r.tls_key_file or None, lifespan="off",
@@ -166,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != ns.parent_pid:  # it died before the line above took effect
         return 1
     settings = ControllerSettings.model_validate(json.loads(sys.stdin.read()))
+    if settings.rest.nice:
+        os.nice(settings.rest.nice)  # rest.nice: the decision loop first under contention
     logging.basicConfig(level=settings.controller.log_level,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     return _serve(settings, ns.listen_fd, ns.link_fd, ns.parent_pid)

@@ -16,6 +16,7 @@ from tpflex_controller import convert
 from tpflex_controller.api import views
 from tpflex_controller.api.cache import node_subset
 from tpflex_controller.api.errors import invalid, not_found
+from tpflex_controller.api.index import NodeIndex
 from tpflex_controller.api.rows import NodeRow, render_node
 from tpflex_controller.planner.model import JobSpec
 from tpflex_controller.store import Snapshot, Store
@@ -38,6 +39,8 @@ class ApiState(Protocol):
     def rack_count(self) -> int: ...
     def node_row(self, node: str) -> NodeRow | None: ...
     def node_rows(self, nodes: list[str]) -> list[NodeRow | None]: ...
+    def status_counts(self) -> tuple[int, int, tuple[int, ...]]: ...
+    def nodes_in_state(self, state: str) -> list[str]: ...
 
 
 def read_cluster(store: Store) -> Snapshot:
@@ -117,6 +120,15 @@ class EtcdState:
 
     def node_rows(self, nodes: list[str]) -> list[NodeRow | None]:
         return [self.node_row(n) for n in nodes]
+
+    def status_counts(self) -> tuple[int, int, tuple[int, ...]]:
+        index = NodeIndex()
+        names = self.node_names()
+        index.apply(zip(names, self.node_rows(names), strict=True))
+        return index.totals()
+
+    def nodes_in_state(self, state: str) -> list[str]:
+        return self.node_names()  # a superset: the caller filters by state
 
 
 def job_spec(state: ApiState, name: str) -> types_pb2.JobSpec:

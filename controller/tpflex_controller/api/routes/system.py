@@ -10,7 +10,7 @@ from tpflex_proto.etcd import EtcdError
 from tpflex_controller.api import schemas as s
 from tpflex_controller.api.deps import Deps
 from tpflex_controller.api.errors import ApiError, ErrorCode, error_response
-from tpflex_controller.api.rows import counts_view
+from tpflex_controller.api.rows import STATES
 
 probes = APIRouter(tags=["system"])
 status_router = APIRouter(tags=["system"])
@@ -47,8 +47,7 @@ def metrics(deps: Deps) -> Response:
 @status_router.get("/status", response_model=s.StatusView, summary="Cluster summary")
 def status(deps: Deps) -> s.StatusView:
     reads = deps.reads
-    names = reads.node_names()
-    rows = [r for r in reads.node_rows(names) if r is not None]
+    nodes, live, counts = reads.status_counts()  # O(changes) from the watch-fed cache
     record = reads.leader()
     jobs = []
     for name, spec in sorted(reads.jobs().items()):
@@ -63,6 +62,6 @@ def status(deps: Deps) -> s.StatusView:
     return s.StatusView(
         leader=s.LeaderView(id=record.id, address=record.address, since=record.since) if record else None,
         etcd_revision=reads.revision(),
-        racks=reads.rack_count(), nodes=len(names), live_nodes=sum(r.live for r in rows),
-        gpus=counts_view(rows), jobs=jobs,
+        racks=reads.rack_count(), nodes=nodes, live_nodes=live,
+        gpus=s.GpuStateCounts(total=sum(counts), **dict(zip(STATES, counts, strict=True))), jobs=jobs,
     )
