@@ -204,13 +204,16 @@ class LivenessService:
     # ---------------------------------------------------------------- beats
 
     def heartbeat(self, beats, context) -> controller_pb2.HeartbeatSummary:
-        """One rank's beats, until it closes the stream (a clean goodbye: not watched any
-        more) or the connection breaks (silent unless it beats again in time)."""
+        """One rank's beats, until it ends the stream with a goodbye beat (``Beat.goodbye``:
+        not watched any more) or the stream ends without one (broken: silent unless it
+        beats again in time)."""
         bucket = TokenBucket(self.policy.beat_burst, self.policy.beats_per_s)
         who: tuple[str, int, int] | None = None
-        n = 0
+        n, goodbye = 0, False
         try:
             for beat in beats:
+                if goodbye:
+                    raise LivenessRefused(grpc.StatusCode.INVALID_ARGUMENT, "a beat after the stream's goodbye")
                 if not bucket.take(time.monotonic()):
                     raise LivenessRefused(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                           f"beats faster than {self.policy.beats_per_s:g}/s "
@@ -220,6 +223,9 @@ class LivenessService:
                                           "a heartbeat stream beats for one rank (job, rank, incarnation)")
                 self._check(beat)
                 who = (beat.job, beat.rank, beat.incarnation)
+                if beat.goodbye:
+                    goodbye = True  # not a beat: the stream ends on purpose
+                    continue
                 self.tracker.beat(beat.job, beat.rank, beat.incarnation, time.monotonic())
                 self._revive(beat)
                 if beat.hung_s > 0:
@@ -238,11 +244,10 @@ class LivenessService:
             raise LivenessRefused(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}") from None
         except Exception as exc:  # the connection broke under the iterator
             log.info("heartbeat stream broken job=%s error=%s", who[0] if who else "?", type(exc).__name__)
-            context = None
         if who is not None:
-            if context is not None and context.is_active():
+            if goodbye:
                 self.tracker.forget(who[0], who[1])  # the rank said goodbye
-            else:
+            else:  # broken (a cancelled call may end the iterator like a half-close)
                 self.tracker.closed(who[0], who[1], who[2], time.monotonic())
         return controller_pb2.HeartbeatSummary(beats=n)
 

@@ -97,6 +97,7 @@ class Beats:
 
     def end(self) -> None:
         with self._cv:
+            self._items.append({"goodbye": True})
             self._items.append(None)
             self._cv.notify()
 
@@ -302,3 +303,24 @@ def test_an_etcd_error_under_a_beat_is_no_silence_of_the_rank(etcd, etcd_server)
     finally:
         via.close()
         proxy.close()
+
+
+def test_a_stream_ending_without_a_goodbye_beat_broke_and_nothing_follows_a_goodbye(etcd, live):
+    """Only the goodbye beat makes an ended stream a clean goodbye: a half-close without
+    it is a broken stream (a cancelled call can end the server's iterator the same way),
+    and a beat after the goodbye is refused."""
+    stub, outcomes, tracker = live
+    ended = Beats(stub, rank=2)
+    ended.beat()
+    with ended._cv:  # the stream ends with no goodbye beat
+        ended._items.append(None)
+        ended._cv.notify()
+    assert ended.future.result(timeout=5).beats == 1
+    wait_until(lambda: _epoch(etcd) == 1, 30, "the ended stream's soft failure")
+    assert [f.rank for f in _record(etcd).recent] == [2] and outcomes == [("j", "soft")]
+    after = [controller_pb2.Beat(job="j", rank=3, generation=1, epoch=1, goodbye=True),
+             controller_pb2.Beat(job="j", rank=3, generation=1, epoch=1)]
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Heartbeat(iter(after), timeout=5)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "after the stream's goodbye" in err.value.details()
+    assert tracker.watched() == 0

@@ -134,6 +134,9 @@ class ControlClient:
     def close(self) -> None:
         self.end_beats()  # beats stop on purpose: tpflex-run must not take it for a hang
         self._stop.set()
+        for t in self._threads:  # the heartbeat stream's goodbye reaches the controller
+            if t.name == "tpflex-heartbeat" and t.is_alive() and t is not threading.current_thread():
+                t.join(2.0)
         call = self._stream_call
         if call is not None:
             call.cancel()
@@ -284,6 +287,9 @@ class ControlClient:
                                       epoch=epoch, step=step, hung_s=hung_s)
             self.beats_sent += 1
             self._stop.wait(self.config.beat_interval_s)
+        # close(): the rank leaves on purpose; a stream that ends without this broke
+        yield controller_pb2.Beat(job=self.config.job, rank=self.config.rank,
+                                  incarnation=self.config.incarnation, goodbye=True)
 
     def _beat_file_loop(self) -> None:
         """tpflex-run's beat file: touched by its own thread, so that it says only whether
