@@ -106,7 +106,7 @@ def test_cacert_verifies_the_controller_and_refuses_without_it(https, capsys, tm
 
 
 def _follow(argv: list[str], env_url: str) -> subprocess.Popen:
-    env = {**os.environ, "TPFLEX_URL": env_url}
+    env = {**os.environ, "TPFLEX_URL": env_url, "PYTHONFAULTHANDLER": "1"}  # SIGABRT: a traceback
     env.pop("TPFLEX_TOKEN_FILE", None)
     return subprocess.Popen([TPFLEXCTL, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, env=env)
@@ -130,7 +130,12 @@ def _lines_until(proc: subprocess.Popen, needle: str, timeout: float = 20.0) -> 
 
 def _stop(proc: subprocess.Popen) -> int:
     proc.send_signal(signal.SIGINT)
-    return proc.wait(10)
+    try:
+        return proc.wait(20)
+    except subprocess.TimeoutExpired:  # say where it hangs: faulthandler prints every thread
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=10)
+        raise AssertionError(f"tpflexctl did not stop on SIGINT within 20 s; its threads:\n{err[-6000:]}") from None
 
 
 def test_events_watch_prints_new_decisions_as_they_are_recorded(live):
