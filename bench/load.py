@@ -516,6 +516,7 @@ def _run(args, workdir: Path) -> dict:
         rss_end = _rss_mb(ctl.pid)
         rest_rss["end"] = _rss_mb(rest_pid) if rest_pid else -1.0
         checked = wrong = final_wrong = 0
+        checks_at = time.monotonic()
         for job in jobs:
             c, w = checker.check(job, plans.get(job, []), fleet.events, fleet.node_rack)
             checked, wrong = checked + c, wrong + w
@@ -524,6 +525,7 @@ def _run(args, workdir: Path) -> dict:
         violations = [v for job in jobs for v in oracle.check(job, plans.get(job, []), fleet.events, losses)]
         for v in violations[:10]:
             print(f"# invariant violated: {v}", file=sys.stderr)
+        checks_s = time.monotonic() - checks_at  # the offline checks (one CPU-bound thread here)
         f2c = _failure_to_commit_ms(log, fleet, checker)
         window = (rest["start"], rest["end"]) if "end" in rest else None
         saturated = (rest["saturated_start"], rest["saturated_end"]) if "saturated_end" in rest else None
@@ -575,7 +577,7 @@ def _run(args, workdir: Path) -> dict:
             "lease_renew_lag_max_s": lease.get("lease_renew_lag_max_s", -1.0),
             "lease_stream_errors": lease.get("lease_stream_errors", -1), "nodes_lost": len(losses),
             "controller_alive": alive, "controller_log_errors": log_errors, "last_event_revision": last_rev,
-            "settle_after_injection_ms": round(settle_ms, 1),
+            "settle_after_injection_ms": round(settle_ms, 1), "offline_checks_s": round(checks_s, 1),
         }
     finally:
         _stop_generators()
