@@ -1,7 +1,8 @@
 """Load: 10,000 simulated nodes on a real etcd against a real ``tpflex-controller`` process.
 
-The nodes live in this process: each has its own etcd lease, kept alive over one
-LeaseKeepAlive stream, a registration and a health record bound to it. An injector fails
+The nodes live in this process: each has its own etcd lease, a registration and a health
+record bound to it; the leases are renewed from a process of their own
+(``bench/lease_keeper.py``), so that the checks here cannot starve them. An injector fails
 and recovers GPUs at ``--rate`` events per minute (half failures, half recoveries of a
 GPU failed earlier) for ``--minutes``; meanwhile 200 REST clients read the API.
 Afterwards every committed plan is checked offline against ``tpflex_controller.planner
@@ -19,7 +20,9 @@ job's plan uses -> the first plan of that job without it, seen by a watcher),
 ``rss_after_warmup_mb`` (controller VmRSS after the first minute of injection),
 ``rss_start_mb`` / ``rss_end_mb`` (controller VmRSS after the first plans / at the end; the
 controller process only: the REST API runs in its child process, whose VmRSS is
-``rest_rss_*_mb``), ``rest_cache_hit_ratio`` (the REST process's response cache:
+``rest_rss_*_mb``), ``leases_expired`` / ``lease_renew_lag_max_s`` (leases lost; the worst
+time between two renewals of a lease) and ``nodes_lost`` (nodes whose keys were deleted:
+the oracle counts them as lost from that revision), ``rest_cache_hit_ratio``  (the REST process's response cache:
 hits and shared renders over cacheable GETs, from its /metrics after the paced load),
 ``rest_p99_ms`` (the realistic load: ``--rest-clients`` users, each polling at
 ``--rest-rate`` requests a second on a fixed open-loop schedule, from
