@@ -22,7 +22,7 @@ job's plan uses -> the first plan of that job without it, seen by a watcher),
 controller process only: the REST API runs in its child process, whose VmRSS is
 ``rest_rss_*_mb``), ``leases_expired`` / ``lease_renew_lag_max_s`` (leases lost; the worst
 time between two renewals of a lease) and ``nodes_lost`` (nodes whose keys were deleted:
-the oracle counts them as lost from that revision), ``rest_cache_hit_ratio``  (the REST process's response cache:
+the oracle counts them as lost from that revision), ``rest_cache_hit_ratio`` (the REST process's response cache:
 hits and shared renders over cacheable GETs, from its /metrics after the paced load),
 ``rest_p99_ms`` (the realistic load: ``--rest-clients`` users, each polling at
 ``--rest-rate`` requests a second on a fixed open-loop schedule, from
