@@ -1,7 +1,8 @@
 """Load: 10,000 simulated nodes on a real etcd against a real ``tpflex-controller`` process.
 
-The nodes live in this process: each has its own etcd lease, kept alive over one
-LeaseKeepAlive stream, a registration and a health record bound to it. An injector fails
+The nodes live in this process: each has its own etcd lease, a registration and a health
+record bound to it; the leases are renewed from a process of their own
+(``bench/lease_keeper.py``), so that the checks here cannot starve them. An injector fails
 and recovers GPUs at ``--rate`` events per minute (half failures, half recoveries of a
 GPU failed earlier) for ``--minutes``; meanwhile 200 REST clients read the API.
 Afterwards every committed plan is checked offline against ``tpflex_controller.planner
@@ -19,7 +20,9 @@ job's plan uses -> the first plan of that job without it, seen by a watcher),
 ``rss_after_warmup_mb`` (controller VmRSS after the first minute of injection),
 ``rss_start_mb`` / ``rss_end_mb`` (controller VmRSS after the first plans / at the end; the
 controller process only: the REST API runs in its child process, whose VmRSS is
-``rest_rss_*_mb``), ``rest_cache_hit_ratio`` (the REST process's response cache:
+``rest_rss_*_mb``), ``leases_expired`` / ``lease_renew_lag_max_s`` (leases lost; the worst
+time between two renewals of a lease) and ``nodes_lost`` (nodes whose keys were deleted:
+the oracle counts them as lost from that revision), ``rest_cache_hit_ratio`` (the REST process's response cache:
 hits and shared renders over cacheable GETs, from its /metrics after the paced load),
 ``rest_p99_ms`` (the realistic load: ``--rest-clients`` users, each polling at
 ``--rest-rate`` requests a second on a fixed open-loop schedule, from
@@ -40,7 +43,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import random
 import signal
 import subprocess
@@ -55,8 +57,9 @@ from tpflex_controller import convert, synthetic
 from tpflex_controller.planner import plan as planner_plan
 from tpflex_controller.planner.model import ClusterState, GpuStatus
 from tpflex_proto import codec, keys, planstore, types_pb2
-from tpflex_proto.etcd import Etcd, Op, etcdrpc
+from tpflex_proto.etcd import Etcd, EtcdError, Op
 
+from bench.lease_keeper import LeaseKeeper
 from bench.load_oracle import InvariantOracle
 from tests.support.etcd_server import EtcdCluster
 from tests.support.ports import free_ports
@@ -81,14 +84,15 @@ class NodeFleet:
         self.seq = 0
         # rev, t, node, failed set after, is_failure, the GPU index failed or recovered
         self.events: list[tuple[int, float, str, frozenset[int], bool, int]] = []
-        self.keepalive_acks = self.expired = 0
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._stop = threading.Event()
+        self.granted: dict[str, float] = {}  # node -> wall-clock time its lease was granted
+        self.lost: set[str] = set()  # nodes whose lease is gone (their keys deleted)
+        self._keeper: LeaseKeeper | None = None
 
     def register(self, batch: int = 64) -> None:
         nodes = list(self.node_rack)
         for n in nodes:
             self.leases[n] = self.etcd.grant_lease(LEASE_TTL_S)
+            self.granted[n] = time.time()
         for i in range(0, len(nodes), batch):
             ops = []
             for n in nodes[i:i + batch]:
@@ -98,39 +102,17 @@ class NodeFleet:
                         Op.put(keys.health(n), codec.encode(health), self.leases[n])]
             self.etcd.txn([], ops)
 
-    # one LeaseKeepAlive stream for every node (the wrapper's lease stub, one request per lease)
-    def start_keepalive(self) -> None:
-        def requests():
-            while not self._stop.is_set():
-                lease = self._q.get()
-                if lease is None:
-                    return
-                yield etcdrpc.LeaseKeepAliveRequest(ID=lease)
+    def start_keepalive(self, endpoints: list[str]) -> None:
+        """Renew every node's lease from a process of its own (bench/lease_keeper.py), as
+        10,000 separate agents would: the checks and watchers here must not starve it."""
+        self._keeper = LeaseKeeper(endpoints, {lease: self.granted[n] for n, lease in self.leases.items()},
+                                   LEASE_TTL_S)
 
-        def responses():
-            try:
-                for resp in self.etcd._lease.LeaseKeepAlive(requests()):
-                    if resp.TTL > 0:
-                        self.keepalive_acks += 1
-                    else:
-                        self.expired += 1
-            except Exception:  # the stream ends when the bench stops
-                pass
-
-        def schedule():
-            period = LEASE_TTL_S / 3
-            while not self._stop.is_set():
-                start = time.monotonic()
-                for lease in self.leases.values():
-                    self._q.put(lease)
-                self._stop.wait(max(0.0, period - (time.monotonic() - start)))
-
-        for fn in (responses, schedule):
-            threading.Thread(target=fn, daemon=True).start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._q.put(None)
+    def stop(self) -> dict:
+        """Stop renewing; the keeper's figures (``lease_keepalives``, ``leases_expired``,
+        ``lease_renew_lag_max_s``, ...)."""
+        keeper, self._keeper = self._keeper, None
+        return keeper.stop() if keeper is not None else {}
 
     def inject(self, rng: random.Random) -> None:
         """Fail a healthy GPU, or recover a failed one (about half each)."""
@@ -148,11 +130,47 @@ class NodeFleet:
             gpu = rng.choice(idle)
             self.failed[node].add(gpu)
             failure = True
+        if node in self.lost:  # its lease lapsed: no agent writes its health any more
+            return
         self.seq += 1
         health = synthetic.failed_health(node, GPUS_PER_NODE, self.failed[node], self.seq)
         t = time.monotonic()
-        rev = self.etcd.put(keys.health(node), codec.encode(health), lease=self.leases[node])
+        try:
+            rev = self.etcd.put(keys.health(node), codec.encode(health), lease=self.leases[node])
+        except EtcdError as exc:
+            if "lease not found" not in str(exc.__cause__):
+                raise
+            self.lost.add(node)  # lapsed before the node log saw its keys go
+            return
         self.events.append((rev, t, node, frozenset(self.failed[node]), failure, gpu))
+
+
+class NodeLog:
+    """Nodes whose registration or health record was deleted (a lapsed or revoked lease),
+    with the revision of the first deletion, as an independent watcher sees it; adds them
+    to ``lost`` (the fleet's set) as they go."""
+
+    def __init__(self, etcd: Etcd, lost: set[str]) -> None:
+        self.gone: dict[str, int] = {}
+        self._lost = lost
+        self._watches = [etcd.watch_prefix(p, self._on_events) for p in (keys.NODES, keys.HEALTH)]
+        for w in self._watches:
+            w.established.wait(10)
+
+    def _on_events(self, events) -> None:
+        for ev in events:
+            k = keys.parse(ev.key)
+            if ev.kind == "delete" and k is not None and k.kind in (keys.Kind.NODE, keys.Kind.HEALTH):
+                self.gone.setdefault(k.name, ev.mod_revision)
+                self._lost.add(k.name)
+
+    def losses(self) -> list[tuple[int, str]]:
+        """(revision, node) of every node lost so far, in revision order."""
+        return sorted((rev, n) for n, rev in dict(self.gone).items())
+
+    def close(self) -> None:
+        for w in self._watches:
+            w.cancel()
 
 
 class PlanLog:
@@ -426,7 +444,8 @@ def _run(args, workdir: Path) -> dict:
         racks, jobs = _seed(etcd, args.nodes)
         fleet = NodeFleet(etcd, racks)
         fleet.register()
-        fleet.start_keepalive()
+        fleet.start_keepalive(cluster.endpoints)
+        nodelog = NodeLog(etcd, fleet.lost)
         puts = []
         for _ in range(200):
             t = time.monotonic()
@@ -490,17 +509,26 @@ def _run(args, workdir: Path) -> dict:
 
         _wait(settled, 120, "controller settled")
         settle_ms = (time.monotonic() - injected_at) * 1000
+        # judge the plans and node losses of the run: the watchers stop here, so what
+        # happens while the checks run (minutes in a 10-minute run) is not mixed in
+        log.close()
+        nodelog.close()
+        with log._lock:
+            plans = {j: list(v) for j, v in log.plans.items()}
+        losses = nodelog.losses()
         rss_end = _rss_mb(ctl.pid)
         rest_rss["end"] = _rss_mb(rest_pid) if rest_pid else -1.0
         checked = wrong = final_wrong = 0
+        checks_at = time.monotonic()
         for job in jobs:
-            c, w = checker.check(job, log.plans.get(job, []), fleet.events, fleet.node_rack)
+            c, w = checker.check(job, plans.get(job, []), fleet.events, fleet.node_rack)
             checked, wrong = checked + c, wrong + w
-            final_wrong += not checker.check_final(job, log.plans.get(job, []), fleet.events, fleet.node_rack)
+            final_wrong += not checker.check_final(job, plans.get(job, []), fleet.events, fleet.node_rack)
         oracle = InvariantOracle(racks, jobs)
-        violations = [v for job in jobs for v in oracle.check(job, log.plans.get(job, []), fleet.events)]
+        violations = [v for job in jobs for v in oracle.check(job, plans.get(job, []), fleet.events, losses)]
         for v in violations[:10]:
             print(f"# invariant violated: {v}", file=sys.stderr)
+        checks_s = time.monotonic() - checks_at  # the offline checks (one CPU-bound thread here)
         f2c = _failure_to_commit_ms(log, fleet, checker)
         window = (rest["start"], rest["end"]) if "end" in rest else None
         saturated = (rest["saturated_start"], rest["saturated_end"]) if "saturated_end" in rest else None
@@ -514,7 +542,7 @@ def _run(args, workdir: Path) -> dict:
         log_errors = ctl_log.count(" ERROR ")
         if os.environ.get("TPFLEX_LOAD_DEBUG") and (wrong or log_errors):
             sys.stderr.write(ctl_log[-12000:])
-        log.close()
+        lease = fleet.stop()  # after the checks: the renewal figures cover the whole run
         return {
             "nodes": args.nodes, "decisions_checked": checked, "decisions_wrong": wrong + final_wrong,
             "failure_to_commit_p99_ms": _pct(f2c, 0.99), "rss_start_mb": rss_start, "rss_end_mb": rss_end,
@@ -548,9 +576,11 @@ def _run(args, workdir: Path) -> dict:
             "rest_cache_hit_ratio": _hit_ratio(rest.get("cache", {})),
             "rest_rss_start_mb": rest_rss["start"], "rest_rss_after_warmup_mb": rest_rss.get("warm", -1.0),
             "rest_rss_end_mb": rest_rss["end"],
-            "lease_keepalives": fleet.keepalive_acks, "leases_expired": fleet.expired,
+            "lease_keepalives": lease.get("lease_keepalives", -1), "leases_expired": lease.get("leases_expired", -1),
+            "lease_renew_lag_max_s": lease.get("lease_renew_lag_max_s", -1.0),
+            "lease_stream_errors": lease.get("lease_stream_errors", -1), "nodes_lost": len(losses),
             "controller_alive": alive, "controller_log_errors": log_errors, "last_event_revision": last_rev,
-            "settle_after_injection_ms": round(settle_ms, 1),
+            "settle_after_injection_ms": round(settle_ms, 1), "offline_checks_s": round(checks_s, 1),
         }
     finally:
         _stop_generators()

@@ -10,6 +10,9 @@ no planner code:
   (TDP for the uncapped) within the rack's budget;
 - generations contiguous: each job's plans arrive as 1, 2, 3, ... with no gap.
 
+A node whose registration or health record was deleted (its lease lapsed or was revoked)
+is lost from that revision on: none of its GPUs is usable (``losses``).
+
 A plan may reflect any state from the one its predecessor reflected up to the last health
 write before its commit; it passes when one of those states satisfies every rule."""
 
@@ -75,13 +78,20 @@ class InvariantOracle:
                 out.append(f"rack {name}: caps sum {total:.0f} W above budget {rack.power_budget_w:.0f} W")
         return out
 
-    def check(self, job: str, plans, events) -> list[str]:
+    def check(self, job: str, plans, events, losses=()) -> list[str]:
         """Violations of one job's plan sequence; ``plans`` (revision, arrival, Plan) in
-        order, ``events`` (revision, t, node, failed set, is_failure) of the whole run."""
-        mine = [e for e in events if self.node_rack[e[2]] in self.job_racks[job]]
+        order, ``events`` (revision, t, node, failed set, is_failure, ...) of the whole run,
+        ``losses`` (revision, node) of the nodes lost (keys deleted), in revision order."""
+        mine = sorted([(e[0], e[2], frozenset(e[3])) for e in events if self.node_rack[e[2]] in self.job_racks[job]]
+                      + [(rev, n, None) for rev, n in losses if self.node_rack[n] in self.job_racks[job]],
+                      key=lambda e: e[0])
         states: list[Failed] = [{}]
-        for e in mine:
-            states.append({**states[-1], e[2]: e[3]})
+        lost: set[str] = set()
+        for _, node, failed in mine:
+            if failed is None or node in lost:  # lost: no GPU of the node usable, for good
+                lost.add(node)
+                failed = frozenset(range(self.racks[self.node_rack[node]].gpus_per_node))
+            states.append({**states[-1], node: failed})
         out: list[str] = []
         lower = upper = 0
         expect_gen = plans[0][2].generation if plans else 1
