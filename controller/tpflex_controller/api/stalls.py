@@ -32,6 +32,7 @@ class StallLog:
         self._gc_t0 = 0.0
         self.tick = time.monotonic()
         self.loop_thread: int | None = None
+        self._stop = threading.Event()
 
     def write(self, kind: str, **fields) -> None:
         line = json.dumps({"t": round(time.time(), 3), "kind": kind, **fields})
@@ -64,8 +65,7 @@ class StallLog:
 
     def _watchdog(self) -> None:
         dumped = 0.0
-        while True:
-            time.sleep(0.05)
+        while not self._stop.wait(0.05):
             now = time.monotonic()
             if self.loop_thread is None or now - self.tick < 0.15 or self.tick == dumped:
                 continue
@@ -81,6 +81,11 @@ class StallLog:
         gc.callbacks.append(self._on_gc)
         threading.Thread(target=self._watchdog, name="stall-watchdog", daemon=True).start()
         return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
 
 
 class SlowRequests:
