@@ -111,7 +111,6 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
     r = settings.rest
     link = LinkClient(socket.socket(fileno=link_fd))
     registry = CollectorRegistry()
-    registry.register(link)  # the controller's metrics, read at scrape time
     tokens = load_tokens(r.admin_tokens_file or None, r.readonly_tokens_file or None,
                          protect_reads=r.protect_reads)
     etcd = create_etcd(settings)
@@ -126,6 +125,7 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
         max_body_bytes=r.max_body_bytes, max_bodies=r.max_concurrent_bodies,
         body_timeout_s=r.body_timeout_s, response_cache_entries=r.response_cache_entries,
         response_cache_bytes=r.response_cache_mb << 20,
+        metrics_prefix=link.metrics_text,  # the controller's metrics, read at scrape time
     )
     registry.register(ResponseCacheCollector(deps.response_stats))
     app = create_app(deps)
