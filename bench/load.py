@@ -227,7 +227,7 @@ def _seed(etcd: Etcd, nodes: int) -> tuple[list[types_pb2.Rack], dict[str, types
 
 def _start_controller(endpoints: list[str], workdir: Path, rest_nice: int = 0) -> tuple[subprocess.Popen, str]:
     rest_port, trainer_port = free_ports(2)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TPFLEX_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPFLEX_") or k.startswith("TPFLEX_DEBUG_")}
     env["TPFLEX_CONTROLLER__FLAP_HOLD_DOWN_S"] = "0"  # every change is a decision to check
     env["TPFLEX_CONTROLLER__LOG_LEVEL"] = "WARNING"
     env["TPFLEX_REST__NICE"] = str(rest_nice)

@@ -14,164 +14,22 @@ hands over the differences (tpflex_proto.informer).
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
+from collections.abc import Callable
 
-from google.protobuf.message import Message
-from tpflex_proto import keys, types_pb2
-from tpflex_proto.etcd import Etcd, KeyValue
+from tpflex_proto import types_pb2
+from tpflex_proto.etcd import Etcd
 from tpflex_proto.informer import Batch, Informer
-from tpflex_proto.informer import Change as KeyChange
-from tpflex_proto.keys import Kind as KeyKind
 
 from tpflex_controller.api.errors import ApiError, ErrorCode
 from tpflex_controller.api.feed import Change, Handler, Kind, Subscribers, Unsubscribe, classify
 from tpflex_controller.api.index import NodeIndex
 from tpflex_controller.api.rows import NodeRow, RowCache, render_node
-from tpflex_controller.store import Snapshot, Store, apply_kv, decode_or_skip
+from tpflex_controller.api.tables import Tables, node_subset
+from tpflex_controller.store import Snapshot, Store
 
 log = logging.getLogger(__name__)
-
-
-
-_NODE_KEYS = frozenset({KeyKind.NODE, KeyKind.HEALTH, KeyKind.GPU_OVERRIDE, KeyKind.GPU_HOLD})
-_JOB_KEYS = frozenset({KeyKind.JOB_SPEC, KeyKind.JOB_PLAN, KeyKind.JOB_HISTORY, KeyKind.JOB_ASSIGN,
-                       KeyKind.JOB_ACK, KeyKind.JOB_OVERRIDE})
-_epochs = itertools.count(1)
-
-
-class _Tables:
-    """Everything the API reads, keyed for O(1) lookups; mutated only by the feeder."""
-
-    def __init__(self, revision: int = 0) -> None:
-        self.epoch = next(_epochs)  # a fresh table set invalidates every rendered row
-        self.node_ver: dict[str, int] = {}  # bumped when a record a node's rows derive from changes
-        self.names_ver = 0  # bumped when the set of known nodes may have changed
-        self._ver = 0  # bumped when any node's record (or a rack) changes
-        self.dirty: set[str] = set()  # nodes touched since the NodeIndex last looked
-        self.job_ver: dict[str, int] = {}  # bumped when a record of the job changes
-        self.jobs_ver = 0  # bumped when any job's record changes
-        self.snap = Snapshot(revision=revision)
-        self.node_rack: dict[str, str] = {}  # rack members -> rack (registrations add theirs)
-        self.node_overrides: dict[str, set[int]] = {}  # node -> GPU indices with an override or hold
-        self.acks: dict[str, dict[int, types_pb2.Ack]] = {}
-        self.events: dict[int, types_pb2.Event] = {}
-        self.leader: types_pb2.LeaderRecord | None = None
-        self.leader_present = False
-
-    def fold_change(self, c: KeyChange) -> None:
-        """One informer change record (decoded there; a malformed value was logged there
-        and keeps what the tables had, except that a leader key still means a leader)."""
-        if c.malformed and c.parsed.kind is not KeyKind.LEADER:
-            return
-        self.fold(c.key_value(), c.deleted, c.msg)
-
-    def fold(self, kv: KeyValue, deleted: bool, msg: Message | None = None) -> None:
-        k = keys.parse(kv.key)
-        kind = k.kind if k is not None else None
-        if kind in _JOB_KEYS:
-            self.jobs_ver += 1
-            self.job_ver[k.name] = self.jobs_ver
-        elif kind in _NODE_KEYS:
-            self._touch(k.name)
-            if kind is KeyKind.NODE and deleted == (k.name in self.snap.nodes):
-                self.names_ver += 1  # a node registers or goes
-        if kind is KeyKind.LEADER:
-            self._fold_leader(kv, deleted, msg)
-        elif kind is KeyKind.EVENT:
-            _fold_int(self.events, k.number, types_pb2.Event, kv, deleted, msg)
-        elif kind is KeyKind.RACK:
-            old = self.snap.racks.get(k.name)
-            apply_kv(self.snap, kv, deleted, msg)
-            self._index_rack(k.name, old)
-        elif kind in (KeyKind.GPU_OVERRIDE, KeyKind.GPU_HOLD):
-            apply_kv(self.snap, kv, deleted, msg)
-            self._index_override(k.name, k.number)
-        elif kind is KeyKind.JOB_ACK:
-            _fold_int(self.acks.setdefault(k.name, {}), k.number, types_pb2.Ack, kv, deleted, msg)
-        elif k is None and not deleted and (kv.key.startswith(keys.EVENTS) or "/acks/" in kv.key):
-            log.warning("skipping malformed etcd key key=%s", kv.key)
-        else:
-            apply_kv(self.snap, kv, deleted, msg)
-
-    def _fold_leader(self, kv: KeyValue, deleted: bool, msg: Message | None = None) -> None:
-        self.leader_present = not deleted
-        if deleted:
-            self.leader = None
-        else:
-            self.leader = msg if msg is not None else decode_or_skip(types_pb2.LeaderRecord, kv)
-        if self.leader_present and self.leader is None:  # unreadable, but a leader is elected
-            self.leader = types_pb2.LeaderRecord(id="<unreadable>")
-
-    def _index_rack(self, name: str, old: types_pb2.Rack | None) -> None:
-        self.names_ver += 1
-        for n in old.nodes if old is not None else ():
-            self._touch(n)
-            if self.node_rack.get(n) == name:
-                del self.node_rack[n]
-        new = self.snap.racks.get(name)
-        for n in new.nodes if new is not None else ():
-            self._touch(n)
-            self.node_rack[n] = name
-        for reg in self.snap.nodes.values():  # registered outside any rack's list, naming it
-            if reg.rack == name and reg.name not in self.node_rack:
-                self._touch(reg.name)
-
-    def _touch(self, node: str) -> None:
-        self._ver += 1
-        self.node_ver[node] = self._ver
-        self.dirty.add(node)
-
-    def version(self, resource: str, name: str) -> tuple:
-        """What a response about ``resource`` renders changes only when this does:
-        ``job`` (a job's spec, plan, acks, override), ``node`` (a node's records or its
-        rack), ``cluster`` (any node or rack), ``jobs`` (any job), ``all`` (anything)."""
-        if resource == "job":
-            return (self.epoch, self.job_ver.get(name, 0))
-        if resource == "node":
-            return (self.epoch, self.node_ver.get(name, 0))
-        if resource == "cluster":
-            return (self.epoch, self._ver, self.names_ver)
-        if resource == "jobs":
-            return (self.epoch, self.jobs_ver)
-        return (self.epoch, self.snap.revision)
-
-    def _index_override(self, node: str, index: int) -> None:
-        if (node, index) in self.snap.gpu_overrides or (node, index) in self.snap.gpu_holds:
-            self.node_overrides.setdefault(node, set()).add(index)
-        else:
-            self.node_overrides.get(node, set()).discard(index)
-
-
-def _fold_int(table: dict, number: int, cls, kv: KeyValue, deleted: bool, msg=None) -> None:
-    if deleted:
-        table.pop(number, None)
-        return
-    if msg is None:
-        msg = decode_or_skip(cls, kv)
-    if msg is not None:
-        table[number] = msg
-
-
-def node_subset(snap: Snapshot, node: str, rack: types_pb2.Rack | None,
-                override_indices: set[int]) -> Snapshot:
-    """The part of ``snap`` one node's views need: its rack, registration, health and
-    GPU overrides (GPU states depend only on the node's own records)."""
-    out = Snapshot(revision=snap.revision)
-    if rack is not None:
-        out.racks[rack.name] = rack
-    for src, dst in ((snap.nodes, out.nodes), (snap.health, out.health)):
-        if node in src:
-            dst[node] = src[node]
-    for idx in override_indices:
-        o = snap.gpu_overrides.get((node, idx))
-        if o is not None:
-            out.gpu_overrides[(node, idx)] = o
-        hold = snap.gpu_holds.get((node, idx))
-        if hold is not None:
-            out.gpu_holds[(node, idx)] = hold
-    return out
 
 
 class ApiStateCache:
@@ -182,15 +40,16 @@ class ApiStateCache:
     folds (live views such as the console's stream)."""
 
     def __init__(self, etcd: Etcd, *, retry_s: float = 0.5, informer: Informer | None = None,
-                 row_cache_nodes: int = 20_000) -> None:
+                 row_cache_nodes: int = 20_000, on_warm: Callable[[], None] | None = None) -> None:
         self.etcd = etcd
+        self.on_warm = on_warm  # called after each (re-)list's rows and index were built
         self.rows = RowCache(row_cache_nodes)  # rendered per-node rows (api/rows.py), bounded
         self._names: tuple[object, list[str]] = (None, [])
         self._own_informer = informer is None
         self.informer = informer if informer is not None else Informer(etcd, retry_s=retry_s)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._t = _Tables()
+        self._t = Tables()
         self._synced = False
         self._unregister = None
         self._subscribers = Subscribers()
@@ -218,7 +77,7 @@ class ApiStateCache:
         """On the informer's thread: the whole state, a watch response, or the
         differences of a re-list after a compaction."""
         if batch.initial:
-            tables = _Tables(batch.revision)
+            tables = Tables(batch.revision)
             for c in batch.changes:
                 tables.fold_change(c)
             with self._changed:
@@ -228,10 +87,11 @@ class ApiStateCache:
             threading.Thread(target=self._warm_rows, args=(tables,), name="api-rows-warm", daemon=True).start()
             self._subscribers.publish([Change(Kind.RESYNC, "", batch.revision)])
             return
+        t = self._t
+        assembled = t.assemble_plans(batch.changes)  # outside the lock: readers go on
         with self._changed:
-            t = self._t
-            for c in batch.changes:
-                t.fold_change(c)
+            for i, c in enumerate(batch.changes):
+                t.fold_change(c, assembled, i)
             t.snap.revision = max(t.snap.revision, batch.revision)
             self._changed.notify_all()
         if not len(self._subscribers):
@@ -257,7 +117,7 @@ class ApiStateCache:
                 lambda: self._synced and self._t.snap.revision >= revision, timeout
             )
 
-    def _tables(self) -> _Tables:
+    def _tables(self) -> Tables:
         if not self._synced:
             raise ApiError(ErrorCode.ETCD_UNAVAILABLE, "state not loaded yet: etcd not read; retry")
         if not self.ready:
@@ -343,17 +203,22 @@ class ApiStateCache:
         with self._lock:
             return [t.events[s] for s in sorted(t.events)[-limit:]]
 
-    def _warm_rows(self, tables: _Tables) -> None:
-        """Render every node's rows once after a (re-)list, off the request path, so that
-        the first /v1/status or filtered /v1/gpus does not render the whole cluster."""
+    def _warm_rows(self, tables: Tables) -> None:
+        """Render every node's rows and the status index once after a (re-)list, off the
+        request path, so that the first /v1/status or filtered /v1/gpus does not render
+        the whole cluster (a first /v1/status built the index while the rows were being
+        warmed: 7.9 s); then ``on_warm()``."""
         try:
             names = self.node_names()[: self.rows.max_nodes]
             for i in range(0, len(names), 256):
                 if self._t is not tables:
                     return  # a newer list: its own warm-up runs
                 self.node_rows(names[i:i + 256])
+            self.status_counts()
         except ApiError:
             return  # etcd went away meanwhile; rows are rendered on demand
+        if self.on_warm is not None and self._t is tables:
+            self.on_warm()
 
     def node_names(self) -> list[str]:
         """Every node known (rack members and registered nodes), sorted; kept until the
@@ -370,7 +235,7 @@ class ApiStateCache:
         return out
 
     def version(self, resource: str, name: str = "") -> tuple:
-        """The version of what a response renders (``_Tables.version``): equal versions,
+        """The version of what a response renders (``Tables.version``): equal versions,
         equal responses. Raises ApiError(503) as the reads do."""
         t = self._tables()
         with self._lock:

@@ -107,6 +107,9 @@ class ApiDeps:
     response_cache_bytes: int = 64 << 20  # and at most this many bytes of their bodies
     response_stats: dict[str, int] = field(default_factory=dict)  # the cache's counts (tests)
     memo: RenderMemo = field(default_factory=RenderMemo)  # rendered plans, per job
+    # exposition text served ahead of the registry's on /metrics (the REST process: the
+    # controller's metrics, passed through unparsed)
+    metrics_prefix: Callable[[], bytes] | None = None
 
     @property
     def reads(self) -> ApiState:

@@ -4,7 +4,7 @@ walk over every node (56 ms of CPU at 10,000 nodes), and ``GET /v1/gpus?state=fa
 walks only the nodes that have a failed GPU.
 
 The state source (``api/cache.py``) records which nodes changed since the index last
-looked (``_Tables.dirty``); :class:`NodeIndex` folds their rendered rows (api/rows.py):
+looked (``api.tables.Tables.dirty``); :class:`NodeIndex` folds their rendered rows (api/rows.py):
 it is what a walk over every node's current row would sum, by construction (a row
 replaces the node's previous contribution). A new table set (re-list after a compaction)
 rebuilds it from every node. Pure: no I/O, the caller holds whatever lock it needs.

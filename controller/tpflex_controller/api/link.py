@@ -18,7 +18,6 @@ import time
 from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tpflex_controller.steps import Goodput, StepStats
 
@@ -82,8 +81,8 @@ class LinkServer:
 
 
 class LinkClient:
-    """Child side: ``goodput(job)`` (StepStats' read interface) and a Prometheus collector
-    of the controller's metrics. One request at a time.
+    """Child side: ``goodput(job)`` (StepStats' read interface) and ``metrics_text()``,
+    the controller's metrics. One request at a time.
 
     Goodput is asked for every job at once and kept ``goodput_ttl_s`` (default 1 s): a
     job read then costs no round trip to the controller (whose answer waits for the
@@ -114,11 +113,13 @@ class LinkClient:
             self._fetched_at = now
         return self._goodput.get(job)
 
-    def collect(self):
-        """The controller's metric families, read at scrape time."""
+    def metrics_text(self) -> bytes:
+        """The controller's metrics in the text exposition format, as it wrote them (b""
+        when the link fails): served ahead of the REST process's own. Parsing them into
+        families and writing them out again held the GIL for seconds a scrape at 10,000
+        nodes (py-spy on the REST process), stalling every request."""
         try:
-            text = self._ask({"op": "metrics"}).decode()
+            return self._ask({"op": "metrics"})
         except (ConnectionError, OSError) as exc:
             log.warning("controller link failed op=metrics error=%s", exc)
-            return
-        yield from text_string_to_metric_families(text)
+            return b""

@@ -13,6 +13,7 @@ etcd as before and the leader reacts to them. The child exits when its parent is
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -101,7 +102,7 @@ class RestSupervisor:
 def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: int) -> int:
     import uvicorn
 
-    from tpflex_controller.api import ApiDeps, create_app, load_tokens
+    from tpflex_controller.api import ApiDeps, create_app, load_tokens, stalls
     from tpflex_controller.api.cache import ApiStateCache
     from tpflex_controller.api.respcache import ResponseCacheCollector
     from tpflex_controller.main import create_etcd
@@ -110,20 +111,26 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
     r = settings.rest
     link = LinkClient(socket.socket(fileno=link_fd))
     registry = CollectorRegistry()
-    registry.register(link)  # the controller's metrics, read at scrape time
     tokens = load_tokens(r.admin_tokens_file or None, r.readonly_tokens_file or None,
                          protect_reads=r.protect_reads)
     etcd = create_etcd(settings)
-    cache = ApiStateCache(etcd, row_cache_nodes=r.row_cache_nodes).start()  # its own informer
+    stall = stalls.from_env()  # TPFLEX_DEBUG_REST_STALLS: a debugging aid, off by default
+    cache = ApiStateCache(etcd, row_cache_nodes=r.row_cache_nodes, on_warm=settle_heap)
+    if stall is not None:
+        cache._on_batch = stalls.timed_handler(stall, cache._on_batch)
+    cache.start()  # its own informer
     deps = ApiDeps(
         store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry, steps=link,
         state=cache, max_in_flight=r.max_in_flight, busy_wait_s=r.busy_wait_s,
         max_body_bytes=r.max_body_bytes, max_bodies=r.max_concurrent_bodies,
         body_timeout_s=r.body_timeout_s, response_cache_entries=r.response_cache_entries,
         response_cache_bytes=r.response_cache_mb << 20,
+        metrics_prefix=link.metrics_text,  # the controller's metrics, read at scrape time
     )
     registry.register(ResponseCacheCollector(deps.response_stats))
     app = create_app(deps)
+    if stall is not None:
+        app = stalls.SlowRequests(app, log=stall)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level="warning", ssl_certfile=r.tls_cert_file or None,
         ssl_keyfile=r.tls_key_file or None, lifespan="off",
@@ -137,6 +144,20 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
         cache.stop()
         etcd.close()
     return 0
+
+
+def settle_heap() -> None:
+    """After the view is loaded and its rows rendered (``ApiStateCache(on_warm=)``): one
+    full collection, then every object alive moves to the collector's permanent
+    generation (``gc.freeze``), so that later full collections do not walk the view of
+    the whole cluster. Under the load benchmark each walk of it (130,000 to 280,000
+    objects) took 77 to 293 ms with the GIL held (TPFLEX_DEBUG_REST_STALLS), stalling
+    every request in flight, and found 0 to 5 unreachable objects: the view makes no
+    cyclic garbage, and frozen objects are still freed by reference counting when a
+    change or a re-list replaces them."""
+    gc.collect()
+    gc.freeze()
+    log.info("rest process heap settled frozen_objects=%d", gc.get_freeze_count())
 
 
 def _die_with_parent() -> None:

@@ -14,10 +14,10 @@ from tpflex_proto import codec, keys, types_pb2
 
 from tpflex_controller import convert
 from tpflex_controller.api import views
-from tpflex_controller.api.cache import node_subset
 from tpflex_controller.api.errors import invalid, not_found
 from tpflex_controller.api.index import NodeIndex
 from tpflex_controller.api.rows import NodeRow, render_node
+from tpflex_controller.api.tables import node_subset
 from tpflex_controller.planner.model import JobSpec
 from tpflex_controller.store import Snapshot, Store
 

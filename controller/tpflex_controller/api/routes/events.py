@@ -15,7 +15,7 @@ router = APIRouter(tags=["events"])
 
 
 @router.get("/events", response_model=s.EventList, summary="Latest events, oldest first")
-async def list_events(
+def list_events(
     deps: Deps,
     limit: Limit = 100,
     job: Annotated[str | None, Query(pattern=JOB_PATTERN)] = None,

@@ -28,8 +28,8 @@ router = APIRouter(prefix="/jobs", tags=["jobs"])
 
 
 @router.get("", response_model=list[s.JobView], summary="List jobs with their current plan (paginated)")
-async def list_jobs(deps: Deps, request: Request, response: Response, limit: PageLimit = None,
-                    after: After = None) -> list[s.JobView]:
+def list_jobs(deps: Deps, request: Request, response: Response, limit: PageLimit = None,
+               after: After = None) -> list[s.JobView]:
     reads = deps.reads
     jobs = reads.jobs()
     return [
@@ -44,7 +44,7 @@ def _goodput(deps, job: str):
 
 
 @router.get("/{job}", response_model=s.JobView, summary="One job: spec, plan summary, acks")
-async def get_job(job: JobName, deps: Deps) -> s.JobView:
+def get_job(job: JobName, deps: Deps) -> s.JobView:
     reads = deps.reads
     spec = job_spec(reads, job)
     return views.job_view(spec, reads.plan(job), reads.job_override(job), reads.acks(job),
@@ -52,7 +52,7 @@ async def get_job(job: JobName, deps: Deps) -> s.JobView:
 
 
 @router.get("/{job}/plan", response_model=s.PlanView, summary="The job's current plan")
-async def get_plan(job: JobName, deps: Deps) -> Response:
+def get_plan(job: JobName, deps: Deps) -> Response:
     job_spec(deps.reads, job)
     plan = deps.reads.plan(job)
     if plan is None:

@@ -35,7 +35,7 @@ def list_racks(deps: Deps, request: Request, response: Response, limit: PageLimi
 
 
 @router.get("/{rack}", response_model=s.RackDetail, summary="One rack with its GPUs")
-async def get_rack(rack: RackName, deps: Deps) -> s.RackDetail:
+def get_rack(rack: RackName, deps: Deps) -> s.RackDetail:
     snap = deps.reads.rack_cluster(rack)
     if snap is None:
         raise not_found(f"rack {rack!r} not found")

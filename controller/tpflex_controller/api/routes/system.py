@@ -41,7 +41,8 @@ async def readyz(deps: Deps) -> s.Health | JSONResponse:
     responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}},
 )
 def metrics(deps: Deps) -> Response:
-    return Response(generate_latest(deps.registry), media_type=CONTENT_TYPE_LATEST)
+    head = deps.metrics_prefix() if deps.metrics_prefix is not None else b""
+    return Response(head + generate_latest(deps.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @status_router.get("/status", response_model=s.StatusView, summary="Cluster summary")
