@@ -1,7 +1,9 @@
 """Debug aid: where the controller's memory goes, at SIGUSR1 and at exit.
 
-Off unless the interpreter traces allocations (``PYTHONTRACEMALLOC=N``, Python's own
-switch: N frames per allocation; no setting of ours). Then each SIGUSR1, and the exit,
+Off unless the environment has ``TPFLEX_MEMTRACE_FRAMES=N`` (a debug switch, not a
+setting: tracing starts when the reconcile loop starts, N frames per allocation, in this
+process only, not in the REST child) or the interpreter traces already
+(``PYTHONTRACEMALLOC=N``, which every child inherits). Then each SIGUSR1, and the exit,
 writes ``tpflex-memtrace-<pid>-<n>.txt`` to the temporary directory: tracemalloc's traced
 total next to VmRSS, the top allocations grouped by traceback that grew since the first
 dump and since the previous one, and (to tell live objects from allocator fragmentation)
@@ -97,9 +99,17 @@ class MemTrace:
             return path
 
 
-def install_if_tracing() -> MemTrace | None:
-    """Dump at SIGUSR1 and at exit when tracemalloc runs; call from the main thread."""
-    if not tracemalloc.is_tracing() or threading.current_thread() is not threading.main_thread():
+ENV = "TPFLEX_MEMTRACE_FRAMES"
+
+
+def install_if_asked(environ=os.environ) -> MemTrace | None:
+    """Dump at SIGUSR1 and at exit when asked to trace; call from the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    frames = environ.get(ENV, "")
+    if frames.isdigit() and int(frames) > 0 and not tracemalloc.is_tracing():
+        tracemalloc.start(int(frames))
+    if not tracemalloc.is_tracing():
         return None
     mt = MemTrace()
     # the dump runs in a thread: a signal handler must not take locks the loop holds

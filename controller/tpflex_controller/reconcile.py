@@ -111,7 +111,7 @@ class Reconciler:
     # ---- thread-safe entry points ----
 
     def start(self) -> None:
-        memtrace.install_if_tracing()  # debug only: PYTHONTRACEMALLOC=N (memtrace.py)
+        memtrace.install_if_asked()  # debug only: TPFLEX_MEMTRACE_FRAMES=N (memtrace.py)
         self._thread.start()
         self._unregister = self.informer.add_handler(
             lambda batch: self._inbox.put(("informer", batch, time.time()))
