@@ -73,8 +73,10 @@ class MemTrace:
         self._n = 0
         self._lock = threading.Lock()
 
-    def dump(self) -> Path:
+    def dump(self) -> Path | None:
         with self._lock:
+            if not tracemalloc.is_tracing():
+                return None
             filters = [tracemalloc.Filter(False, tracemalloc.__file__)]
             snap = tracemalloc.take_snapshot().filter_traces(filters)
             current, peak = tracemalloc.get_traced_memory()
