@@ -109,7 +109,7 @@ class _Split:
 
 
 class PlanEncoder:
-    def __init__(self, max_replicas: int = 8_192, max_caps: int = 32_768) -> None:
+    def __init__(self, max_replicas: int = 4_096, max_caps: int = 32_768) -> None:
         # by identity first (the planner reuses its memoised healthy assignments), then by
         # value; each identity entry keeps its key alive so that an id is never reused
         self._by_id = Lru(max_replicas)  # id -> (ReplicaAssignment, bytes)
