@@ -3,10 +3,10 @@
 CPython hands allocations over 512 bytes (protobuf messages, plan bytes, the bytes of
 watch events) to the C library's malloc. Under a steady stream of watch events glibc
 keeps the freed memory of its heaps for reuse rather than returning it, and the
-controller's resident size grows while the memory its live objects use does not (a
-3-minute load run measured this with ``memtrace.py``: see docs/reliability.md).
-``malloc_trim(0)`` returns the free pages of every heap; it walks the heaps (a few
-milliseconds at the controller's size), so the loop calls it when idle and at most once
+controller's resident size grows beyond what its live objects use (``memtrace.py`` reports
+both, and the RSS after a trim).
+``malloc_trim(0)`` returns the free pages of every heap; it walks the heaps (10-30 ms
+measured on a fragmented 100 MB heap), so the loop calls it when idle and at most once
 per interval. Off the C library's malloc (no ``malloc_trim``), it does nothing.
 """
 
