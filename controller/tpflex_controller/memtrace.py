@@ -7,7 +7,8 @@ process only, not in the REST child) or the interpreter traces already
 writes ``tpflex-memtrace-<pid>-<n>.txt`` to the temporary directory: tracemalloc's traced
 total next to VmRSS, the top allocations grouped by traceback that grew since the first
 dump and since the previous one, and (to tell live objects from allocator fragmentation)
-VmRSS again after glibc's ``malloc_trim(0)`` plus pymalloc's arena counts. The trim
+VmRSS again after glibc's ``malloc_trim(0)`` (both taken before the dump's own work) plus
+pymalloc's arena counts. The trim
 changes the process's RSS from then on: a diagnostic, never for production.
 """
 
@@ -67,9 +68,12 @@ def _diff(out: io.StringIO, title: str, new: tracemalloc.Snapshot, old: tracemal
 
 
 class MemTrace:
+    """The snapshots wait on disk between dumps (kept in memory, the first one alone
+    added tens of MB to the RSS it was meant to explain)."""
+
     def __init__(self) -> None:
-        self._first: tracemalloc.Snapshot | None = None
-        self._last: tracemalloc.Snapshot | None = None
+        self._first: Path | None = None
+        self._last: Path | None = None
         self._n = 0
         self._lock = threading.Lock()
 
@@ -77,25 +81,32 @@ class MemTrace:
         with self._lock:
             if not tracemalloc.is_tracing():
                 return None
+            # RSS and the trim first: the dump's own temporaries are not in them
+            rss = rss_mb()
+            current, peak = tracemalloc.get_traced_memory()
+            trimmed = _trim()
+            trimmed_rss = rss_mb()
             filters = [tracemalloc.Filter(False, tracemalloc.__file__)]
             snap = tracemalloc.take_snapshot().filter_traces(filters)
-            current, peak = tracemalloc.get_traced_memory()
             out = io.StringIO()
-            rss = rss_mb()
             out.write(f"# dump {self._n} pid={os.getpid()} rss_mb={rss:.1f} traced_mb={current / 2**20:.1f} "
                       f"traced_peak_mb={peak / 2**20:.1f} tracemalloc_overhead_mb="
-                      f"{tracemalloc.get_tracemalloc_memory() / 2**20:.1f}\n")
+                      f"{tracemalloc.get_tracemalloc_memory() / 2**20:.1f} malloc_trim(0)={trimmed} "
+                      f"rss_mb_after_trim={trimmed_rss:.1f}\n")
             if self._first is not None:
-                _diff(out, "since the first dump", snap, self._first)
-            if self._last is not None and self._last is not self._first:
-                _diff(out, "since the previous dump", snap, self._last)
+                _diff(out, "since the first dump", snap, tracemalloc.Snapshot.load(str(self._first)))
+            if self._last is not None and self._last != self._first:
+                _diff(out, "since the previous dump", snap, tracemalloc.Snapshot.load(str(self._last)))
             out.write("\n## pymalloc\n" + _pymalloc_arenas() + "\n")
-            trimmed = _trim()
-            out.write(f"\n## malloc_trim(0)={trimmed} rss_mb_after_trim={rss_mb():.1f}\n")
-            if self._first is None:
-                self._first = snap
-            self._last = snap
             path = Path(tempfile.gettempdir()) / f"tpflex-memtrace-{os.getpid()}-{self._n}.txt"
+            kept = path.with_suffix(".snapshot")
+            snap.dump(str(kept))
+            del snap
+            if self._first is None:
+                self._first = kept
+            elif self._last != self._first and self._last is not None:
+                self._last.unlink(missing_ok=True)
+            self._last = kept
             self._n += 1
             path.write_text(out.getvalue())
             return path

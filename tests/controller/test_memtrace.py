@@ -36,4 +36,4 @@ def test_a_dump_names_what_grew(tmp_path, monkeypatch):
     assert "rss_mb=" in head and "traced_mb=" in head
     first = rest.split("\n## since the first dump")[1].split("\n\n")[1]  # the biggest growth
     assert "test_memtrace.py" in first and float(first.split(" KiB")[0]) > 7000
-    assert "malloc_trim(0)=" in text
+    assert "malloc_trim(0)=" in head and "rss_mb_after_trim=" in head
