@@ -30,7 +30,6 @@ from tpflex_controller.cache import ClusterView
 from tpflex_controller.damping import FlapDamper
 from tpflex_controller.election import Conflict, LeaderSession, NotLeader
 from tpflex_controller.events import append_event, store_phases
-from tpflex_controller.heaptrim import HeapTrimmer
 from tpflex_controller.holds import HoldMirror
 from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.planbytes import PlanEncoder
@@ -67,7 +66,6 @@ class Reconciler:
         flap_hold_down_s: float = 0.0,
         override_coalesce_s: float = 0.0,
         informer: Informer | None = None,
-        heap_trim_s: float = 30.0,
     ) -> None:
         self.etcd = etcd
         # the process's informer; without one, the reconciler runs (and stops) its own
@@ -100,7 +98,6 @@ class Reconciler:
             credentials=agent_credentials,
         )
         self._encoder = PlanEncoder()
-        self._heap = HeapTrimmer(heap_trim_s)  # freed heap pages back to the OS when idle
         self._unwritten: dict[int, Rollout] = {}  # event records with phases not yet stored
         self._freeze_after_pass = False
         self._repush_after_load = False
@@ -157,8 +154,6 @@ class Reconciler:
             if self._freeze_after_pass and not len(self._queue):
                 self._freeze_after_pass = False
                 gc.freeze()  # the long-lived state (view, memoised plans) leaves the GC's scans
-            if self._inbox.empty():
-                self._heap.maybe_trim()
 
     def _drain(self, timeout: float) -> None:
         try:
