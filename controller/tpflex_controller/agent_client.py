@@ -61,6 +61,8 @@ class _Target:
     plan: types_pb2.NodePowerPlan
     attempts: int = 0
     in_flight: bool = False
+    due: float = 0.0  # when its queued heap entry is due
+    entry: int | None = None  # the sequence number of that entry (None: none queued)
 
 
 class AgentPusher:
@@ -164,7 +166,15 @@ class AgentPusher:
     # ---- scheduling ----
 
     def _schedule(self, node: str, delay: float) -> None:
-        heapq.heappush(self._heap, (time.monotonic() + delay, next(self._seq), node))
+        """Queue a send to ``node``; one heap entry per node (an entry already queued as
+        early or earlier covers it: it sends the latest plan), so that pushes faster than
+        the workers send (agents down, a storm of plans) cannot grow the heap."""
+        t = self._targets[node]
+        due = time.monotonic() + delay
+        if t.entry is not None and t.due <= due:
+            return
+        t.due, t.entry = due, next(self._seq)  # an older, later entry is stale from now
+        heapq.heappush(self._heap, (due, t.entry, node))
         self._cv.notify()
 
     def _dispatch(self) -> None:
@@ -183,9 +193,13 @@ class AgentPusher:
                 if self._closed:
                     self._slots.release()
                     return
-                _, _, node = heapq.heappop(self._heap)
+                _, seq, node = heapq.heappop(self._heap)
                 t = self._targets.get(node)
-                if t is None or t.in_flight or not t.address:
+                if t is None or t.entry != seq:  # cancelled, or superseded by an earlier entry
+                    self._slots.release()
+                    continue
+                t.entry = None
+                if t.in_flight or not t.address:
                     self._slots.release()
                     continue
                 t.in_flight = True

@@ -7,12 +7,19 @@ as the concatenation of its elements, so the encoded ``Plan`` is
 each replica's bytes are cached by its (immutable, hashable) assignment and each power
 cap's by (GPU, watts), and the result is byte-for-byte the
 deterministic encoding of ``convert.plan_to_proto`` (tested).
+
+The caches are bounded LRUs: every failure or recovery makes new assignments and caps,
+so the entries of superseded plans must leave (an unbounded or clear-when-100,000-full
+cache kept each replaced assignment alive and grew the controller by tens of MB over a
+10-minute load run). The limits cover the live plans of a large cluster; a miss only
+costs building those bytes again.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from itertools import compress, count
 from operator import is_not
@@ -65,6 +72,35 @@ def _moved(old: tuple, new: tuple) -> Iterable[int]:
     return compress(count(), map(is_not, old, new))
 
 
+class Lru:
+    """A mapping of at most ``limit`` entries; a look-up refreshes its entry, an
+    insertion beyond the limit drops the least recently used one."""
+
+    __slots__ = ("_d", "limit")
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"an LRU needs room for an entry, got limit={limit}")
+        self._d: OrderedDict = OrderedDict()
+        self.limit = limit
+
+    def get(self, key: Hashable):
+        value = self._d.get(key)
+        if value is not None:
+            self._d.move_to_end(key)
+        return value
+
+    def put(self, key: Hashable, value) -> None:
+        d = self._d
+        d[key] = value
+        d.move_to_end(key)
+        if len(d) > self.limit:
+            d.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
 @dataclass(frozen=True)
 class _Split:
     replicas: tuple[ReplicaAssignment, ...]
@@ -73,18 +109,23 @@ class _Split:
 
 
 class PlanEncoder:
-    def __init__(self, max_cached: int = 100_000) -> None:
+    def __init__(self, max_replicas: int = 4_096, max_caps: int = 32_768) -> None:
         # by identity first (the planner reuses its memoised healthy assignments), then by
         # value; each identity entry keeps its key alive so that an id is never reused
-        self._by_id: dict[int, tuple[ReplicaAssignment, bytes]] = {}
-        self._replicas: dict[ReplicaAssignment, bytes] = {}
-        self._caps: dict[tuple[GpuKey, float], bytes] = {}
-        self._max = max_cached
+        self._by_id = Lru(max_replicas)  # id -> (ReplicaAssignment, bytes)
+        self._replicas = Lru(max_replicas)  # ReplicaAssignment -> bytes
+        self._caps = Lru(max_caps)  # (GPU, watts) -> bytes
         # job -> (replicas of its last split, GPU -> position): see _positions
         self._layout: dict[str, tuple[tuple[ReplicaAssignment, ...], dict[GpuKey, int]]] = {}
         # jobs where a GPU was claimed by two positions (then caps go by the table)
         self._shared: set[str] = set()
         self._last: dict[str, _Split] = {}  # job -> its last split by cap parts
+
+    def forget(self, job: str) -> None:
+        """Drop what is kept of a deleted job's last plan."""
+        self._layout.pop(job, None)
+        self._shared.discard(job)
+        self._last.pop(job, None)
 
     def encode(self, result: PlanResult, generation: int, *, cause: str = "", now: float = 0.0) -> bytes:
         bare = PlanResult(
@@ -212,9 +253,7 @@ class PlanEncoder:
         data = self._caps.get(key)
         if data is None:
             data = cap_wire(gpu, watts)
-            if len(self._caps) >= self._max:
-                self._caps.clear()
-            self._caps[key] = data
+            self._caps.put(key, data)
         return data
 
     def _replica_bytes(self, replica: ReplicaAssignment) -> bytes:
@@ -224,9 +263,7 @@ class PlanEncoder:
         data = self._replicas.get(replica)
         if data is None:
             data = self._build(replica)
-        if len(self._by_id) >= self._max:
-            self._by_id.clear()
-        self._by_id[id(replica)] = (replica, data)
+        self._by_id.put(id(replica), (replica, data))
         return data
 
     def _build(self, replica: ReplicaAssignment) -> bytes:
@@ -241,7 +278,5 @@ class PlanEncoder:
         holder = types_pb2.Plan()
         holder.replicas.append(convert.plan_to_proto(one, 0).replicas[0])
         data = codec.encode(holder)
-        if len(self._replicas) >= self._max:
-            self._replicas.clear()
-        self._replicas[replica] = data
+        self._replicas.put(replica, data)
         return data

@@ -24,7 +24,7 @@ from tpflex_proto.etcd import Etcd, EtcdError
 from tpflex_proto.informer import Batch, Change, Informer
 from tpflex_proto.keys import Kind
 
-from tpflex_controller import convert
+from tpflex_controller import convert, memtrace
 from tpflex_controller.agent_client import AgentPusher, PushResult
 from tpflex_controller.cache import ClusterView
 from tpflex_controller.damping import FlapDamper
@@ -111,6 +111,7 @@ class Reconciler:
     # ---- thread-safe entry points ----
 
     def start(self) -> None:
+        memtrace.install_if_asked()  # debug only: TPFLEX_MEMTRACE_FRAMES=N (memtrace.py)
         self._thread.start()
         self._unregister = self.informer.add_handler(
             lambda batch: self._inbox.put(("informer", batch, time.time()))
@@ -391,6 +392,7 @@ class Reconciler:
             self._job_plans.pop(job, None)
             self._rollouts.forget(job)
             self._retire(job)
+            self._forget_job(job)
             return Result.OK
         now = self._clock()
         try:
@@ -495,6 +497,13 @@ class Reconciler:
         append_event(session, self.view, types_pb2.Event(
             at=self._clock(), kind="job_deleted", job=job, cause="job_spec",
             reasons=[f"job {job} deleted: plan removed, {len(power)} node(s) back to TDP"]))
+
+    def _forget_job(self, job: str) -> None:
+        """A deleted job's per-job state leaves with its plan (a cluster that creates and
+        deletes jobs must not keep each one's last plan alive)."""
+        self._ranks.pop(job, None)
+        self._conflict_nodes.pop(job, None)
+        self._encoder.forget(job)
 
     def _push(self, node: str, plan: types_pb2.NodePowerPlan) -> None:
         reg = self.view.snap.nodes.get(node)

@@ -86,3 +86,28 @@ def test_pool_bounds_are_settings_and_checked():
             pusher.set_channel_bounds(0, 1.0)
     finally:
         pusher.close()
+
+
+def test_pushes_faster_than_the_workers_send_queue_one_entry_per_node():
+    """Plans for 20 nodes, 100 generations each, while the only worker waits on an agent
+    that never answers: the send heap holds about one entry per node (it held one per
+    push: under the load bench's storm of plans it grew by ~65,000 entries in 2 minutes),
+    and each node's newest plan is the one pending."""
+    import socket
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)  # connections complete in the backlog; nobody answers
+    address = f"127.0.0.1:{hole.getsockname()[1]}"
+    pusher = AgentPusher(lambda r: None, timeout=5.0, max_workers=1, backoff_initial=5.0, backoff_max=5.0)
+    try:
+        pusher.push("first", address, _plan("first", 1))
+        eventually(lambda: pusher.sending() == 1, timeout=10)  # the worker is stuck there
+        for gen in range(1, 101):
+            for i in range(20):
+                pusher.push(f"n{i}", address, _plan(f"n{i}", gen))
+        assert len(pusher._heap) <= 2 * 20
+        assert {n: g for n, g in pusher.pending().items() if n != "first"} == {f"n{i}": 100 for i in range(20)}
+    finally:
+        pusher.close()
+        hole.close()

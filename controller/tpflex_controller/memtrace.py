@@ -1,0 +1,131 @@
+"""Debug aid: where the controller's memory goes, at SIGUSR1 and at exit.
+
+Off unless the environment has ``TPFLEX_MEMTRACE_FRAMES=N`` (a debug switch, not a
+setting: tracing starts when the reconcile loop starts, N frames per allocation, in this
+process only, not in the REST child) or the interpreter traces already
+(``PYTHONTRACEMALLOC=N``, which every child inherits). Then each SIGUSR1, and the exit,
+writes ``tpflex-memtrace-<pid>-<n>.txt`` to the temporary directory: tracemalloc's traced
+total next to VmRSS, the top allocations grouped by traceback that grew since the first
+dump and since the previous one, and (to tell live objects from allocator fragmentation)
+VmRSS again after glibc's ``malloc_trim(0)`` (both taken before the dump's own work) plus
+pymalloc's arena counts. The trim
+changes the process's RSS from then on: a diagnostic, never for production.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import io
+import os
+import signal
+import sys
+import tempfile
+import threading
+import tracemalloc
+from pathlib import Path
+
+TOP = 25
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return -1.0
+
+
+def _pymalloc_arenas() -> str:
+    """The arena lines of sys._debugmallocstats() (it writes to the C stderr)."""
+    with tempfile.TemporaryFile() as tmp:
+        saved = os.dup(2)
+        try:
+            os.dup2(tmp.fileno(), 2)
+            sys._debugmallocstats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        tmp.seek(0)
+        text = tmp.read().decode(errors="replace")
+    return "\n".join(line for line in text.splitlines() if "arena" in line.lower())
+
+
+def _trim() -> int:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        return -1
+
+
+def _diff(out: io.StringIO, title: str, new: tracemalloc.Snapshot, old: tracemalloc.Snapshot) -> None:
+    stats = new.compare_to(old, "traceback")
+    grown = sum(s.size_diff for s in stats)
+    out.write(f"\n## {title}: traced diff {grown / 2**20:+.2f} MiB in {len(stats)} tracebacks\n")
+    for s in stats[:TOP]:
+        out.write(f"\n{s.size_diff / 1024:+.1f} KiB ({s.count_diff:+d} blocks), now {s.size / 1024:.1f} KiB\n")
+        for line in s.traceback.format(limit=8):
+            out.write(f"  {line}\n")
+
+
+class MemTrace:
+    """The snapshots wait on disk between dumps (kept in memory, the first one alone
+    added tens of MB to the RSS it was meant to explain)."""
+
+    def __init__(self) -> None:
+        self._first: Path | None = None
+        self._last: Path | None = None
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def dump(self) -> Path | None:
+        with self._lock:
+            if not tracemalloc.is_tracing():
+                return None
+            # RSS and the trim first: the dump's own temporaries are not in them
+            rss = rss_mb()
+            current, peak = tracemalloc.get_traced_memory()
+            trimmed = _trim()
+            trimmed_rss = rss_mb()
+            filters = [tracemalloc.Filter(False, tracemalloc.__file__)]
+            snap = tracemalloc.take_snapshot().filter_traces(filters)
+            out = io.StringIO()
+            out.write(f"# dump {self._n} pid={os.getpid()} rss_mb={rss:.1f} traced_mb={current / 2**20:.1f} "
+                      f"traced_peak_mb={peak / 2**20:.1f} tracemalloc_overhead_mb="
+                      f"{tracemalloc.get_tracemalloc_memory() / 2**20:.1f} malloc_trim(0)={trimmed} "
+                      f"rss_mb_after_trim={trimmed_rss:.1f}\n")
+            if self._first is not None:
+                _diff(out, "since the first dump", snap, tracemalloc.Snapshot.load(str(self._first)))
+            if self._last is not None and self._last != self._first:
+                _diff(out, "since the previous dump", snap, tracemalloc.Snapshot.load(str(self._last)))
+            out.write("\n## pymalloc\n" + _pymalloc_arenas() + "\n")
+            path = Path(tempfile.gettempdir()) / f"tpflex-memtrace-{os.getpid()}-{self._n}.txt"
+            kept = path.with_suffix(".snapshot")
+            snap.dump(str(kept))
+            del snap
+            if self._first is None:
+                self._first = kept
+            elif self._last != self._first and self._last is not None:
+                self._last.unlink(missing_ok=True)
+            self._last = kept
+            self._n += 1
+            path.write_text(out.getvalue())
+            return path
+
+
+ENV = "TPFLEX_MEMTRACE_FRAMES"
+
+
+def install_if_asked(environ=os.environ) -> MemTrace | None:
+    """Dump at SIGUSR1 and at exit when asked to trace; call from the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    frames = environ.get(ENV, "")
+    if frames.isdigit() and int(frames) > 0 and not tracemalloc.is_tracing():
+        tracemalloc.start(int(frames))
+    if not tracemalloc.is_tracing():
+        return None
+    mt = MemTrace()
+    # the dump runs in a thread: a signal handler must not take locks the loop holds
+    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=mt.dump, daemon=True).start())
+    atexit.register(mt.dump)
+    return mt
