@@ -11,8 +11,6 @@ PYPROJECTS := proto/pyproject.toml controller/pyproject.toml agent/pyproject.tom
 CHROMIUM := /usr/bin/chromium
 FAKE_NVML := agent/fake_nvml/build/libnvidia-ml.so.1
 PYTEST_ARGS ?=
-# test files run on this many pytest-xdist workers (0: in one process, in file order)
-TEST_WORKERS ?= 2
 
 .DEFAULT_GOAL := help
 .PHONY: help install proto test demo bench lint fake-nvml clean screenshot
@@ -63,7 +61,7 @@ $(FAKE_NVML): $(wildcard agent/fake_nvml/*.c agent/fake_nvml/*.h)
 	gcc -shared -fPIC -O2 -Wall -Wextra -o $@ agent/fake_nvml/fake_nvml.c -lpthread
 
 test: install fake-nvml ## run the whole test suite (real etcd, gRPC, uvicorn, gloo)
-	$(BIN)/pytest -c tests/pytest.ini tests -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(BIN)/pytest -c tests/pytest.ini tests $(PYTEST_ARGS)
 
 demo: install ## run the end-to-end demo: fail a GPU, re-plan, reshard, repair
 	$(BIN)/tpflex-demo

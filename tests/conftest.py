@@ -19,15 +19,6 @@ settings.register_profile("explore", database=None, deadline=None)
 settings.load_profile(os.environ.get("TPFLEX_HYPOTHESIS", "ci"))
 
 
-def pytest_collection_modifyitems(session, config, items) -> None:
-    """Files with slow tests run first. `make test` spreads whole files over two workers
-    (pytest-xdist, ``--dist loadfile``, handed out in this order): long files started last
-    would leave one worker running them alone at the end. The sort is stable and keyed
-    per file, so each file's tests stay together and in their order."""
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
-
-
 class _NextEtcd:
     """Fresh single-member etcds, one per test, each started while the test before runs:
     ``take`` hands out the one started last time (waiting until it is healthy) and starts

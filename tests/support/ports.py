@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from tpflex_proto.devtools.ports import free_port, free_ports, worker_slice  # noqa: F401
+from tpflex_proto.devtools.ports import free_port, free_ports  # noqa: F401
 from tpflex_trainer.demo.cluster import DemoPorts, PortsTaken, check_ports_free
 
 
@@ -14,9 +14,8 @@ def free_base_port(n_agents: int, tries: int = 50) -> int:
     ephemeral range (where gloo's and gRPC's client sockets could take a port between the
     check and the bind)."""
     rng = random.Random()
-    ours = worker_slice(20000, 32000, 20)
     for _ in range(tries):
-        base = rng.choice(ours)
+        base = rng.randrange(20000, 32000, 20)
         try:
             check_ports_free(DemoPorts(base).all(n_agents))
             return base
