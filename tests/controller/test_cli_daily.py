@@ -108,8 +108,12 @@ def test_cacert_verifies_the_controller_and_refuses_without_it(https, capsys, tm
 def _follow(argv: list[str], env_url: str) -> subprocess.Popen:
     env = {**os.environ, "TPFLEX_URL": env_url, "PYTHONFAULTHANDLER": "1"}  # SIGABRT: a traceback
     env.pop("TPFLEX_TOKEN_FILE", None)
+    # Ctrl-C must reach it even when this test runs in a background job, whose shell
+    # starts it with SIGINT ignored (inherited through exec, and Python then installs no
+    # KeyboardInterrupt handler): the child starts with the default disposition
     return subprocess.Popen([TPFLEXCTL, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+                            text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def _lines_until(proc: subprocess.Popen, needle: str, timeout: float = 20.0) -> list[str]:
