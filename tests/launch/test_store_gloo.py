@@ -4,7 +4,6 @@ subgroup, collectives and a barrier, with no TCPStore anywhere."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import traceback
 from datetime import timedelta
@@ -12,8 +11,9 @@ from datetime import timedelta
 import pytest
 from tpflex_proto import keys
 
-_CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed"])
+from tests.support import forkserver
+
+_CTX = forkserver.context()
 WORLD = 4
 
 

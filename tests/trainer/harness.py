@@ -8,7 +8,6 @@ deadline.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import time
@@ -17,11 +16,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+from tests.support import forkserver
 from tests.support.ports import free_port
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=30)
-_CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed", "tpflex_trainer.ntp.runtime"])
+_CTX = forkserver.context()
 
 
 def init_gloo(rank: int, world_size: int, port: int) -> None:
