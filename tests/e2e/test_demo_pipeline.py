@@ -27,7 +27,7 @@ def _stage_degrees(plan: types_pb2.Plan) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_pp2_one_stage_fails_and_is_repaired(tmp_path):
-    story = Story(StoryConfig(workdir=tmp_path, base_port=free_base_port(), steps=120,
+    story = Story(StoryConfig(workdir=tmp_path, base_port=free_base_port(), steps=40,
                               fail_at_step=10, repair_at_step=24, phase_timeout_s=PHASE_S, pp=2))
     try:
         story.start()
@@ -59,7 +59,7 @@ def test_demo_pp2_one_stage_fails_and_is_repaired(tmp_path):
     assert run.caps_degraded[1 - TOPO.failed_gpu[1]] > 700.0
 
     summary = summarize(run)
-    assert summary.steps == 120
+    assert summary.steps == 40
     assert summary.parity_max_rel_diff <= 1e-5
     assert summary.violations() == [], summary.phases_failure
     assert "g2: 2/2+2/1" in render(summary, run)
