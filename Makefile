@@ -61,7 +61,11 @@ $(FAKE_NVML): $(wildcard agent/fake_nvml/*.c agent/fake_nvml/*.h)
 	gcc -shared -fPIC -O2 -Wall -Wextra -o $@ agent/fake_nvml/fake_nvml.c -lpthread
 
 test: install fake-nvml ## run the whole test suite (real etcd, gRPC, uvicorn, gloo)
-	$(BIN)/pytest -c tests/pytest.ini tests $(PYTEST_ARGS)
+	@# bytecode writing on: install skips byte-compiling (--no-compile) and counts on Python
+	@# compiling what is imported, once. With PYTHONDONTWRITEBYTECODE set by the caller
+	@# (this machine's shells) nothing is ever cached, and every process a test starts
+	@# compiles torch again (~3 s of CPU per rank; ~9 s with transformers)
+	env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest -c tests/pytest.ini tests $(PYTEST_ARGS)
 
 demo: install ## run the end-to-end demo: fail a GPU, re-plan, reshard, repair
 	$(BIN)/tpflex-demo
