@@ -24,6 +24,7 @@ from tpflex_proto.etcd import Etcd, EtcdTls
 from tpflex_proto.informer import Informer
 from tpflex_proto.tls import ServerTls, channel_credentials
 
+from tpflex_controller import memtrace
 from tpflex_controller.api.process import RestSupervisor
 from tpflex_controller.election import Elector
 from tpflex_controller.metrics import ControllerMetrics
@@ -222,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.controller.log_level,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    memtrace.install_if_asked()  # debug only: TPFLEX_DEBUG_MEMTRACE_FRAMES=N (memtrace.py)
     proc = ControllerProcess(settings)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
