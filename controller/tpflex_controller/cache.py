@@ -171,6 +171,7 @@ class ClusterView:
             index.add(commit.generation, pos, part)
         for gen, pos in commit.trim_parts:
             index.remove(gen, pos)
+        index.release(commit.generation)  # the view plans from the current plan only
         self.snap.plans.pop(p.job, None)  # decoded lazily by readers that need the proto
         for node, np in power.items():
             self.power[node] = (np, rev)
@@ -435,6 +436,7 @@ class ClusterView:
             if header.split:
                 index = self.plan_parts.get(job) or planstore.PartIndex()
                 parts = index.select(header.generation, header.stored_replicas, key)
+                index.release(header.generation)
             proto = planstore.decode_plan(ASSEMBLER.whole(value, parts), key) if header.split else header
         except (codec.MalformedValue, ValueError) as exc:
             log.warning("skipping malformed etcd value key=%s error=%s", key, exc)
