@@ -59,3 +59,35 @@ def test_view_and_feed_hold_the_current_parts_only(etcd_server, etcd):
         ctl.stop()
         informer.stop()
         watcher.close()
+
+
+def test_per_node_state_leaves_with_the_node():
+    """ClusterView keeps no per-node entry for a healthy node's GPU set, nor a revision for
+    the keys of a node that is gone (a fleet that replaces nodes must not grow the view);
+    the keys it writes itself still keep theirs (a late echo must not move it back)."""
+    from tpflex_controller import synthetic
+    from tpflex_controller.cache import ClusterView
+    from tpflex_proto import codec, types_pb2
+
+    view = ClusterView()
+    rack = synthetic.rack("r0", 2, 2)
+    view.fold("put", keys.rack("r0"), codec.encode(rack), 2)
+    node = rack.nodes[0]
+    view.fold("put", keys.node(node), codec.encode(types_pb2.Node(name=node)), 3)
+    failed = synthetic.failed_health(node, 2, {1})
+    view.fold("put", keys.health(node), codec.encode(failed), 4)
+    assert view._node_health_keys == {node: {(node, 1)}}
+    view.fold("put", keys.health(node), codec.encode(synthetic.failed_health(node, 2, set())), 5)
+    assert view._node_health_keys == {}  # healthy: no entry
+    view.fold("put", keys.health(node), codec.encode(failed), 6)
+    view.fold("delete", keys.health(node), b"", 7)
+    view.fold("delete", keys.node(node), b"", 8)
+    assert view._node_health_keys == {}
+    assert keys.node(node) not in view._key_revs and keys.health(node) not in view._key_revs
+    # a power key (this process writes them): its revision stays after a delete
+    power = types_pb2.NodePowerPlan(node=node, generation=1)
+    view.fold("put", keys.power(node), codec.encode(power), 9)
+    view.fold("delete", keys.power(node), b"", 10)
+    assert view._key_revs[keys.power(node)] == 10
+    view.fold("put", keys.power(node), codec.encode(power), 9)  # older: ignored
+    assert node not in view.power
