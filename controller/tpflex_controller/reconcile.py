@@ -283,6 +283,8 @@ class Reconciler:
         for rack in racks:
             if rack in self.view.racks:
                 self.metrics.rack_healthy_gpus.labels(rack=rack).set(self.view.healthy_gpus(rack))
+            else:  # a deleted rack's series goes with it
+                self.metrics.rack_gone(rack)
         for job, ranks in acked.items():
             r = self._rollouts.acks_seen(job, self.view.acks.get(job, {}), ranks, at)
             if r is not None:

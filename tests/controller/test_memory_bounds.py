@@ -91,3 +91,23 @@ def test_per_node_state_leaves_with_the_node():
     assert view._key_revs[keys.power(node)] == 10
     view.fold("put", keys.power(node), codec.encode(power), 9)  # older: ignored
     assert node not in view.power
+
+
+def test_a_deleted_racks_gauge_goes_with_it(etcd_server, etcd):
+    """tpflex_rack_healthy_gpus{rack}: a rack's series leaves the registry with the rack."""
+    from tests.controller.controller_harness import eventually
+
+    racks = small_cluster(etcd, racks=3)
+    put_job(etcd, racks[:2])
+    ctl = start_controller(etcd_server.endpoints)
+    try:
+        def gauge(rack):
+            return ctl.registry.get_sample_value("tpflex_rack_healthy_gpus", {"rack": rack})
+
+        eventually(lambda: gauge("rack2") == 4.0)
+        etcd.delete(keys.rack("rack2"))
+        fail_gpu(etcd, "rack0-n00", 2, {1})  # a later change: the deletion was folded
+        eventually(lambda: gauge("rack0") == 3.0)
+        assert gauge("rack2") is None and gauge("rack1") == 4.0
+    finally:
+        ctl.stop()
