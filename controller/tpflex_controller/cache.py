@@ -44,6 +44,11 @@ from tpflex_controller.store import (
 
 log = logging.getLogger(__name__)
 
+# kinds only the informer's ordered stream brings (this process never writes them, a
+# conflict's re-read never reads them): no older change of a deleted key can follow, so
+# the delete needs no revision kept
+_WATCHED_ONLY = frozenset({Kind.NODE, Kind.HEALTH, Kind.RACK, Kind.GPU_OVERRIDE, Kind.JOB_OVERRIDE})
+
 _GPU_STATE = {
     types_pb2.GPU_DEGRADED: GpuStatus.DEGRADED,
     types_pb2.GPU_FAILED: GpuStatus.FAILED,
@@ -171,6 +176,7 @@ class ClusterView:
             index.add(commit.generation, pos, part)
         for gen, pos in commit.trim_parts:
             index.remove(gen, pos)
+        index.release(commit.generation)  # the view plans from the current plan only
         self.snap.plans.pop(p.job, None)  # decoded lazily by readers that need the proto
         for node, np in power.items():
             self.power[node] = (np, rev)
@@ -222,7 +228,10 @@ class ClusterView:
         if mod_revision and k.kind is not Kind.EVENT:
             if mod_revision < self._key_revs.get(key, 0):
                 return []
-            self._key_revs[key] = mod_revision
+            if kind == "delete" and k.kind in _WATCHED_ONLY:
+                self._key_revs.pop(key, None)  # a gone node's keys leave no entry behind
+            else:
+                self._key_revs[key] = mod_revision
         return fold(self, k, key, value, mod_revision, kind == "delete", msg)
 
     def _kv(self, key: str, value: bytes, mod_revision: int) -> KeyValue:
@@ -275,7 +284,10 @@ class ClusterView:
             _set(self._health_status, gpu, after)
             _set(self.gpu_speed, gpu, speed_after)
             self._merge_status(gpu)
-        self._node_health_keys[node] = new_keys
+        if new_keys:
+            self._node_health_keys[node] = new_keys
+        else:  # a healthy or deleted node holds no entry (10,000 empty sets otherwise)
+            self._node_health_keys.pop(node, None)
         if not (failed or recovered or degraded):
             return []
         cause = "gpu_failed" if failed else "gpu_recovered" if recovered else "gpu_degraded"
@@ -435,6 +447,7 @@ class ClusterView:
             if header.split:
                 index = self.plan_parts.get(job) or planstore.PartIndex()
                 parts = index.select(header.generation, header.stored_replicas, key)
+                index.release(header.generation)
             proto = planstore.decode_plan(ASSEMBLER.whole(value, parts), key) if header.split else header
         except (codec.MalformedValue, ValueError) as exc:
             log.warning("skipping malformed etcd value key=%s error=%s", key, exc)

@@ -22,8 +22,10 @@ import grpc
 from prometheus_client import CollectorRegistry
 from tpflex_proto.etcd import Etcd, EtcdTls
 from tpflex_proto.informer import Informer
+from tpflex_proto.keys import Kind
 from tpflex_proto.tls import ServerTls, channel_credentials
 
+from tpflex_controller import memtrace
 from tpflex_controller.api.process import RestSupervisor
 from tpflex_controller.election import Elector
 from tpflex_controller.metrics import ControllerMetrics
@@ -140,7 +142,10 @@ class ControllerProcess:
         self.registry = CollectorRegistry()
         self.metrics = ControllerMetrics(self.registry)
         self.etcd = create_etcd(settings)
-        self.informer = Informer(self.etcd)  # the process's one watch of /tpflex/v1/
+        # the process's one watch of /tpflex/v1/; the handlers registered before it starts
+        # (the reconcile loop, the plan feed) fold what they need into state of their own,
+        # so it keeps the values of the leader key only (the elector registers later)
+        self.informer = Informer(self.etcd, keep=frozenset({Kind.LEADER}))
         self.steps = StepStats(stale_after_s=settings.trainer.step_report_stale_s)
         self.registry.register(GoodputCollector(self.steps))
         c = settings.controller
@@ -222,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.controller.log_level,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    memtrace.install_if_asked()  # debug only: TPFLEX_DEBUG_MEMTRACE_FRAMES=N (memtrace.py)
     proc = ControllerProcess(settings)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

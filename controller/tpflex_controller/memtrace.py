@@ -1,8 +1,10 @@
 """Debug aid: where the controller's memory goes, at SIGUSR1 and at exit.
 
-Off unless the environment has ``TPFLEX_MEMTRACE_FRAMES=N`` (a debug switch, not a
-setting: tracing starts when the reconcile loop starts, N frames per allocation, in this
-process only, not in the REST child) or the interpreter traces already
+Off unless the environment has ``TPFLEX_DEBUG_MEMTRACE_FRAMES=N`` (a debug switch, not a
+setting; the older name ``TPFLEX_MEMTRACE_FRAMES`` works too, but bench/load.py passes only
+``TPFLEX_DEBUG_*`` variables on to the controller: tracing starts in ``main()`` before the
+controller starts, N frames per allocation, in this process only, not in the REST child,
+which is a fresh interpreter) or the interpreter traces already
 (``PYTHONTRACEMALLOC=N``, which every child inherits). Then each SIGUSR1, and the exit,
 writes ``tpflex-memtrace-<pid>-<n>.txt`` to the temporary directory: tracemalloc's traced
 total next to VmRSS, the top allocations grouped by traceback that grew since the first
@@ -112,14 +114,15 @@ class MemTrace:
             return path
 
 
-ENV = "TPFLEX_MEMTRACE_FRAMES"
+ENV = "TPFLEX_DEBUG_MEMTRACE_FRAMES"
+OLD_ENV = "TPFLEX_MEMTRACE_FRAMES"  # bench/load.py does not pass it to the controller
 
 
 def install_if_asked(environ=os.environ) -> MemTrace | None:
     """Dump at SIGUSR1 and at exit when asked to trace; call from the main thread."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    frames = environ.get(ENV, "")
+    frames = environ.get(ENV, "") or environ.get(OLD_ENV, "")
     if frames.isdigit() and int(frames) > 0 and not tracemalloc.is_tracing():
         tracemalloc.start(int(frames))
     if not tracemalloc.is_tracing():

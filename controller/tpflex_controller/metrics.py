@@ -139,6 +139,9 @@ class ControllerMetrics:
         for r in range(replicas):
             _remove(self.replica_tp_degree, job, str(r))
 
+    def rack_gone(self, rack: str) -> None:
+        _remove(self.rack_healthy_gpus, rack)
+
     def plan_observed(
         self, job: str, generation: int, ratio: float, degrees: Iterable[tuple[int, int]],
         suspended_pins: int = 0,

@@ -8,6 +8,12 @@ queues them; the feed's own thread assembles the plans (tpflex_proto.planstore),
 large plan never holds up the informer's other handlers (the reconcile loop). Restart
 epochs live under ``/tpflex/liveness/v1/``, outside the informer's prefix: one watch of a
 subscribed job's liveness key brings them.
+
+With a shared informer the feed keeps, for every job, the keys of its current plan (the
+header and the parts it and any newer staged generation use; ``planstore.PartIndex
+.release``) as the batches pass: a new subscription starts from those, so the informer
+need not hold plan keys at all (the controller's keeps neither parts nor history: a second
+copy of every kept generation's parts, which grew with the history).
 """
 
 from __future__ import annotations
@@ -65,10 +71,14 @@ class PlanFeed:
         self._folders: dict[str, planstore.JobPlans] = {}  # per subscribed job
         self._own: dict[str, tuple[Informer, object]] = {}  # without a shared informer
         self._live_watches: dict[str, Watch] = {}
+        # with a shared informer: every job's current plan keys (header, parts by (gen, pos))
+        self._current: dict[str, tuple[list[Change | None], planstore.PartIndex]] = {}
         self._assembler = planstore.Assembler()
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._worker: threading.Thread | None = None
         if informer is not None:
+            if informer.synced.is_set() and informer.keep is not None and not _PLAN_KINDS <= informer.keep:
+                raise ValueError("a plan feed registers before the informer syncs, or the informer keeps plan keys")
             informer.add_handler(self._on_batch)
 
     def subscribe(self, job: str) -> Subscription:
@@ -94,10 +104,8 @@ class PlanFeed:
                 own = Informer(self.etcd, keys.job_prefix(job))
                 self._own[job] = (own, own.add_handler(self._on_batch))
                 own.start()  # its first batch (once listed) is the job's current state
-            elif self.informer.synced.is_set():  # else the informer's first batch brings it
-                current = [c for c in self.informer.items(keys.job_prefix(job))
-                           if c.parsed is not None and c.parsed.kind in _PLAN_KINDS]
-                self._work.put((job, folder, current, False))
+            elif job in self._current:  # else the informer's batches bring it
+                self._work.put((job, folder, self._current_keys(job), False))
         return sub
 
     def history(self, job: str) -> list[types_pb2.Plan]:
@@ -137,16 +145,52 @@ class PlanFeed:
     # ---- the informer's thread: pick, queue ----
 
     def _on_batch(self, batch: Batch) -> None:
+        shared = self.informer is not None
         with self._lock:
-            if not self._folders:
+            if not self._folders and not shared:
                 return
             picked: dict[str, list[Change]] = {}
             for c in batch.changes:
                 pk = c.parsed
-                if pk is not None and pk.kind in _PLAN_KINDS and pk.name in self._folders:
+                if pk is None or pk.kind not in _PLAN_KINDS:
+                    continue
+                if shared:
+                    self._keep_current(pk, c)
+                if pk.name in self._folders:
                     picked.setdefault(pk.name, []).append(c)
             for job, changes in picked.items():
                 self._work.put((job, self._folders[job], changes, True))
+
+    def _keep_current(self, pk: keys.Key, c: Change) -> None:
+        """Under ``_lock``, on the informer's thread: fold a plan key of any job into the
+        current plan keys kept for new subscriptions."""
+        if c.deleted:
+            kept = self._current.get(pk.name)
+            if kept is None:
+                return
+            if pk.kind is Kind.JOB_ASSIGN:
+                kept[1].remove(pk.number, pk.position)
+            else:
+                kept[0][0] = None  # a deleted plan: its parts go (or went) with it
+            if kept[0][0] is None and not kept[1].values:
+                del self._current[pk.name]
+            return
+        header, parts = self._current.setdefault(pk.name, ([None], planstore.PartIndex()))
+        if pk.kind is Kind.JOB_ASSIGN:
+            parts.add(pk.number, pk.position, c)
+        else:
+            header[0] = c
+            try:
+                generation = planstore.decode_plan(c.value, c.key).generation
+            except codec.MalformedValue:
+                return  # the feed's thread logs it when a subscription folds it
+            parts.release(generation)
+
+    def _current_keys(self, job: str) -> list[Change]:
+        """Under ``_lock``: the job's kept plan keys, parts (key order) before the header."""
+        header, parts = self._current[job]
+        out = [parts.values[gp] for gp in sorted(parts.values)]
+        return out + [header[0]] if header[0] is not None else out
 
     # ---- the feed's thread: assemble, offer ----
 

@@ -24,7 +24,7 @@ from tpflex_proto.etcd import Etcd, EtcdError
 from tpflex_proto.informer import Batch, Change, Informer
 from tpflex_proto.keys import Kind
 
-from tpflex_controller import convert, memtrace
+from tpflex_controller import convert
 from tpflex_controller.agent_client import AgentPusher, PushResult
 from tpflex_controller.cache import ClusterView
 from tpflex_controller.damping import FlapDamper
@@ -111,7 +111,6 @@ class Reconciler:
     # ---- thread-safe entry points ----
 
     def start(self) -> None:
-        memtrace.install_if_asked()  # debug only: TPFLEX_MEMTRACE_FRAMES=N (memtrace.py)
         self._thread.start()
         self._unregister = self.informer.add_handler(
             lambda batch: self._inbox.put(("informer", batch, time.time()))
@@ -284,6 +283,8 @@ class Reconciler:
         for rack in racks:
             if rack in self.view.racks:
                 self.metrics.rack_healthy_gpus.labels(rack=rack).set(self.view.healthy_gpus(rack))
+            else:  # a deleted rack's series goes with it
+                self.metrics.rack_gone(rack)
         for job, ranks in acked.items():
             r = self._rollouts.acks_seen(job, self.view.acks.get(job, {}), ranks, at)
             if r is not None:

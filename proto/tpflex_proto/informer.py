@@ -19,6 +19,15 @@ controller's own commit: a plan, a dozen power plans, an event). Change records 
 read-only; the messages in them are shared by every handler and must be treated as
 read-only. Handlers run on the informer's feeder thread, one after the other, and must be
 quick (hand the batch to a queue); one that raises is logged and the others still run.
+
+What it holds: ``keep`` (the kinds whose current items, value and message, it keeps for
+``items()``, ``get()`` and the first batch of a handler registered after the first sync;
+None, the default: every kind). Of any other kind it keeps each key's mod revision only
+(what a re-list after a compaction compares), so that a process whose handlers fold the
+values into state of their own (the controller: its view holds what it needs, plan
+history it never reads) does not hold a second copy of every value under the prefix.
+Every change of every kind still reaches every handler in the batches, and the first
+sync's batch holds the whole listed state (handlers registered before ``start()``).
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from google.protobuf.message import Message
@@ -155,31 +164,37 @@ def decode_change(op: Op, key: str, value: bytes, mod_revision: int) -> Change:
     return Change(op, key, parsed, value, mod_revision, _UNDECODED)  # decoded on first look
 
 
-def diff(items: dict[str, Change], listed: list[KeyValue], revision: int) -> list[Change]:
-    """What changed between the items held and a fresh list at ``revision`` (pure)."""
+def diff(revs: Mapping[str, int], listed: list[KeyValue], revision: int) -> list[Change]:
+    """What changed between the keys held (key -> mod revision) and a fresh list at
+    ``revision`` (pure)."""
     out: list[Change] = []
     seen: set[str] = set()
     for kv in listed:
         seen.add(kv.key)
-        old = items.get(kv.key)
-        if old is None or old.mod_revision != kv.mod_revision:
+        if revs.get(kv.key) != kv.mod_revision:
             out.append(decode_change(Op.PUT, kv.key, kv.value, kv.mod_revision))
-    for key in sorted(set(items) - seen):
-        out.append(Change(Op.DELETE, key, items[key].parsed, b"", revision))
+    for key in sorted(set(revs) - seen):
+        out.append(Change(Op.DELETE, key, keys.parse(key), b"", revision))
     return out
 
 
 class Informer:
     """``start()`` lists and watches ``prefix`` (retrying while etcd is away);
-    ``add_handler(h)`` registers a handler (current state first); ``stop()`` ends it."""
+    ``add_handler(h)`` registers a handler (current state first); ``stop()`` ends it.
+    ``keep``: the kinds whose items it holds after the first sync (module docstring)."""
 
-    def __init__(self, etcd: Etcd, prefix: str = keys.PREFIX, *, retry_s: float = 0.5) -> None:
+    def __init__(
+        self, etcd: Etcd, prefix: str = keys.PREFIX, *, retry_s: float = 0.5,
+        keep: frozenset[Kind] | None = None,
+    ) -> None:
         self.etcd = etcd
         self.prefix = prefix
+        self.keep = keep
         self._backoff = Backoff(min(0.05, retry_s), retry_s)
         self._lock = threading.RLock()  # items, revision and handler calls
         self._changed = threading.Condition(self._lock)
         self._items: dict[str, Change] = {}
+        self._revs: dict[str, int] = {}  # the keys not in _items: key -> mod revision
         self._revision = 0
         self._handlers: list[Handler] = []
         self._watch: Watch | None = None
@@ -232,6 +247,7 @@ class Informer:
             self._changed.notify_all()
             log.info("informer synced prefix=%s revision=%d keys=%d", self.prefix, self._revision, len(self._items))
             self._publish(Batch(self._snapshot(), self._revision, initial=True))
+            self._drop_unkept()
 
     def _list(self) -> None:
         kvs, rev = self.etcd.get_prefix(self.prefix)
@@ -239,7 +255,7 @@ class Informer:
             if not self._listed:
                 changes = [decode_change(Op.PUT, kv.key, kv.value, kv.mod_revision) for kv in kvs]
             else:
-                changes = diff(self._items, kvs, rev)
+                changes = diff(self._held_revs(), kvs, rev)
             self._apply(changes)
             self._revision = max(self._revision, rev)
             self._changed.notify_all()
@@ -273,11 +289,31 @@ class Informer:
                 self._publish(Batch(tuple(changes), self._revision))
 
     def _apply(self, changes: list[Change]) -> None:
+        keep_all = self.keep is None or not self.synced.is_set()  # the first batch: all
         for c in changes:
             if c.deleted:
                 self._items.pop(c.key, None)
-            else:
+                self._revs.pop(c.key, None)
+            elif keep_all or self._kept(c.parsed):
                 self._items[c.key] = c
+            else:
+                self._items.pop(c.key, None)
+                self._revs[c.key] = c.mod_revision
+
+    def _kept(self, parsed: Key | None) -> bool:
+        return self.keep is None or (parsed is not None and parsed.kind in self.keep)
+
+    def _drop_unkept(self) -> None:
+        """After the first sync's batch: the kinds not kept keep their revisions only."""
+        if self.keep is None:
+            return
+        for key in [k for k, c in self._items.items() if not self._kept(c.parsed)]:
+            self._revs[key] = self._items.pop(key).mod_revision
+
+    def _held_revs(self) -> dict[str, int]:
+        revs = dict(self._revs)
+        revs.update((k, c.mod_revision) for k, c in self._items.items())
+        return revs
 
     def _publish(self, batch: Batch) -> None:
         for handler in list(self._handlers):
@@ -285,7 +321,8 @@ class Informer:
 
     def add_handler(self, handler: Handler) -> Unregister:
         """Register ``handler``; if the informer is synced, it gets the current state
-        first (on this thread), else when it syncs. Returns the unregister call."""
+        first (on this thread: the items of the kinds it keeps), else when it syncs (the
+        whole listed state). Returns the unregister call."""
         with self._lock:
             if self.synced.is_set():
                 _call(handler, Batch(self._snapshot(), self._revision, initial=True))
@@ -321,11 +358,12 @@ class Informer:
         return self.synced.is_set() and not self._relist.is_set() and w is not None and w.established.is_set()
 
     def get(self, key: str) -> Change | None:
+        """The current item of ``key`` (None: none, or a kind the informer does not keep)."""
         with self._lock:
             return self._items.get(key)
 
     def items(self, prefix: str = "") -> list[Change]:
-        """The current items under ``prefix``, in key order."""
+        """The current items under ``prefix``, in key order (of the kinds it keeps)."""
         with self._lock:
             return [c for k, c in sorted(self._items.items()) if k.startswith(prefix)]
 

@@ -166,6 +166,8 @@ class PartIndex:
     _per_gen: dict[int, int] = field(default_factory=dict, repr=False)  # generation -> parts
     _multi: set[int] = field(default_factory=set, repr=False)  # positions with 2+ parts
     _top: int = field(default=-1, repr=False)  # the largest position ever added
+    # positions with 2+ values held (release() looks at these only)
+    _many_values: set[int] = field(default_factory=set, repr=False)
 
     def add(self, generation: int, position: int, value: bytes) -> None:
         got = self.gens.setdefault(position, [])
@@ -177,6 +179,8 @@ class PartIndex:
                 self._multi.add(position)
             self._top = max(self._top, position)
         self.values[(generation, position)] = value
+        if len(got) > 1:
+            self._many_values.add(position)
 
     def remove(self, generation: int, position: int) -> None:
         got = self.gens.get(position)
@@ -189,7 +193,26 @@ class PartIndex:
                 self._multi.discard(position)
             if not got:
                 del self.gens[position]
+                self._many_values.discard(position)
         self.values.pop((generation, position), None)
+
+    def release(self, generation: int) -> None:
+        """Drop the values no generation from ``generation`` on selects (a part with a
+        newer one at or before ``generation`` at its position); their generations stay
+        indexed (``stale``, ``dead``). For a reader of the current plan only, which never
+        asks for an older generation again: the kept history's parts stay in etcd, not
+        in its memory. O(positions holding 2+ values)."""
+        for pos in list(self._many_values):
+            gs = self.gens.get(pos, ())
+            live = max((g for g in gs if g <= generation), default=0)
+            held = 0
+            for g in gs:
+                if g < live:
+                    self.values.pop((g, pos), None)
+                elif (g, pos) in self.values:
+                    held += 1
+            if held < 2:
+                self._many_values.discard(pos)
 
     def top_position(self) -> int:
         """An upper bound of the positions present (-1: none): the largest ever added."""
@@ -204,9 +227,10 @@ class PartIndex:
             for g in self.gens.get(pos, ()):
                 if g <= generation:
                     best = g
-            if not best:
+            value = self.values.get((best, pos)) if best else None
+            if value is None:  # never written, or released (``release``)
                 raise codec.MalformedValue(key, "Plan", f"replica {pos} of generation {generation} missing")
-            out.append(self.values[(best, pos)])
+            out.append(value)
         return out
 
     def stale(self, generation: int) -> list[int]:
@@ -292,7 +316,8 @@ def read_plan(etcd, job: str) -> types_pb2.Plan | None:
 
 class JobPlans:
     """One job's plans as its keys arrive (a consistent read, then watch events in
-    revision order): parts are indexed and each header put gives the whole plan."""
+    revision order): parts are indexed and each header put gives the whole plan. Only the
+    values the current plan and newer ones use are held (``PartIndex.release``)."""
 
     def __init__(self, job: str, assembler: Assembler | None = None) -> None:
         self.job = job
@@ -313,7 +338,9 @@ class JobPlans:
             return None
         if deleted:
             return None
-        return whole(value, self.parts, self._assembler, key)
+        plan = whole(value, self.parts, self._assembler, key)
+        self.parts.release(plan.generation)  # the current plan's parts (and newer) stay
+        return plan
 
     def fold_read(self, kvs: Iterable) -> types_pb2.Plan | None:
         """Fold a prefix read of the job (key order: parts before the header); the current

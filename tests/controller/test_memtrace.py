@@ -37,3 +37,35 @@ def test_a_dump_names_what_grew(tmp_path, monkeypatch):
     first = rest.split("\n## since the first dump")[1].split("\n\n")[1]  # the biggest growth
     assert "test_memtrace.py" in first and float(first.split(" KiB")[0]) > 7000
     assert "malloc_trim(0)=" in head and "rss_mb_after_trim=" in head
+
+
+def test_the_process_entry_installs_it_not_the_reconcile_loop(etcd_server, tmp_path, monkeypatch):
+    """``tpflex-controller`` traces from main() (its switch is a ``TPFLEX_DEBUG_*`` variable,
+    which bench/load.py passes on): SIGUSR1 writes a dump of the controller's pid, none of
+    the REST child's; an in-process reconcile loop started with the switch set traces
+    nothing (the loop is no process entry)."""
+    from tests.controller.controller_harness import ControllerProc, start_controller
+    from tests.support.wait import wait_until
+
+    proc = ControllerProc(etcd_server.endpoints, "c1", tmp_path,
+                          env={memtrace.ENV: "1", "TMPDIR": str(tmp_path)})
+    try:
+        proc.wait_http()
+        [child] = proc.rest_pids()
+        proc.proc.send_signal(signal.SIGUSR1)
+        dump = tmp_path / f"tpflex-memtrace-{proc.proc.pid}-0.txt"
+        wait_until(lambda: dump.exists() and "## pymalloc" in dump.read_text(), 30, "the controller's dump")
+        assert f"pid={proc.proc.pid} " in dump.read_text().partition("\n")[0]
+        assert proc.terminate() == 0
+        assert (tmp_path / f"tpflex-memtrace-{proc.proc.pid}-1.txt").exists()  # at exit
+        assert not list(tmp_path.glob(f"tpflex-memtrace-{child}-*"))
+    finally:
+        proc.kill()
+
+    monkeypatch.setenv(memtrace.ENV, "1")
+    ctl = start_controller(etcd_server.endpoints)
+    try:
+        assert not tracemalloc.is_tracing()
+    finally:
+        ctl.stop()
+        tracemalloc.stop()

@@ -187,17 +187,62 @@ def test_compaction_under_a_stopped_watch_relists_and_delivers_the_differences(e
 
 
 def test_diff_is_exact():
-    items = {c.key: c for c in (
-        decode_change(Op.PUT, "/tpflex/v1/racks/a", _rack("a"), 5),
-        decode_change(Op.PUT, "/tpflex/v1/racks/b", _rack("b"), 6),
-    )}
+    held = {"/tpflex/v1/racks/a": 5, "/tpflex/v1/racks/b": 6, "/tpflex/v1/racks/d": 7}
     from tpflex_proto.etcd import KeyValue
 
     listed = [KeyValue("/tpflex/v1/racks/a", _rack("a"), 0, 5, 0, 0),
-              KeyValue("/tpflex/v1/racks/c", _rack("c"), 0, 9, 0, 0)]
-    out = diff(items, listed, 10)
+              KeyValue("/tpflex/v1/racks/c", _rack("c"), 0, 9, 0, 0),
+              KeyValue("/tpflex/v1/racks/d", _rack("d", 3), 0, 8, 0, 0)]
+    out = diff(held, listed, 10)
     assert [(c.op, c.key, c.mod_revision) for c in out] == [
-        (Op.PUT, "/tpflex/v1/racks/c", 9), (Op.DELETE, "/tpflex/v1/racks/b", 10)]
+        (Op.PUT, "/tpflex/v1/racks/c", 9), (Op.PUT, "/tpflex/v1/racks/d", 8),
+        (Op.DELETE, "/tpflex/v1/racks/b", 10)]
+    assert out[2].parsed == keys.Key(keys.Kind.RACK, "b") and len(out[1].msg.nodes) == 3
+
+
+def test_kept_kinds_only_hold_values_yet_every_change_is_delivered(etcd_server, etcd):
+    """``keep``: after the first sync the informer holds items of the kept kinds only (the
+    others: their revisions, so a re-list after a compaction still finds their exact
+    differences); handlers registered before the start get the whole listed state, and
+    every change of every kind."""
+    etcd.put(keys.rack("r1"), _rack("r1"))
+    etcd.put(keys.job_plan_history("j", 1), b"\x08\x01")
+    proxy = CuttableProxy(etcd_server.endpoints[0])
+    client = Etcd([proxy.endpoint], timeout=1.0)
+    inf = Informer(client, retry_s=0.05, keep=frozenset({keys.Kind.LEADER}))
+    rec = Recorder()
+    inf.add_handler(rec)
+    try:
+        inf.start()
+        first = rec.next()
+        assert first.initial and [c.key for c in first.changes] == [
+            keys.job_plan_history("j", 1), keys.rack("r1")]
+        etcd.put(keys.LEADER, codec.encode(types_pb2.LeaderRecord(id="c1")))
+        rev = etcd.put(keys.job_plan_history("j", 2), b"\x08\x02")
+        got = [c.key for b in rec.until(lambda b: b.changes[-1].mod_revision == rev) for c in b.changes]
+        assert got == [keys.LEADER, keys.job_plan_history("j", 2)]
+        assert inf.get(keys.rack("r1")) is None and inf.get(keys.job_plan_history("j", 2)) is None
+        assert [c.key for c in inf.items()] == [keys.LEADER]
+        late = Recorder()
+        inf.add_handler(late)
+        assert [c.key for c in late.next().changes] == [keys.LEADER]
+
+        wait_until(lambda: inf.connected, 10, "informer watching")
+        proxy.cut()
+        wait_until(lambda: not inf.connected, 10, "informer disconnected")
+        etcd.delete(keys.job_plan_history("j", 1))
+        etcd.put(keys.rack("r2"), _rack("r2"))
+        last = etcd.put(keys.rack("r1"), _rack("r1", 3))
+        etcd.compact(last)
+        proxy.heal()
+        resync = rec.until(lambda b: b.resync, timeout=20)[-1]
+        assert {(c.op, c.key) for c in resync.changes} == {
+            (Op.DELETE, keys.job_plan_history("j", 1)), (Op.PUT, keys.rack("r2")), (Op.PUT, keys.rack("r1"))}
+        assert [c.key for c in inf.items()] == [keys.LEADER]
+    finally:
+        inf.stop()
+        client.close()
+        proxy.close()
 
 
 def test_a_value_is_decoded_on_the_first_look_only(caplog):

@@ -42,3 +42,45 @@ def test_index_answers_equal_a_scan_of_every_position():
                 # under a limit: a subset of the dead parts, of that size
                 few = ix.dead(oldest_kept, count, 3)
                 assert set(few) <= set(want) and len(few) == min(3, len(want))
+
+
+def test_release_keeps_exactly_the_values_a_generation_from_then_on_selects():
+    """After ``release(g)``: every generation >= g selects what it selected before, the
+    indexed generations (what commits ask about) are unchanged, and the values left are
+    exactly the parts some generation >= g selects, by a scan (a part superseded at or
+    before g is gone; one newer than g stays)."""
+    import copy
+
+    from tpflex_proto import codec
+
+    rng = random.Random(5)
+    for _ in range(300):
+        ix = PartIndex()
+        for _ in range(rng.randrange(1, 60)):
+            gen, pos = rng.randrange(1, 9), rng.randrange(0, 6)
+            if rng.random() < 0.8:
+                ix.add(gen, pos, f"{gen}/{pos}".encode())
+            else:
+                ix.remove(gen, pos)
+        before = copy.deepcopy(ix)
+        g = rng.randrange(1, 10)
+        ix.release(g)
+        assert ix.gens == before.gens
+        needed = set()
+        for pos, gs in before.gens.items():
+            live = max((x for x in gs if x <= g), default=0)
+            needed |= {(x, pos) for x in gs if x >= live}
+        assert set(ix.values) == needed
+        for later in range(g, 10):
+            for count in range(0, 7):
+                try:
+                    want = before.select(later, count)
+                except codec.MalformedValue:
+                    want = None
+                try:
+                    got = ix.select(later, count)
+                except codec.MalformedValue:
+                    got = None
+                assert got == want
+        ix.add(9, 0, b"9/0")  # added again after a release: indexed and selectable
+        assert ix.select(9, 1) == [b"9/0"]
