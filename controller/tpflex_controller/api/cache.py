@@ -61,8 +61,12 @@ class ApiStateCache:
 
     # ---- lifecycle ----
 
-    def start(self) -> ApiStateCache:
-        self._unregister = self.informer.add_handler(self._on_batch)
+    def start(self, wrap: Callable[[Callable[[Batch], None]], Callable[[Batch], None]] | None = None
+              ) -> ApiStateCache:
+        """Register with the informer; ``wrap``: a wrapper of the batch handler (e.g. the
+        stall log's timing, api/stalls.py), applied once here."""
+        handler = self._on_batch if wrap is None else wrap(self._on_batch)
+        self._unregister = self.informer.add_handler(handler)
         if self._own_informer:
             self.informer.start()
         return self

@@ -116,9 +116,8 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
     etcd = create_etcd(settings)
     stall = stalls.from_env()  # TPFLEX_DEBUG_REST_STALLS: a debugging aid, off by default
     cache = ApiStateCache(etcd, row_cache_nodes=r.row_cache_nodes, on_warm=settle_heap)
-    if stall is not None:
-        cache._on_batch = stalls.timed_handler(stall, cache._on_batch)
-    cache.start()  # its own informer
+    # its own informer; the stall log times each batch folded
+    cache.start(wrap=None if stall is None else (lambda handler: stalls.timed_handler(stall, handler)))
     deps = ApiDeps(
         store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry, steps=link,
         state=cache, max_in_flight=r.max_in_flight, busy_wait_s=r.busy_wait_s,
