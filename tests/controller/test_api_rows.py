@@ -183,3 +183,21 @@ def test_one_nodes_gpus_equal_the_whole_cluster_views_filtered_to_it(data):
     for n in names:
         assert views.gpu_locations(snap, n) == {g: r for g, r in locations.items() if g[0] == n}
         assert views.gpu_views(snap, node=n) == [g for g in whole if g.node == n]
+
+
+def test_the_memo_keeps_a_value_while_every_source_is_the_same_object():
+    from tpflex_controller.api.memo import RenderMemo
+
+    memo, made = RenderMemo(max_entries=4), []
+    spec, plan = object(), object()
+
+    def make(tag):
+        made.append(tag)
+        return tag
+
+    assert memo.value("status", "j", (spec, plan), lambda: make(1)) == 1
+    assert memo.value("status", "j", (spec, plan), lambda: make(2)) == 1  # same objects: kept
+    assert memo.value("status", "j", (spec, object()), lambda: make(3)) == 3  # a new plan object
+    assert memo.value("status", "j", (spec, None), lambda: make(4)) == 4  # the plan went
+    assert memo.value("status", "k", (spec, None), lambda: make(5)) == 5  # per name
+    assert made == [1, 3, 4, 5]

@@ -61,7 +61,8 @@ def _devices_by_gpu(snap: Snapshot) -> dict[GpuKey, types_pb2.GpuDevice]:
 
 def gpu_views(snap: Snapshot, state: ClusterState | None = None, node: str | None = None) -> list[s.GpuView]:
     """The views of every GPU known, sorted; ``node``: of that node's GPUs only."""
-    state = state or convert.cluster_state(snap)
+    # a GPU's state does not depend on the racks' infos: one node's views skip deriving its rack's
+    state = state or convert.cluster_state(snap, racks={} if node is not None else None)
     health = _health_by_gpu(snap)
     devices = _devices_by_gpu(snap)
     views = []

@@ -53,16 +53,22 @@ def status(deps: Deps) -> s.StatusView:
     jobs = []
     for name, spec in sorted(reads.jobs().items()):
         plan = reads.plan(name)
-        jobs.append(s.JobStatus(
-            name=name, generation=plan.generation if plan else None,
-            policy=plan.policy if plan else (spec.policy or "ntp-pw"),
-            expected_throughput_ratio=plan.expected_throughput_ratio if plan else None,
-            replica_tp_degrees=[r.tp_degree for r in plan.replicas] if plan else [],
-            suspended_pins=len(plan.suspended_pins) if plan else 0,
-        ))
+        # kept per (spec, plan) object: a plan's replicas are walked once, not per request
+        jobs.append(deps.memo.value("status", name, (spec, plan), lambda name=name, spec=spec, plan=plan:
+                                    _job_status(name, spec, plan)))
     return s.StatusView(
         leader=s.LeaderView(id=record.id, address=record.address, since=record.since) if record else None,
         etcd_revision=reads.revision(),
         racks=reads.rack_count(), nodes=nodes, live_nodes=live,
         gpus=s.GpuStateCounts(total=sum(counts), **dict(zip(STATES, counts, strict=True))), jobs=jobs,
+    )
+
+
+def _job_status(name: str, spec, plan) -> s.JobStatus:
+    return s.JobStatus(
+        name=name, generation=plan.generation if plan else None,
+        policy=plan.policy if plan else (spec.policy or "ntp-pw"),
+        expected_throughput_ratio=plan.expected_throughput_ratio if plan else None,
+        replica_tp_degrees=[r.tp_degree for r in plan.replicas] if plan else [],
+        suspended_pins=len(plan.suspended_pins) if plan else 0,
     )
