@@ -50,7 +50,7 @@ def _run(args, workdir: Path) -> dict:
         racks, jobs = _seed(etcd, args.nodes)
         fleet = NodeFleet(etcd, racks)
         fleet.register()
-        fleet.start_keepalive()
+        fleet.start_keepalive(cluster.endpoints)
         log = PlanLog(etcd)
         ctl, url = _start_controller(cluster.endpoints, workdir)
         _wait(lambda: len(log.plans) == len(jobs), 120, "initial plans")
