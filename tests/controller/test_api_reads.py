@@ -115,6 +115,8 @@ def test_status_summary(api):
     assert st["leader"]["id"] == "ctl-1" and st["racks"] == 2 and st["live_nodes"] == 4
     assert st["gpus"]["total"] == 2 * h.T and st["gpus"]["healthy"] == 2 * h.T
     assert st["jobs"][0]["generation"] == 1 and st["etcd_revision"] > 0
+    assert views.s.StatusView.model_validate(st).model_dump(mode="json") == st  # the documented schema, whole
+    assert st["jobs"][0]["replica_tp_degrees"] == [h.T, h.T] and st["jobs"][0]["name"] == h.JOB
 
 
 def test_malformed_values_in_etcd_are_skipped(api):

@@ -46,7 +46,7 @@ def metrics(deps: Deps) -> Response:
 
 
 @status_router.get("/status", response_model=s.StatusView, summary="Cluster summary")
-def status(deps: Deps) -> s.StatusView:
+def status(deps: Deps) -> Response:
     reads = deps.reads
     nodes, live, counts = reads.status_counts()  # O(changes) from the watch-fed cache
     record = reads.leader()
@@ -56,12 +56,14 @@ def status(deps: Deps) -> s.StatusView:
         # kept per (spec, plan) object: a plan's replicas are walked once, not per request
         jobs.append(deps.memo.value("status", name, (spec, plan), lambda name=name, spec=spec, plan=plan:
                                     _job_status(name, spec, plan)))
-    return s.StatusView(
+    view = s.StatusView(
         leader=s.LeaderView(id=record.id, address=record.address, since=record.since) if record else None,
         etcd_revision=reads.revision(),
         racks=reads.rack_count(), nodes=nodes, live_nodes=live,
         gpus=s.GpuStateCounts(total=sum(counts), **dict(zip(STATES, counts, strict=True))), jobs=jobs,
     )
+    # serialised once (a status always misses the response cache: it shows the revision)
+    return Response(content=view.model_dump_json(), media_type="application/json")
 
 
 def _job_status(name: str, spec, plan) -> s.JobStatus:
