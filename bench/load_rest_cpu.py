@@ -40,6 +40,14 @@ def _kinds(paths: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def _ready(http: httpx.Client) -> bool:
+    """The REST process answers /readyz 200 (the controller may not listen yet)."""
+    try:
+        return http.get("/readyz").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
 def _run(args, workdir: Path) -> dict:
     cluster = EtcdCluster(1, workdir / "etcd").start()
     etcd = Etcd(cluster.endpoints, timeout=10.0)
@@ -50,7 +58,7 @@ def _run(args, workdir: Path) -> dict:
         racks, jobs = _seed(etcd, args.nodes)
         fleet = NodeFleet(etcd, racks)
         fleet.register()
-        fleet.start_keepalive()
+        fleet.start_keepalive(cluster.endpoints)
         log = PlanLog(etcd)
         ctl, url = _start_controller(cluster.endpoints, workdir)
         _wait(lambda: len(log.plans) == len(jobs), 120, "initial plans")
@@ -69,7 +77,7 @@ def _run(args, workdir: Path) -> dict:
                 stop.wait(max(0.0, nxt - time.monotonic()))
 
         with httpx.Client(base_url=url, timeout=60) as http:
-            _wait(lambda: http.get("/readyz").status_code == 200, 120, "REST view synced")
+            _wait(lambda: _ready(http), 120, "REST view synced")
             for p in paths:  # the first render of each (warm-up), not measured
                 http.get(p).raise_for_status()
             threading.Thread(target=inject, daemon=True).start()

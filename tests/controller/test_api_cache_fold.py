@@ -100,13 +100,51 @@ def test_after_the_warm_up_the_status_index_is_built_and_the_view_can_be_frozen(
 
         row = cache.node_row(names[0])
         assert gc.is_tracked(row) and any(o is row for o in gc.get_objects())
+        thresholds = gc.get_threshold()
         try:
             settle_heap()
             assert gc.get_freeze_count() > 0
             # collections no longer walk the view (the permanent generation is not scanned)
             assert not any(o is row for o in gc.get_objects())
             assert cache.node_row(names[0]) is row  # and it is still served
+            # no automatic full collection any more: many young collections, none full
+            fulls = gc.get_stats()[2]["collections"]
+            for _ in range(50):
+                gc.collect(1)
+            assert gc.get_stats()[2]["collections"] == fulls and gc.get_threshold()[2] >= 100_000
         finally:
             gc.unfreeze()
+            gc.set_threshold(*thresholds)
     finally:
         cache.stop()
+
+
+def test_full_collections_run_on_their_timer_and_free_old_cycles():
+    """``FullCollections``: with automatic full collections off (``settle_heap``), a
+    cycle that reached the old generation is freed by the timer's collection."""
+    import weakref
+
+    from tpflex_controller.api.process import FullCollections
+
+    class Node:
+        pass
+
+    thresholds = gc.get_threshold()
+    keeper = None
+    try:
+        gc.set_threshold(thresholds[0], thresholds[1], 1_000_000)
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # a cycle
+        gone = weakref.ref(a)
+        gc.collect(1)
+        gc.collect(1)  # promoted to the old generation
+        del a, b
+        gc.collect(1)  # young collections do not reach it
+        assert gone() is not None
+        keeper = FullCollections(interval_s=0.05).start()
+        assert keeper.wait_runs(1, 10)
+        assert gone() is None
+    finally:
+        if keeper is not None:
+            keeper.stop()
+        gc.set_threshold(*thresholds)

@@ -4,6 +4,8 @@ events, status, probes, metrics, OpenAPI; malformed stored values are skipped.""
 from __future__ import annotations
 
 import pytest
+from tpflex_controller.api import views
+from tpflex_controller.store import Store
 from tpflex_proto import codec, keys, types_pb2
 
 from tests.controller import api_harness as h
@@ -75,6 +77,9 @@ def test_jobs_plan_and_history(api):
     assert [j["name"] for j in jobs] == [h.JOB]
     job = api.http.get(f"/v1/jobs/{h.JOB}").json()
     assert job["base_tp"] == h.T and job["replicas"] == 2 and job["min_tp"] == 4
+    store = Store(api.etcd)  # the page is the JobView model of what etcd holds, every field
+    reference = views.job_view(store.job(h.JOB), store.plan(h.JOB), store.job_override(h.JOB), store.acks(h.JOB))
+    assert job == reference.model_dump(mode="json") == next(j for j in jobs if j["name"] == h.JOB)
     assert job["plan"]["generation"] == 1 and job["plan"]["replica_tp_degrees"] == [h.T, h.T]
     assert job["acked_current"] == 2 and [a["rank"] for a in job["acks"]] == [0, 1]
     plan = api.http.get(f"/v1/jobs/{h.JOB}/plan").json()
@@ -110,6 +115,8 @@ def test_status_summary(api):
     assert st["leader"]["id"] == "ctl-1" and st["racks"] == 2 and st["live_nodes"] == 4
     assert st["gpus"]["total"] == 2 * h.T and st["gpus"]["healthy"] == 2 * h.T
     assert st["jobs"][0]["generation"] == 1 and st["etcd_revision"] > 0
+    assert views.s.StatusView.model_validate(st).model_dump(mode="json") == st  # the documented schema, whole
+    assert st["jobs"][0]["replica_tp_degrees"] == [h.T, h.T] and st["jobs"][0]["name"] == h.JOB
 
 
 def test_malformed_values_in_etcd_are_skipped(api):

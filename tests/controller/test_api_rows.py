@@ -6,6 +6,8 @@ row cache keeps at most its bound."""
 from __future__ import annotations
 
 import httpx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tpflex_controller.api import views
 from tpflex_controller.api.rows import RowCache
 from tpflex_controller.api.state import read_cluster
@@ -45,10 +47,12 @@ def _check(http: httpx.Client, store: Store) -> None:
     assert http.get("/v1/gpus", params={"rack": "rack-b"}).json() == [g for g in gpus if g["rack"] == "rack-b"]
     assert http.get("/v1/nodes").json() == nodes and _walk(http, "/v1/nodes", 1) == nodes
     assert http.get("/v1/status").json()["gpus"] == counts
-    by_rack = {r["name"]: r["gpus"] for r in http.get("/v1/racks").json()}
-    for rack in h.RACKS:
-        expected = views.count_states(views.s.GpuView(**g) for g in gpus if g["rack"] == rack)
-        assert by_rack[rack] == expected.model_dump(), rack
+    snap = read_cluster(store)
+    racks = [views.rack_view(snap.racks[name], [views.s.GpuView(**g) for g in gpus if g["rack"] == name])
+             .model_dump(mode="json") for name in sorted(snap.racks)]
+    assert http.get("/v1/racks").json() == racks  # the whole-cluster derivation, the reference
+    assert _walk(http, "/v1/racks", 1) == racks
+    assert {r["name"] for r in racks} >= set(h.RACKS)
 
 
 def test_listed_rows_equal_the_whole_cluster_derivation_after_each_change(etcd, tmp_path):
@@ -68,6 +72,14 @@ def test_listed_rows_equal_the_whole_cluster_derivation_after_each_change(etcd, 
             lambda: etcd.delete(keys.node("rack-a-n1")),
             lambda: h.put_health(store, "rack-a-n1", {}),
             lambda: etcd.delete(keys.gpu_hold("rack-b-n1", 3)),
+            # an unlisted node (rack-b lists rack-b-n0 ... but not this one) naming a rack,
+            # then naming the other: its GPUs move between the racks' counts
+            lambda: h.register(store, "rack-a", "extra-n9"),
+            lambda: h.put_health(store, "extra-n9", {0: (types_pb2.GPU_FAILED, "xid 48")}),
+            lambda: h.register(store, "rack-b", "extra-n9"),
+            lambda: etcd.delete(keys.node("extra-n9")),
+            lambda: etcd.put(keys.rack("rack-c"), codec.encode(types_pb2.Rack(
+                name="rack-c", gpus_per_node=2, nodes=["rack-c-n0"], power_budget_w=900))),
         ]
         for change in changes:
             change()
@@ -140,3 +152,52 @@ def test_the_fast_plan_json_equals_the_models_json():
     assert proto.power_caps and proto.suspended_pins and proto.reasons  # the plan exercises every field
     assert {r.state for r in proto.replicas} >= {types_pb2.REPLICA_HEALTHY, types_pb2.REPLICA_DEGRADED}
     assert json.loads(views.plan_json(proto)) == views.plan_view(proto).model_dump(mode="json")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_one_nodes_gpus_equal_the_whole_cluster_views_filtered_to_it(data):
+    """``views.gpu_views(snap, node=n)`` (and ``gpu_locations(snap, n)``), the one-node
+    derivation the rows use, against the whole-cluster views filtered to ``n``: racks
+    listing overlapping nodes, registered nodes naming listed or unlisted racks, health
+    and drains."""
+    from tpflex_controller.store import Snapshot
+
+    names = [f"n{i}" for i in range(5)]
+    racks = {}
+    for r in range(data.draw(st.integers(0, 3))):
+        listed = data.draw(st.lists(st.sampled_from(names), max_size=4))
+        racks[f"r{r}"] = types_pb2.Rack(name=f"r{r}", gpus_per_node=data.draw(st.integers(0, 3)), nodes=listed)
+    snap = Snapshot(racks=racks)
+    for n in data.draw(st.lists(st.sampled_from(names), unique=True)):
+        rack = data.draw(st.sampled_from([*racks, "elsewhere"]))
+        devs = [types_pb2.GpuDevice(index=i, uuid=f"{n}-{i}") for i in data.draw(st.sets(st.integers(0, 4)))]
+        snap.nodes[n] = types_pb2.Node(name=n, rack=rack, gpus=devs)
+        failed = data.draw(st.sets(st.integers(0, 4)))
+        snap.health[n] = types_pb2.NodeHealth(node=n, gpus=[
+            types_pb2.GpuHealth(index=i, state=types_pb2.GPU_FAILED, reason="x") for i in sorted(failed)])
+    for n, i in data.draw(st.lists(st.tuples(st.sampled_from(names), st.integers(0, 4)), max_size=3)):
+        snap.gpu_overrides[(n, i)] = types_pb2.GpuOverride(gpu=types_pb2.GpuRef(node=n, index=i), drained=True)
+    whole = views.gpu_views(snap)
+    locations = views.gpu_locations(snap)
+    for n in names:
+        assert views.gpu_locations(snap, n) == {g: r for g, r in locations.items() if g[0] == n}
+        assert views.gpu_views(snap, node=n) == [g for g in whole if g.node == n]
+
+
+def test_the_memo_keeps_a_value_while_every_source_is_the_same_object():
+    from tpflex_controller.api.memo import RenderMemo
+
+    memo, made = RenderMemo(max_entries=4), []
+    spec, plan = object(), object()
+
+    def make(tag):
+        made.append(tag)
+        return tag
+
+    assert memo.value("status", "j", (spec, plan), lambda: make(1)) == 1
+    assert memo.value("status", "j", (spec, plan), lambda: make(2)) == 1  # same objects: kept
+    assert memo.value("status", "j", (spec, object()), lambda: make(3)) == 3  # a new plan object
+    assert memo.value("status", "j", (spec, None), lambda: make(4)) == 4  # the plan went
+    assert memo.value("status", "k", (spec, None), lambda: make(5)) == 5  # per name
+    assert made == [1, 3, 4, 5]

@@ -53,3 +53,27 @@ def test_slow_requests_and_folds_are_logged_quick_ones_not(tmp_path, monkeypatch
     finally:
         log.stop()
     assert log._on_gc not in gc.callbacks
+
+
+def test_the_view_folds_through_the_wrapper_given_to_start(etcd):
+    """``ApiStateCache.start(wrap=)``: the handler the informer calls is the wrapped one
+    (how the REST process times folds), and the view still folds what it is given."""
+    from tpflex_controller.api.cache import ApiStateCache
+    from tpflex_proto import codec, keys, types_pb2
+
+    seen = []
+
+    def wrap(handler):
+        def run(batch):
+            seen.append(batch.revision)
+            handler(batch)
+        return run
+
+    cache = ApiStateCache(etcd, retry_s=0.05).start(wrap=wrap)
+    try:
+        rev = etcd.put(keys.rack("r9"), codec.encode(types_pb2.Rack(name="r9", gpus_per_node=4)))
+        assert cache.wait_revision(rev, 10)
+        assert "r9" in cache.cluster().racks
+        assert seen and seen[-1] >= rev  # the last batch folded went through the wrapper
+    finally:
+        cache.stop()

@@ -23,9 +23,22 @@ from tpflex_proto.etcd import Etcd
 from tpflex_proto.informer import Batch, Informer
 
 from tpflex_controller.api.errors import ApiError, ErrorCode
-from tpflex_controller.api.feed import Change, Handler, Kind, Subscribers, Unsubscribe, classify
+from tpflex_controller.api.feed import (
+    Change,
+    Handler,
+    Kind,
+    Subscribers,
+    Unsubscribe,
+    classify,
+)
 from tpflex_controller.api.index import NodeIndex
-from tpflex_controller.api.rows import NodeRow, RowCache, render_node
+from tpflex_controller.api.rows import (
+    NodeRow,
+    RowCache,
+    rack_members,
+    render_node,
+    render_rack,
+)
 from tpflex_controller.api.tables import Tables, node_subset
 from tpflex_controller.store import Snapshot, Store
 
@@ -45,6 +58,12 @@ class ApiStateCache:
         self.on_warm = on_warm  # called after each (re-)list's rows and index were built
         self.rows = RowCache(row_cache_nodes)  # rendered per-node rows (api/rows.py), bounded
         self._names: tuple[object, list[str]] = (None, [])
+        # (version, sorted rack names, rack -> member nodes): kept until a rack or a
+        # node's placement may have changed; rendered racks: rack -> (rack, members,
+        # members' versions, JSON)
+        self._placement: tuple[object, list[str], dict[str, tuple[str, ...]]] = (None, [], {})
+        self._rack_json: dict[str, tuple[object, tuple, tuple, bytes]] = {}
+        self._rack_lock = threading.Lock()
         self._own_informer = informer is None
         self.informer = informer if informer is not None else Informer(etcd, retry_s=retry_s)
         self._lock = threading.Lock()
@@ -61,8 +80,12 @@ class ApiStateCache:
 
     # ---- lifecycle ----
 
-    def start(self) -> ApiStateCache:
-        self._unregister = self.informer.add_handler(self._on_batch)
+    def start(self, wrap: Callable[[Callable[[Batch], None]], Callable[[Batch], None]] | None = None
+              ) -> ApiStateCache:
+        """Register with the informer; ``wrap``: a wrapper of the batch handler (e.g. the
+        stall log's timing, api/stalls.py), applied once here."""
+        handler = self._on_batch if wrap is None else wrap(self._on_batch)
+        self._unregister = self.informer.add_handler(handler)
         if self._own_informer:
             self.informer.start()
         return self
@@ -232,6 +255,49 @@ class ApiStateCache:
             names.update(t.snap.nodes)
         out = sorted(names)
         self._names = (version, out)
+        return out
+
+    def _racks(self) -> tuple[list[str], dict[str, tuple[str, ...]]]:
+        t = self._tables()
+        with self._lock:
+            version = (t.epoch, t.names_ver)
+            if self._placement[0] == version:
+                return self._placement[1], self._placement[2]
+            s = t.snap
+            snap = Snapshot(racks=dict(s.racks), nodes=dict(s.nodes))
+        members = rack_members(snap)
+        names = sorted(members)
+        with self._rack_lock:
+            self._placement = (version, names, members)
+            for gone in self._rack_json.keys() - members.keys():
+                del self._rack_json[gone]
+        return names, members
+
+    def rack_names(self) -> list[str]:
+        """Every rack, sorted (kept until the racks or a node's placement may change)."""
+        return self._racks()[0]
+
+    def rack_rows(self, racks: list[str]) -> list[bytes]:
+        """The ``RackView`` JSON of each of ``racks`` that exists, in order: O(the racks'
+        nodes) look-ups, re-rendered only when the rack or one of its nodes changed."""
+        members = self._racks()[1]
+        t = self._tables()
+        with self._lock:
+            wanted = [(r, t.snap.racks.get(r), members.get(r, ())) for r in racks]
+            wanted = [(r, rack, m, tuple(t.node_ver.get(n, 0) for n in m))
+                      for r, rack, m in wanted if rack is not None]
+        out = []
+        for name, rack, nodes, vers in wanted:
+            with self._rack_lock:
+                kept = self._rack_json.get(name)
+            if kept is not None and kept[0] is rack and kept[1] == nodes and kept[2] == vers:
+                out.append(kept[3])
+                continue
+            body = render_rack(rack, self.node_rows(list(nodes)))
+            with self._rack_lock:
+                if name in self._placement[2]:  # not a rack gone meanwhile
+                    self._rack_json[name] = (rack, nodes, vers, body)
+            out.append(body)
         return out
 
     def version(self, resource: str, name: str = "") -> tuple:

@@ -40,3 +40,20 @@ class RenderMemo:
                 while len(self._kept) > self._max:
                     self._kept.popitem(last=False)
         return Response(content=body, media_type="application/json")
+
+    def value(self, kind: str, name: str, sources: tuple, make: Callable[[], object]) -> object:
+        """``make()``, kept while every object of ``sources`` is the same one (identity)."""
+        key = (kind, name)
+        with self._lock:
+            kept = self._kept.get(key)
+            if kept is not None:
+                self._kept.move_to_end(key)
+        if kept is not None and len(kept[0]) == len(sources) and all(
+                a is b for a, b in zip(kept[0], sources, strict=True)):
+            return kept[1]
+        made = make()
+        with self._lock:
+            self._kept[key] = (sources, made)
+            while len(self._kept) > self._max:
+                self._kept.popitem(last=False)
+        return made

@@ -116,9 +116,9 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
     etcd = create_etcd(settings)
     stall = stalls.from_env()  # TPFLEX_DEBUG_REST_STALLS: a debugging aid, off by default
     cache = ApiStateCache(etcd, row_cache_nodes=r.row_cache_nodes, on_warm=settle_heap)
-    if stall is not None:
-        cache._on_batch = stalls.timed_handler(stall, cache._on_batch)
-    cache.start()  # its own informer
+    # its own informer; the stall log times each batch folded
+    cache.start(wrap=None if stall is None else (lambda handler: stalls.timed_handler(stall, handler)))
+    full_gc = FullCollections().start()  # settle_heap turns the automatic ones off
     deps = ApiDeps(
         store=Store(etcd), etcd=etcd, tokens=tokens, registry=registry, steps=link,
         state=cache, max_in_flight=r.max_in_flight, busy_wait_s=r.busy_wait_s,
@@ -141,9 +141,14 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
     try:
         server.run(sockets=[sock])  # SIGTERM/SIGINT: uvicorn stops gracefully
     finally:
+        full_gc.stop()
         cache.stop()
         etcd.close()
     return 0
+
+
+FULL_COLLECTION_S = 300.0  # the REST process's full collections: one every 5 minutes
+_NO_AUTOMATIC_FULL = 1_000_000  # gen-1 collections between automatic full ones: never
 
 
 def settle_heap() -> None:
@@ -154,10 +159,51 @@ def settle_heap() -> None:
     objects) took 77 to 293 ms with the GIL held (TPFLEX_DEBUG_REST_STALLS), stalling
     every request in flight, and found 0 to 5 unreachable objects: the view makes no
     cyclic garbage, and frozen objects are still freed by reference counting when a
-    change or a re-list replaces them."""
+    change or a re-list replaces them.
+
+    Then automatic full collections stop (young collections go on): with the view
+    frozen, CPython's rule that holds a full collection back until the objects promoted
+    since the last one reach a quarter of the long-lived ones no longer held, and one
+    ran every ~3 s under the load benchmark, 57 to 335 ms each over ~40,000 objects,
+    collecting nothing (``bench/load.py`` with the stall log). :class:`FullCollections`
+    runs them on a timer instead."""
     gc.collect()
     gc.freeze()
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, _NO_AUTOMATIC_FULL)
     log.info("rest process heap settled frozen_objects=%d", gc.get_freeze_count())
+
+
+class FullCollections:
+    """A full collection every ``interval_s`` on a daemon thread (what cyclic garbage
+    reaches the old generation is freed within that time); ``runs`` counts them."""
+
+    def __init__(self, interval_s: float = FULL_COLLECTION_S) -> None:
+        self.interval_s = interval_s
+        self.runs = 0
+        self._stop = threading.Event()
+        self._ran = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="rest-full-gc", daemon=True)
+
+    def start(self) -> FullCollections:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def wait_runs(self, n: int, timeout: float) -> bool:
+        with self._ran:
+            return self._ran.wait_for(lambda: self.runs >= n, timeout)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            found = gc.collect()
+            with self._ran:
+                self.runs += 1
+                self._ran.notify_all()
+            log.debug("rest process full collection unreachable=%d", found)
 
 
 def _die_with_parent() -> None:

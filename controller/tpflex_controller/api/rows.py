@@ -59,7 +59,7 @@ def render_node(node: str, found: tuple[Snapshot, str] | None) -> NodeRow | None
     if found is None:
         return None
     snap, rack = found
-    gpus = [g for g in views.gpu_views(snap) if g.node == node]
+    gpus = views.gpu_views(snap, node=node)
     counts = tuple(sum(g.state == st for g in gpus) for st in STATES)
     view = views.node_view(node, rack, snap, gpus)
     return NodeRow(
@@ -119,6 +119,27 @@ class RowCache:
             while len(self._rows) > self.max_nodes:
                 self._rows.popitem(last=False)
         return row
+
+
+def rack_members(snap: Snapshot) -> dict[str, tuple[str, ...]]:
+    """Every rack -> the nodes whose rows its counts come from: the nodes it lists, then
+    the registered nodes that no rack lists and that name it (a rack's GPU counts take
+    those rows' GPUs that are in the rack)."""
+    out = {name: tuple(rack.nodes) for name, rack in snap.racks.items()}
+    listed = {n for rack in snap.racks.values() for n in rack.nodes}
+    unlisted: dict[str, list[str]] = {}
+    for reg in snap.nodes.values():
+        if reg.name not in listed and reg.rack in out:
+            unlisted.setdefault(reg.rack, []).append(reg.name)
+    for name, extra in unlisted.items():
+        out[name] += tuple(extra)
+    return out
+
+
+def render_rack(rack, rows: list[NodeRow | None]) -> bytes:
+    """One rack's ``RackView`` JSON from its members' rows (pure)."""
+    gpus = [g for r in rows if r is not None for g in r.gpus if g.rack == rack.name]
+    return views.rack_view(rack, gpus).model_dump_json().encode()
 
 
 def json_list(parts) -> bytes:

@@ -16,7 +16,7 @@ from tpflex_controller import convert
 from tpflex_controller.api import views
 from tpflex_controller.api.errors import invalid, not_found
 from tpflex_controller.api.index import NodeIndex
-from tpflex_controller.api.rows import NodeRow, render_node
+from tpflex_controller.api.rows import NodeRow, rack_members, render_node, render_rack
 from tpflex_controller.api.tables import node_subset
 from tpflex_controller.planner.model import JobSpec
 from tpflex_controller.store import Snapshot, Store
@@ -39,6 +39,8 @@ class ApiState(Protocol):
     def rack_count(self) -> int: ...
     def node_row(self, node: str) -> NodeRow | None: ...
     def node_rows(self, nodes: list[str]) -> list[NodeRow | None]: ...
+    def rack_names(self) -> list[str]: ...
+    def rack_rows(self, racks: list[str]) -> list[bytes]: ...
     def status_counts(self) -> tuple[int, int, tuple[int, ...]]: ...
     def nodes_in_state(self, state: str) -> list[str]: ...
 
@@ -120,6 +122,15 @@ class EtcdState:
 
     def node_rows(self, nodes: list[str]) -> list[NodeRow | None]:
         return [self.node_row(n) for n in nodes]
+
+    def rack_names(self) -> list[str]:
+        return sorted(self.store.racks())
+
+    def rack_rows(self, racks: list[str]) -> list[bytes]:
+        """The ``RackView`` JSON of each of ``racks`` that exists, in order."""
+        snap = read_cluster(self.store)
+        members = rack_members(snap)
+        return [render_rack(snap.racks[r], self.node_rows(list(members[r]))) for r in racks if r in snap.racks]
 
     def status_counts(self) -> tuple[int, int, tuple[int, ...]]:
         index = NodeIndex()

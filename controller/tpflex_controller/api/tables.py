@@ -12,7 +12,13 @@ from tpflex_proto.etcd import KeyValue
 from tpflex_proto.informer import Change as KeyChange
 from tpflex_proto.keys import Kind as KeyKind
 
-from tpflex_controller.store import ASSEMBLER, Snapshot, apply_kv, decode_or_skip, fold_plan_key
+from tpflex_controller.store import (
+    ASSEMBLER,
+    Snapshot,
+    apply_kv,
+    decode_or_skip,
+    fold_plan_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +103,9 @@ class Tables:
             self.job_ver[k.name] = self.jobs_ver
         elif kind in _NODE_KEYS:
             self._touch(k.name)
-            if kind is KeyKind.NODE and deleted == (k.name in self.snap.nodes):
-                self.names_ver += 1  # a node registers or goes
+            if kind is KeyKind.NODE:
+                self._fold_node(k.name, kv, deleted, msg)
+                return
         if kind is KeyKind.LEADER:
             self._fold_leader(kv, deleted, msg)
         elif kind is KeyKind.EVENT:
@@ -116,6 +123,13 @@ class Tables:
             log.warning("skipping malformed etcd key key=%s", kv.key)
         else:
             apply_kv(self.snap, kv, deleted, msg)
+
+    def _fold_node(self, name: str, kv: KeyValue, deleted: bool, msg: Message | None) -> None:
+        old = self.snap.nodes.get(name)
+        apply_kv(self.snap, kv, deleted, msg)
+        new = self.snap.nodes.get(name)
+        if (old is None) != (new is None) or (old is not None and old.rack != new.rack):
+            self.names_ver += 1  # a node registers, goes, or names another rack
 
     def _fold_leader(self, kv: KeyValue, deleted: bool, msg: Message | None = None) -> None:
         self.leader_present = not deleted

@@ -27,16 +27,27 @@ _REPLICA_STATE = {
 }
 
 
-def gpu_locations(snap: Snapshot) -> dict[GpuKey, str]:
+def gpu_locations(snap: Snapshot, node: str | None = None) -> dict[GpuKey, str]:
     """Every GPU the controller knows of -> its rack: the racks' GPUs (registered or not)
-    and the devices of registered nodes that no rack lists."""
+    and the devices of registered nodes that no rack lists. ``node``: that node's GPUs
+    only (the same entries, without deriving every GPU of its rack: a rack of 18 nodes
+    made a one-node read build 72 GPUs' keys and views to keep 4)."""
     out: dict[GpuKey, str] = {}
+    if node is not None:
+        for rack in snap.racks.values():
+            if node in rack.nodes:
+                for i in range(rack.gpus_per_node):
+                    out[(node, i)] = rack.name
+        reg = snap.nodes.get(node)
+        for dev in reg.gpus if reg is not None else ():
+            out.setdefault((reg.name, dev.index), reg.rack)
+        return out
     for rack in snap.racks.values():
         for gpu in convert.rack_info(rack).gpus:
             out[gpu] = rack.name
-    for node in snap.nodes.values():
-        for dev in node.gpus:
-            out.setdefault((node.name, dev.index), node.rack)
+    for reg in snap.nodes.values():
+        for dev in reg.gpus:
+            out.setdefault((reg.name, dev.index), reg.rack)
     return out
 
 
@@ -48,12 +59,14 @@ def _devices_by_gpu(snap: Snapshot) -> dict[GpuKey, types_pb2.GpuDevice]:
     return {(n.name, d.index): d for n in snap.nodes.values() for d in n.gpus}
 
 
-def gpu_views(snap: Snapshot, state: ClusterState | None = None) -> list[s.GpuView]:
-    state = state or convert.cluster_state(snap)
+def gpu_views(snap: Snapshot, state: ClusterState | None = None, node: str | None = None) -> list[s.GpuView]:
+    """The views of every GPU known, sorted; ``node``: of that node's GPUs only."""
+    # a GPU's state does not depend on the racks' infos: one node's views skip deriving its rack's
+    state = state or convert.cluster_state(snap, racks={} if node is not None else None)
     health = _health_by_gpu(snap)
     devices = _devices_by_gpu(snap)
     views = []
-    for gpu, rack in sorted(gpu_locations(snap).items()):
+    for gpu, rack in sorted(gpu_locations(snap, node).items()):
         views.append(_gpu_view(gpu, rack, state, snap, health.get(gpu), devices.get(gpu)))
     return views
 

@@ -35,7 +35,7 @@ async def get_node(node: NodeName, deps: Deps) -> s.NodeDetail:
     if found is None:
         raise not_found(f"node {node!r} not found")
     snap, rack = found
-    gpus = [g for g in views.gpu_views(snap) if g.node == node]
+    gpus = views.gpu_views(snap, node=node)
     return s.NodeDetail(**views.node_view(node, rack, snap, gpus).model_dump(), gpu_list=gpus)
 
 
@@ -91,7 +91,7 @@ def _json(body: bytes, response: Response) -> Response:
 @router.get("/nodes/{node}/gpus/{index}", response_model=s.GpuView, summary="One GPU")
 async def get_gpu(node: NodeName, index: GpuIndex, deps: Deps) -> s.GpuView:
     found = deps.reads.node_cluster(node)
-    for g in views.gpu_views(found[0]) if found is not None else ():
+    for g in views.gpu_views(found[0], node=node) if found is not None else ():
         if (g.node, g.index) == (node, index):
             return g
     raise not_found(f"GPU {node}:{index} not found")
@@ -141,6 +141,6 @@ def undrain_gpu(node: NodeName, index: GpuIndex, deps: Deps, _: Admin) -> s.Drai
 def _existing_gpu(deps, node: str, index: int):
     found = deps.reads.node_cluster(node)
     snap = found[0] if found is not None else Snapshot()
-    known = {g: r for g, r in views.gpu_locations(snap).items() if g[0] == node}
+    known = views.gpu_locations(snap, node)
     if (node, index) not in known:
         raise unknown_gpu((node, index), known)

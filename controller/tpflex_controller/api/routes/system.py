@@ -46,23 +46,31 @@ def metrics(deps: Deps) -> Response:
 
 
 @status_router.get("/status", response_model=s.StatusView, summary="Cluster summary")
-def status(deps: Deps) -> s.StatusView:
+def status(deps: Deps) -> Response:
     reads = deps.reads
     nodes, live, counts = reads.status_counts()  # O(changes) from the watch-fed cache
     record = reads.leader()
     jobs = []
     for name, spec in sorted(reads.jobs().items()):
         plan = reads.plan(name)
-        jobs.append(s.JobStatus(
-            name=name, generation=plan.generation if plan else None,
-            policy=plan.policy if plan else (spec.policy or "ntp-pw"),
-            expected_throughput_ratio=plan.expected_throughput_ratio if plan else None,
-            replica_tp_degrees=[r.tp_degree for r in plan.replicas] if plan else [],
-            suspended_pins=len(plan.suspended_pins) if plan else 0,
-        ))
-    return s.StatusView(
+        # kept per (spec, plan) object: a plan's replicas are walked once, not per request
+        jobs.append(deps.memo.value("status", name, (spec, plan), lambda name=name, spec=spec, plan=plan:
+                                    _job_status(name, spec, plan)))
+    view = s.StatusView(
         leader=s.LeaderView(id=record.id, address=record.address, since=record.since) if record else None,
         etcd_revision=reads.revision(),
         racks=reads.rack_count(), nodes=nodes, live_nodes=live,
         gpus=s.GpuStateCounts(total=sum(counts), **dict(zip(STATES, counts, strict=True))), jobs=jobs,
+    )
+    # serialised once (a status always misses the response cache: it shows the revision)
+    return Response(content=view.model_dump_json(), media_type="application/json")
+
+
+def _job_status(name: str, spec, plan) -> s.JobStatus:
+    return s.JobStatus(
+        name=name, generation=plan.generation if plan else None,
+        policy=plan.policy if plan else (spec.policy or "ntp-pw"),
+        expected_throughput_ratio=plan.expected_throughput_ratio if plan else None,
+        replica_tp_degrees=[r.tp_degree for r in plan.replicas] if plan else [],
+        suspended_pins=len(plan.suspended_pins) if plan else 0,
     )
