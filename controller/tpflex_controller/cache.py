@@ -173,8 +173,9 @@ class ClusterView:
             index.remove(gen, pos)
         self.snap.plans.pop(p.job, None)  # decoded lazily by readers that need the proto
         for node, np in power.items():
-            self.power[node] = (np, rev)
-            self._key_revs[keys.power(node)] = rev
+            at = commit.power_revs.get(node, rev)  # written ahead of the header (commit_plan)
+            self.power[node] = (np, at)
+            self._key_revs[keys.power(node)] = at
         if commit.trim_event_seq and self.event_seqs and self.event_seqs[0] == commit.trim_event_seq:
             self.event_seqs.popleft()
         if commit.event_seq:

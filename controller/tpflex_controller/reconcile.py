@@ -429,6 +429,7 @@ class Reconciler:
         committed_at = self._clock()
         self.view.record_commit(p, commit, power, rev)
         self._own_revs.add(rev)
+        self._own_revs.update(commit.power_revs.values())  # power written ahead of the header
         self._power_seen.update(power)
         self.metrics.reconfigurations.labels(training_job=p.job, cause=p.cause).inc()
         degrees = changed_degrees(p)
