@@ -6,9 +6,11 @@ record bound to it; the leases are renewed from a process of their own
 and recovers GPUs at ``--rate`` events per minute (half failures, half recoveries of a
 GPU failed earlier) for ``--minutes``; meanwhile 200 REST clients read the API.
 Afterwards every committed plan is checked offline against ``tpflex_controller.planner
-.plan``: a decision is right when it equals the planner's output on a state the cluster
-actually passed through since that job's previous decision, and after the run settles
-every job's last plan equals the planner's output on the final state.
+.plan``: a decision is right when it equals the planner's output on a state the job's
+inputs (health writes, node losses) passed through, written before its commit and not
+before the state its previous decision matched (the earliest match:
+``bench/load_oracle.follow``), and after the run settles every job's last plan equals the
+planner's output on the final state.
 
 Besides, ``bench/load_oracle.py`` checks every plan against invariants it computes itself,
 without planner code (no failed GPU, degree = usable GPUs, caps within the GPU's limits
@@ -33,6 +35,12 @@ saturating load (the same clients back to back, no think time):
 covers failures written during the paced load, ``..._without_rest_load`` those outside
 both loads; plus the run's parameters and baselines measured in the same run
 (``etcd_put_p99_ms``, ``rest_single_client_p99_ms``).
+
+Debugging: ``TPFLEX_LOAD_DEBUG=1`` prints each wrong decision (with the states it was
+judged on) and the controller's log; ``TPFLEX_LOAD_DUMP=<file>`` pickles the checks' inputs
+(racks, jobs, every plan with its commit revision, the health writes, the node losses) to
+judge them again offline; ``TPFLEX_MEMTRACE_FRAMES=N`` (controller/.../memtrace.py) reaches
+the controller and slows it down: an honest way to make it lag (issue 14).
 
 Default ``--minutes 1`` (the issue's figures: ``--minutes 10``). Loopback only; every
 process it starts is stopped at the end; bounded in count and time.
