@@ -14,6 +14,7 @@ from tests.controller.controller_harness import (
     small_cluster,
     start_controller,
 )
+from tests.support.wait import wait_until
 
 
 def _health(etcd, failed: dict[str, set[int]], seq: int) -> None:
@@ -51,6 +52,23 @@ def test_one_generation_boosting_seven_racks_of_18_nodes_commits_and_the_next_to
         _health(etcd, {n: set() for r in racks[:7] for n in r.nodes[:9]}, seq=3)
         third = watcher.wait_generation(3)
         assert [r.tp_degree for r in third.replicas] == [full] * 8 and not third.power_caps
+        assert all(set(_caps(etcd, n, r).values()) == {r.gpu_tdp_w} for r in racks for n in r.nodes)
+    finally:
+        ctl.stop()
+        watcher.close()
+
+
+def test_deleting_a_job_that_boosted_126_nodes_puts_them_all_back_to_tdp(etcd_server, etcd):
+    racks = small_cluster(etcd, racks=8, nodes_per_rack=18, gpus_per_node=4)
+    put_job(etcd, racks)
+    watcher = PlanWatcher(etcd, "job1")
+    ctl = start_controller(etcd_server.endpoints)
+    try:
+        watcher.wait_generation(1)
+        _health(etcd, {n: {0} for r in racks[:7] for n in r.nodes[:9]}, seq=2)
+        assert len({c.gpu.node for c in watcher.wait_generation(2).power_caps}) == 126
+        etcd.delete(keys.job_spec("job1"))
+        wait_until(lambda: etcd.get(keys.job_plan("job1")) is None, 10, "the deleted job's plan retired")
         assert all(set(_caps(etcd, n, r).values()) == {r.gpu_tdp_w} for r in racks for n in r.nodes)
     finally:
         ctl.stop()
