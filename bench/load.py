@@ -6,9 +6,11 @@ record bound to it; the leases are renewed from a process of their own
 and recovers GPUs at ``--rate`` events per minute (half failures, half recoveries of a
 GPU failed earlier) for ``--minutes``; meanwhile 200 REST clients read the API.
 Afterwards every committed plan is checked offline against ``tpflex_controller.planner
-.plan``: a decision is right when it equals the planner's output on a state the cluster
-actually passed through since that job's previous decision, and after the run settles
-every job's last plan equals the planner's output on the final state.
+.plan``: a decision is right when it equals the planner's output on a state the job's
+inputs (health writes, node losses) passed through, written before its commit and not
+before the state its previous decision matched (the earliest match:
+``bench/load_oracle.follow``), and after the run settles every job's last plan equals the
+planner's output on the final state.
 
 Besides, ``bench/load_oracle.py`` checks every plan against invariants it computes itself,
 without planner code (no failed GPU, degree = usable GPUs, caps within the GPU's limits
@@ -33,6 +35,12 @@ saturating load (the same clients back to back, no think time):
 covers failures written during the paced load, ``..._without_rest_load`` those outside
 both loads; plus the run's parameters and baselines measured in the same run
 (``etcd_put_p99_ms``, ``rest_single_client_p99_ms``).
+
+Debugging: ``TPFLEX_LOAD_DEBUG=1`` prints each wrong decision (with the states it was
+judged on) and the controller's log; ``TPFLEX_LOAD_DUMP=<file>`` pickles the checks' inputs
+(racks, jobs, every plan with its commit revision, the health writes, the node losses) to
+judge them again offline; ``TPFLEX_MEMTRACE_FRAMES=N`` (controller/.../memtrace.py) reaches
+the controller and slows it down: an honest way to make it lag (issue 14).
 
 Default ``--minutes 1`` (the issue's figures: ``--minutes 10``). Loopback only; every
 process it starts is stopped at the end; bounded in count and time.
@@ -60,7 +68,7 @@ from tpflex_proto import codec, keys, planstore, types_pb2
 from tpflex_proto.etcd import Etcd, EtcdError, Op
 
 from bench.lease_keeper import LeaseKeeper
-from bench.load_oracle import InvariantOracle
+from bench.load_oracle import InvariantOracle, JobState, follow, job_states
 from tests.support.etcd_server import EtcdCluster
 from tests.support.ports import free_ports
 
@@ -227,7 +235,10 @@ def _seed(etcd: Etcd, nodes: int) -> tuple[list[types_pb2.Rack], dict[str, types
 
 def _start_controller(endpoints: list[str], workdir: Path, rest_nice: int = 0) -> tuple[subprocess.Popen, str]:
     rest_port, trainer_port = free_ports(2)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TPFLEX_") or k.startswith("TPFLEX_DEBUG_")}
+    # the controller's settings are the bench's; debug switches pass (TPFLEX_DEBUG_*, and
+    # TPFLEX_MEMTRACE_FRAMES: tracemalloc in the controller, a way to make it lag)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("TPFLEX_") or k.startswith("TPFLEX_DEBUG_") or k == "TPFLEX_MEMTRACE_FRAMES"}
     env["TPFLEX_CONTROLLER__FLAP_HOLD_DOWN_S"] = "0"  # every change is a decision to check
     env["TPFLEX_CONTROLLER__LOG_LEVEL"] = "WARNING"
     env["TPFLEX_REST__NICE"] = str(rest_nice)
@@ -278,60 +289,67 @@ def _stop_generators() -> None:
 
 
 class DecisionChecker:
+    """Each committed plan against ``tpflex_controller.planner.plan`` on the states the
+    job's inputs passed through (``bench/load_oracle.job_states``: health writes and node
+    losses, a lost node neither live nor reporting health, as the controller sees it)."""
+
     def __init__(self, racks: list[types_pb2.Rack], jobs: dict[str, types_pb2.JobSpec],
                  nodes: list[str]) -> None:
         self.racks = {r.name: convert.rack_info(r) for r in racks}
+        self.node_rack = {n: r.name for r in racks for n in r.nodes}
         self.live = frozenset(nodes)
         self.specs = {name: convert.job_spec(spec, self.racks) for name, spec in jobs.items()}
         self.job_racks = {name: {st.rack for rep in spec.replicas for st in rep.stages}
                           for name, spec in jobs.items()}
 
-    def expected(self, job: str, failed: dict[str, frozenset[int]]):
-        status = {(n, i): GpuStatus.FAILED for n, idx in failed.items() for i in idx}
-        state = ClusterState(racks=self.racks, gpu_status=status, live_nodes=self.live)
+    def expected(self, job: str, failed: dict[str, frozenset[int]], lost: frozenset[str] = frozenset()):
+        status = {(n, i): GpuStatus.FAILED for n, idx in failed.items() if n not in lost for i in idx}
+        state = ClusterState(racks=self.racks, gpu_status=status, live_nodes=self.live - lost)
         return planner_plan(state, self.specs[job])
 
-    def check(self, job: str, plans, events, node_rack: dict[str, str]) -> tuple[int, int]:
-        """(checked, wrong) for one job's plan sequence.
+    def states(self, job: str, events, losses=()) -> list[JobState]:
+        return job_states(events, losses, lambda n: self.node_rack[n] in self.job_racks[job])
 
-        ``states[k]`` is the job's failed set after its k-th health event. The controller's
-        view only moves forward, so decision i must equal the planner's output on some
-        ``states[k]`` with ``lower <= k <= upper``: ``lower`` the state that matched the
-        previous decision, ``upper`` the last event written before decision i's commit."""
-        mine = [e for e in events if node_rack[e[2]] in self.job_racks[job]]
-        states: list[dict[str, frozenset[int]]] = [{}]
-        for e in mine:
-            states.append({**states[-1], e[2]: e[3]})
-        checked = wrong = lower = upper = 0
-        for rev, _, proto in plans:
-            while upper < len(mine) and mine[upper][0] < rev:
-                upper += 1
-            decision = convert.plan_from_proto(proto)
+    def check(self, job: str, plans, events, losses=()) -> tuple[int, int]:
+        """(checked, wrong) for one job's plan sequence: decision i must equal the
+        planner's output on a state its inputs passed through, not before the one
+        decision i-1 matched and written before decision i's commit
+        (``bench/load_oracle.follow``)."""
+        states = self.states(job, events, losses)
+        memo: dict[int, object] = {}
+
+        def passes(decision, k: int) -> bool:
+            for old in [i for i in memo if i < k - 64]:  # the states left behind
+                del memo[old]
+            if k not in memo:
+                memo[k] = self.expected(job, states[k].failed, states[k].lost)
+            return memo[k].same_decision(decision)
+
+        decisions = [(rev, t, convert.plan_from_proto(p)) for rev, t, p in plans]
+        checked = wrong = 0
+        for (_, _, proto), j in zip(plans, follow(decisions, states, passes), strict=True):
             checked += 1
-            match = next((k for k in range(upper, lower - 1, -1)
-                          if self.expected(job, states[k]).same_decision(decision)), None)
-            if match is not None:
-                lower = match
+            if j.match is not None:
                 continue
             wrong += 1
             if os.environ.get("TPFLEX_LOAD_DEBUG"):
-                exp = self.expected(job, states[upper])
+                exp = self.expected(job, states[j.upper].failed, states[j.upper].lost)
                 diff = [(a.index, a.tp_degree, b.tp_degree)
-                        for a, b in zip(exp.replicas, decision.replicas, strict=False) if a != b]
-                anywhere = [k for k in range(len(states)) if self.expected(job, states[k]).same_decision(decision)]
+                        for a, b in zip(exp.replicas, j.plan.replicas, strict=False) if a != b]
+                anywhere = [k for k in range(len(states)) if passes(j.plan, k)]
                 print(f"wrong decision job={job} generation={proto.generation} cause={proto.cause} "
-                      f"rev={rev} states={lower}..{upper} replica_diffs={diff[:5]} matches_at={anywhere} "
-                      f"event_revs={[e[0] for e in mine[max(0, lower - 3):upper + 2]]}", file=sys.stderr)
+                      f"rev={j.revision} states={j.lower}..{j.upper} replica_diffs={diff[:5]} matches_at={anywhere} "
+                      f"state_revs={[st.revision for st in states[max(0, j.lower - 3):j.upper + 2]]}",
+                      file=sys.stderr)
         return checked, wrong
 
-    def check_final(self, job: str, plans, events, node_rack: dict[str, str]) -> bool:
-        failed: dict[str, frozenset[int]] = {}
-        for e in events:
-            if node_rack[e[2]] in self.job_racks[job]:
-                failed[e[2]] = e[3]
-        ok = bool(plans) and self.expected(job, failed).same_decision(convert.plan_from_proto(plans[-1][2]))
-        if not ok and os.environ.get("TPFLEX_LOAD_DEBUG"):
-            exp, got = self.expected(job, failed), convert.plan_from_proto(plans[-1][2])
+    def check_final(self, job: str, plans, events, losses=()) -> bool:
+        """Whether the job's last plan is the planner's output on the final state."""
+        last = self.states(job, events, losses)[-1]
+        exp = self.expected(job, last.failed, last.lost)
+        ok = bool(plans) and exp.same_decision(convert.plan_from_proto(plans[-1][2]))
+        if not ok and plans and os.environ.get("TPFLEX_LOAD_DEBUG"):
+            got = convert.plan_from_proto(plans[-1][2])
             print(f"final mismatch job={job} generation={plans[-1][2].generation}", file=sys.stderr)
             for a, b in zip(exp.replicas, got.replicas, strict=False):
                 if a != b:
@@ -365,6 +383,17 @@ def _failure_to_commit_ms(log: PlanLog, fleet: NodeFleet, checker: DecisionCheck
             if nxt is not None:
                 out.append((nxt - t) * 1000)
     return out
+
+
+def _dump(path: Path, racks, jobs, plans, events, losses) -> None:
+    """The offline checks' inputs as one pickle (debug: ``TPFLEX_LOAD_DUMP=path``)."""
+    import pickle
+
+    data = {"racks": [r.SerializeToString() for r in racks],
+            "jobs": {n: s.SerializeToString() for n, s in jobs.items()},
+            "plans": {j: [(rev, t, p.SerializeToString()) for rev, t, p in v] for j, v in plans.items()},
+            "events": list(events), "losses": list(losses)}
+    path.write_bytes(pickle.dumps(data))
 
 
 def _cpu_s(pid: int) -> float:
@@ -505,7 +534,8 @@ def _run(args, workdir: Path) -> dict:
                 return True
             with log._lock:
                 snapshot = {j: list(v) for j, v in log.plans.items()}
-            return all(checker.check_final(j, snapshot.get(j, []), fleet.events, fleet.node_rack) for j in jobs)
+            lost = nodelog.losses()
+            return all(checker.check_final(j, snapshot.get(j, []), fleet.events, losses=lost) for j in jobs)
 
         _wait(settled, 120, "controller settled")
         settle_ms = (time.monotonic() - injected_at) * 1000
@@ -516,14 +546,16 @@ def _run(args, workdir: Path) -> dict:
         with log._lock:
             plans = {j: list(v) for j, v in log.plans.items()}
         losses = nodelog.losses()
+        if os.environ.get("TPFLEX_LOAD_DUMP"):  # debug: the checkers' inputs, to judge offline
+            _dump(Path(os.environ["TPFLEX_LOAD_DUMP"]), racks, jobs, plans, fleet.events, losses)
         rss_end = _rss_mb(ctl.pid)
         rest_rss["end"] = _rss_mb(rest_pid) if rest_pid else -1.0
         checked = wrong = final_wrong = 0
         checks_at = time.monotonic()
         for job in jobs:
-            c, w = checker.check(job, plans.get(job, []), fleet.events, fleet.node_rack)
+            c, w = checker.check(job, plans.get(job, []), fleet.events, losses=losses)
             checked, wrong = checked + c, wrong + w
-            final_wrong += not checker.check_final(job, plans.get(job, []), fleet.events, fleet.node_rack)
+            final_wrong += not checker.check_final(job, plans.get(job, []), fleet.events, losses=losses)
         oracle = InvariantOracle(racks, jobs)
         violations = [v for job in jobs for v in oracle.check(job, plans.get(job, []), fleet.events, losses)]
         for v in violations[:10]:

@@ -14,15 +14,72 @@ A node whose registration or health record was deleted (its lease lapsed or was 
 is lost from that revision on: none of its GPUs is usable (``losses``).
 
 A plan may reflect any state from the one its predecessor reflected up to the last health
-write before its commit; it passes when one of those states satisfies every rule."""
+write before its commit; it passes when one of those states satisfies every rule. The
+controller's view only moves forward, so the states the plans reflect must not decrease;
+of the states a plan passes on, the earliest is taken as the one it reflects (``follow``):
+a later one would wrongly rule out states a lagging controller really planned on next
+(a GPU failed and recovered again while a plan was being made: the plan passes on the
+states before and after both, the next plan may reflect the failure).
+
+``job_states`` and ``follow`` are shared with the planner check (``bench/load.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 from tpflex_proto import types_pb2
 
 Failed = dict[str, frozenset[int]]  # node -> failed GPU indices
+
+
+class JobState(NamedTuple):
+    """One state of a job's inputs: what the controller could have planned on."""
+
+    revision: int  # of the write that made it (0: the start of the run)
+    failed: Failed  # the health records as last written (a lost node keeps its last one)
+    lost: frozenset[str]  # nodes whose keys were deleted (lease lapsed or revoked)
+
+
+def job_states(events, losses, in_job: Callable[[str], bool]) -> list[JobState]:
+    """The states a job's inputs passed through, in revision order, from the run's health
+    writes ``events`` (revision, t, node, failed set, ...) and node ``losses`` (revision,
+    node) of the nodes ``in_job`` says matter; ``[0]`` is the start (all healthy)."""
+    writes = sorted([(e[0], e[2], frozenset(e[3])) for e in events if in_job(e[2])]
+                    + [(rev, n, None) for rev, n in losses if in_job(n)], key=lambda w: w[0])
+    out = [JobState(0, {}, frozenset())]
+    for rev, node, failed in writes:
+        last = out[-1]
+        if node in last.lost:
+            continue  # gone for good: nothing of it counts again
+        if failed is None:
+            out.append(JobState(rev, last.failed, last.lost | {node}))
+        else:
+            out.append(JobState(rev, {**last.failed, node: failed}, last.lost))
+    return out
+
+
+class Judged(NamedTuple):
+    revision: int  # the plan's commit revision
+    plan: object
+    lower: int  # the states the plan may reflect: states[lower..upper]
+    upper: int
+    match: int | None  # the earliest of them it passes on; None: none
+
+
+def follow(plans, states: list[JobState], passes: Callable[[object, int], bool]) -> Iterator[Judged]:
+    """Judge a job's plans ``(revision, arrival, plan)``, in commit order, against
+    ``states``: plan i may reflect a state written before its commit and not before the
+    one plan i-1 reflected; ``passes(plan, k)`` says whether it is right on state k. The
+    earliest such k is taken (the choice that leaves the later plans the most room)."""
+    lower = upper = 0
+    for rev, _, plan in plans:
+        while upper + 1 < len(states) and states[upper + 1].revision < rev:
+            upper += 1
+        match = next((k for k in range(lower, upper + 1) if passes(plan, k)), None)
+        yield Judged(rev, plan, lower, upper, match)
+        if match is not None:
+            lower = match
 
 
 class InvariantOracle:
@@ -82,29 +139,27 @@ class InvariantOracle:
         """Violations of one job's plan sequence; ``plans`` (revision, arrival, Plan) in
         order, ``events`` (revision, t, node, failed set, is_failure, ...) of the whole run,
         ``losses`` (revision, node) of the nodes lost (keys deleted), in revision order."""
-        mine = sorted([(e[0], e[2], frozenset(e[3])) for e in events if self.node_rack[e[2]] in self.job_racks[job]]
-                      + [(rev, n, None) for rev, n in losses if self.node_rack[n] in self.job_racks[job]],
-                      key=lambda e: e[0])
-        states: list[Failed] = [{}]
-        lost: set[str] = set()
-        for _, node, failed in mine:
-            if failed is None or node in lost:  # lost: no GPU of the node usable, for good
-                lost.add(node)
-                failed = frozenset(range(self.racks[self.node_rack[node]].gpus_per_node))
-            states.append({**states[-1], node: failed})
+        states = job_states(events, losses, lambda n: self.node_rack[n] in self.job_racks[job])
+        failed = [self._unusable(st) for st in states]
         out: list[str] = []
-        lower = upper = 0
         expect_gen = plans[0][2].generation if plans else 1
-        for rev, _, plan in plans:
+        for plan in (p for _, _, p in plans):
             if plan.generation != expect_gen:
                 out.append(f"job {job}: generation {plan.generation} after {expect_gen - 1}")
             expect_gen = plan.generation + 1
-            while upper < len(mine) and mine[upper][0] < rev:
-                upper += 1
-            ok = next((k for k in range(upper, lower - 1, -1) if not self.violations(job, plan, states[k])), None)
-            if ok is None:
-                out += [f"job {job} generation {plan.generation}: {v}"
-                        for v in self.violations(job, plan, states[upper])[:3]]
-            else:
-                lower = ok
+        for j in follow(plans, states, lambda plan, k: not self.violations(job, plan, failed[k])):
+            if j.match is not None:
+                continue
+            # on the candidate state it breaks the fewest rules on
+            worst = min(range(j.lower, j.upper + 1), key=lambda k: len(self.violations(job, j.plan, failed[k])))
+            where = (f"(commit revision {j.revision}, inputs {j.lower}..{j.upper} at revisions "
+                     f"{states[j.lower].revision}..{states[j.upper].revision}, judged on {worst})")
+            out += [f"job {job} generation {j.plan.generation}: {v} {where}"
+                    for v in self.violations(job, j.plan, failed[worst])[:3]]
         return out
+
+    def _unusable(self, st: JobState) -> Failed:
+        """Failed GPUs, a lost node's all of them."""
+        if not st.lost:
+            return st.failed
+        return {**st.failed, **{n: frozenset(range(self.racks[self.node_rack[n]].gpus_per_node)) for n in st.lost}}

@@ -179,23 +179,27 @@ class ClusterView:
         index.release(commit.generation)  # the view plans from the current plan only
         self.snap.plans.pop(p.job, None)  # decoded lazily by readers that need the proto
         for node, np in power.items():
-            self.power[node] = (np, rev)
-            self._key_revs[keys.power(node)] = rev
+            at = commit.power_revs.get(node, rev)  # written ahead of the header (commit_plan)
+            self.power[node] = (np, at)
+            self._key_revs[keys.power(node)] = at
         if commit.trim_event_seq and self.event_seqs and self.event_seqs[0] == commit.trim_event_seq:
             self.event_seqs.popleft()
         if commit.event_seq:
             self.event_seqs.append(commit.event_seq)
 
-    def forget_plan(self, job: str, power: dict[str, types_pb2.NodePowerPlan], rev: int) -> None:
-        """Fold the removal of a deleted job's plan this process made at ``rev``."""
+    def forget_plan(self, job: str, power: dict[str, types_pb2.NodePowerPlan], rev: int,
+                    power_revs: dict[str, int] | None = None) -> None:
+        """Fold the removal of a deleted job's plan this process made at ``rev`` (its power
+        writes at ``power_revs``, node -> revision, where given)."""
         self.plans.pop(job, None)
         self.snap.plans.pop(job, None)
         self.snap.plan_parts.pop(job, None)
         self.acks.pop(job, None)
         self._key_revs[keys.job_plan(job)] = rev
         for node, np in power.items():
-            self.power[node] = (np, rev)
-            self._key_revs[keys.power(node)] = rev
+            at = (power_revs or {}).get(node, rev)
+            self.power[node] = (np, at)
+            self._key_revs[keys.power(node)] = at
 
     # ---- folding ----
 

@@ -51,6 +51,11 @@ class PlanCommit:
     trim_history_generation: int = 0  # a history generation to delete; 0 = none
     trim_parts: list[tuple[int, int]] = field(default_factory=list)  # dead (gen, position)
     clear_generations: list[int] = field(default_factory=list)  # stale staged parts to drop
+    # nodes whose desired power is written in one transaction (a rack's: its caps never mix
+    # two generations, so its budget holds); nodes in no group go one by one
+    power_groups: list[list[str]] = field(default_factory=list)
+    # set by commit_plan: node -> etcd revision its power key was written at
+    power_revs: dict[str, int] = field(default_factory=dict)
 
 
 def default_plan_fn() -> PlanFn:
@@ -119,8 +124,16 @@ def build_commit(
         trim_history_generation=max(0, generation - history_size),
         trim_parts=trims,
         clear_generations=stale,
+        power_groups=_by_rack(view, power),
     )
     return commit, power, event
+
+
+def _by_rack(view: ClusterView, power) -> list[list[str]]:
+    groups: dict[str, list[str]] = {}
+    for node in sorted(power):
+        groups.setdefault(view.node_rack.get(node, ""), []).append(node)
+    return list(groups.values())
 
 
 def commit_plan(session: LeaderSession, c: PlanCommit) -> int:
@@ -129,15 +142,24 @@ def commit_plan(session: LeaderSession, c: PlanCommit) -> int:
 
     Its changed parts go first in the same transaction, or, when they would not fit in one
     (``MAX_TXN_OPS`` / ``MAX_TXN_BYTES``), in earlier fenced transactions under the new
-    generation's number, which readers ignore until the header names it. Raises Conflict
-    when the plan or a power key moved since it was read."""
+    generation's number, which readers ignore until the header names it. Desired power that
+    would not fit next to the header (one put and one compare per node: a generation that
+    folds many changes) goes in earlier fenced transactions of whole ``power_groups``
+    (racks), each compared with what it replaces; ``c.power_revs`` gets the revision of
+    every node's write. Raises Conflict when the plan or a power key moved since it was
+    read."""
     plan_key = keys.job_plan(c.job)
     unchanged = Cmp.mod_revision(plan_key, "==", c.prev_plan_mod_revision)
     tail = [Op.put(plan_key, c.header), Op.put(keys.job_plan_history(c.job, c.generation), c.header)]
     compare = [unchanged]
-    for node, (value, mod_rev) in sorted(c.power.items()):
-        compare.append(Cmp.mod_revision(keys.power(node), "==", mod_rev))
-        tail.append(Op.put(keys.power(node), value))
+    # next to the header: its two puts, the event's put and two trims, the dead parts
+    final, early = _power_batches(c.power, c.power_groups, room=MAX_TXN_OPS - len(tail) - 3 - len(c.trim_parts))
+    for batch in early:
+        rev = _fenced(session, [unchanged, *_power_compares(c, batch)],
+                      [Op.put(keys.power(n), c.power[n][0]) for n in batch], c.job)
+        c.power_revs.update(dict.fromkeys(batch, rev))
+    compare += _power_compares(c, final)
+    tail += [Op.put(keys.power(n), c.power[n][0]) for n in final]
     if c.event_seq:
         tail.append(Op.put(keys.event(c.event_seq), c.event_bytes))
     if c.trim_event_seq:
@@ -157,7 +179,32 @@ def commit_plan(session: LeaderSession, c: PlanCommit) -> int:
         chunk = _chunk(parts)
         _fenced(session, [unchanged], chunk, c.job)
         parts = parts[len(chunk):]
-    return _fenced(session, compare, [*parts, *tail], c.job)
+    rev = _fenced(session, compare, [*parts, *tail], c.job)
+    c.power_revs.update(dict.fromkeys(final, rev))
+    return rev
+
+
+def _power_batches(power, power_groups: list[list[str]], room: int) -> tuple[list[str], list[list[str]]]:
+    """The nodes of ``power`` whose write goes with the header (as many whole groups as
+    ``room`` holds), and the batches of whole groups written before it (at most half the
+    op limit each, a group larger than that alone)."""
+    grouped = {n for g in power_groups for n in g}
+    groups = [[n for n in g if n in power] for g in power_groups]
+    groups = [g for g in groups if g] + [[n] for n in sorted(power) if n not in grouped]
+    final: list[str] = []
+    early: list[list[str]] = []
+    for g in groups:
+        if len(final) + len(g) <= room and not early:
+            final += g
+        elif early and len(early[-1]) + len(g) <= MAX_TXN_OPS // 2:
+            early[-1] += g
+        else:
+            early.append(list(g))
+    return final, early
+
+
+def _power_compares(c, nodes: list[str]) -> list:
+    return [Cmp.mod_revision(keys.power(n), "==", c.power[n][1]) for n in nodes]
 
 
 def fits(ops: list) -> bool:
@@ -302,20 +349,42 @@ def pin_changes(p: Planned) -> dict[str, list[SuspendedPin]]:
     }
 
 
-def build_retire(
-    view: ClusterView, job: str
-) -> tuple[list, list, dict[str, types_pb2.NodePowerPlan]] | None:
+@dataclass
+class RetireCommit:
     """What removing a deleted job's plan writes: the plan and its history go, and the
-    nodes whose caps the plan set go back to their TDP. (compare, ops, power) for one
-    fenced transaction; None when the job has no plan."""
+    nodes whose caps the plan set go back to their TDP."""
+
+    job: str
+    plan_mod_revision: int
+    power: dict[str, tuple[bytes, int]]  # node -> (encoded NodePowerPlan, revision it replaces)
+    power_groups: list[list[str]]  # as PlanCommit's
+    power_revs: dict[str, int] = field(default_factory=dict)  # set by commit_retire
+
+
+def build_retire(view: ClusterView, job: str) -> tuple[RetireCommit, dict[str, types_pb2.NodePowerPlan]] | None:
+    """The retirement of a deleted job's plan (None when it has none) and the nodes' new
+    desired power."""
     rec = view.plans.get(job)
     if rec is None:
         return None
     power = desired_power(view, rec.decision().power_caps, {})
-    compare = [Cmp.mod_revision(keys.job_plan(job), "==", rec.mod_revision)]
-    ops = [Op.delete(keys.job_plan(job)), Op.delete_prefix(keys.job_plan_histories(job)),
-           Op.delete_prefix(keys.job_assigns(job))]
-    for node, np in sorted(power.items()):
-        compare.append(Cmp.mod_revision(keys.power(node), "==", view.power.get(node, (None, 0))[1]))
-        ops.append(Op.put(keys.power(node), codec.encode(np)))
-    return compare, ops, power
+    encoded = {n: (codec.encode(np), view.power.get(n, (None, 0))[1]) for n, np in power.items()}
+    return RetireCommit(job, rec.mod_revision, encoded, _by_rack(view, power)), power
+
+
+def commit_retire(session: LeaderSession, c: RetireCommit) -> int:
+    """Delete the plan by compare-and-swap, its nodes' caps back to TDP; power that would
+    not fit next to the deletes goes first, in fenced transactions of whole racks (as in
+    ``commit_plan``). Returns the deletes' revision; raises Conflict."""
+    unchanged = Cmp.mod_revision(keys.job_plan(c.job), "==", c.plan_mod_revision)
+    ops = [Op.delete(keys.job_plan(c.job)), Op.delete_prefix(keys.job_plan_histories(c.job)),
+           Op.delete_prefix(keys.job_assigns(c.job))]
+    final, early = _power_batches(c.power, c.power_groups, room=MAX_TXN_OPS - len(ops))
+    for batch in early:
+        rev = _fenced(session, [unchanged, *_power_compares(c, batch)],
+                      [Op.put(keys.power(n), c.power[n][0]) for n in batch], c.job)
+        c.power_revs.update(dict.fromkeys(batch, rev))
+    rev = _fenced(session, [unchanged, *_power_compares(c, final)],
+                  [*ops, *(Op.put(keys.power(n), c.power[n][0]) for n in final)], c.job)
+    c.power_revs.update(dict.fromkeys(final, rev))
+    return rev

@@ -41,6 +41,7 @@ from tpflex_controller.planning import (
     build_retire,
     changed_degrees,
     commit_plan,
+    commit_retire,
     pin_events,
     rank_count,
     rank_count_since,
@@ -430,6 +431,7 @@ class Reconciler:
         committed_at = self._clock()
         self.view.record_commit(p, commit, power, rev)
         self._own_revs.add(rev)
+        self._own_revs.update(commit.power_revs.values())  # power written ahead of the header
         self._power_seen.update(power)
         self.metrics.reconfigurations.labels(training_job=p.job, cause=p.cause).inc()
         degrees = changed_degrees(p)
@@ -474,20 +476,22 @@ class Reconciler:
 
     def _retire(self, job: str) -> None:
         """A deleted job: its plan and history leave etcd and the caps it set go back to
-        TDP, in one fenced transaction."""
+        TDP (planning.commit_retire)."""
         built = build_retire(self.view, job)
         if built is None:
             return
-        compare, ops, power = built
+        retire, power = built
         session = self._session
         if session is None:
             raise NotLeader("not leading")
         replicas = len(self.view.plans[job].decision().replicas)
-        res = session.txn(compare, ops)
-        if not res.succeeded:
+        try:
+            rev = commit_retire(session, retire)
+        except Conflict:
             self._conflict_nodes[job] = sorted(power)
-            raise Conflict(f"plan of deleted job {job} or its power keys changed since read")
-        self.view.forget_plan(job, power, res.revision)
+            raise
+        self.view.forget_plan(job, power, rev, retire.power_revs)
+        self._own_revs.update(retire.power_revs.values())
         self._unplannable.pop(job, None)
         self.metrics.unplannable_jobs.set(len(self._unplannable))
         self.metrics.job_gone(job, replicas)

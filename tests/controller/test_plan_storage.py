@@ -115,3 +115,30 @@ def test_parts_from_cap_parts_equal_parts_placed_per_gpu_through_replans(policy)
     )
     got = fast.split(altered, 25, cause="t", now=5.0)
     assert got == slow.split(dataclasses.replace(altered, cap_parts=None), 25, cause="t", now=5.0)
+
+
+def test_a_generation_that_changes_many_nodes_power_commits_within_etcds_op_limit(etcd):
+    """Issue 14: a lagging controller folds many failures into one generation; its power
+    writes alone (one put and one compare per node) went past etcd's --max-txn-ops (128,
+    the test etcd's default too) and the commit failed on every retry. Whole racks are
+    written together, ahead of the header, and their revisions are reported."""
+    from tpflex_proto import types_pb2
+
+    s = _campaign(etcd, "leader", ttl=30)
+    racks = {f"r{r}": [f"r{r}-n{i:02d}" for i in range(18)] for r in range(12)}  # 216 nodes
+    power = {}
+    for nodes in racks.values():
+        for n in nodes:
+            np = types_pb2.NodePowerPlan(node=n, generation=1, caps=[
+                types_pb2.PowerCap(gpu=types_pb2.GpuRef(node=n, index=i), cap_w=1028.0) for i in range(4)])
+            power[n] = (codec.encode(np), 0)
+    c = PlanCommit("j", 1, codec.encode(_header(1, 1)), 0, parts={0: codec.encode(_replica_plan(0))},
+                   power=power, power_groups=list(racks.values()))
+    rev = commit_plan(s, c)
+    assert etcd.get(keys.job_plan("j")).mod_revision == rev
+    stored = {n: etcd.get(keys.power(n)) for n in power}
+    assert all(kv is not None and kv.value == power[n][0] for n, kv in stored.items())
+    assert c.power_revs == {n: kv.mod_revision for n, kv in stored.items()}
+    for nodes in racks.values():  # a rack's caps change in one transaction
+        assert len({stored[n].mod_revision for n in nodes}) == 1
+    assert all(r <= rev for r in c.power_revs.values()) and len(set(c.power_revs.values())) > 1

@@ -19,7 +19,7 @@ def _plan(checker, failed, generation):
 
 
 def test_decisions_on_states_the_cluster_passed_through_are_right_others_wrong():
-    racks, jobs, nodes, node_rack = _setup()
+    racks, jobs, nodes, _ = _setup()
     checker = DecisionChecker(racks, jobs, nodes)
     events = [(10, 0.0, "r0-n00", frozenset({1}), True), (12, 0.0, "r1-n01", frozenset({0}), True),
               (14, 0.0, "r0-n00", frozenset(), False)]
@@ -28,15 +28,15 @@ def test_decisions_on_states_the_cluster_passed_through_are_right_others_wrong()
     s3 = {**s2, "r0-n00": frozenset()}
     # plan 1 before any event; plan 2 skipped s1 (coalesced); plan 3 after the recovery
     good = [(5, 0.0, _plan(checker, s0, 1)), (13, 0.0, _plan(checker, s2, 2)), (15, 0.0, _plan(checker, s3, 3))]
-    assert checker.check("j", good, events, node_rack) == (3, 0)
-    assert checker.check_final("j", good, events, node_rack)
+    assert checker.check("j", good, events) == (3, 0)
+    assert checker.check_final("j", good, events)
     never = {"r1-n00": frozenset({1})}  # a state that never existed
     bad = [good[0], (13, 0.0, _plan(checker, never, 2)), good[2]]
-    assert checker.check("j", bad, events, node_rack) == (3, 1)
+    assert checker.check("j", bad, events) == (3, 1)
     backwards = [good[0], good[1], (15, 0.0, _plan(checker, s1, 3))]  # the view went back in time
-    assert checker.check("j", backwards, events, node_rack) == (3, 1)
+    assert checker.check("j", backwards, events) == (3, 1)
     stale_final = good[:2]
-    assert not checker.check_final("j", stale_final, events, node_rack)
+    assert not checker.check_final("j", stale_final, events)
 
 
 def test_invariant_oracle_flags_each_broken_rule_on_its_own():

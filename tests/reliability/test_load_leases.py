@@ -1,5 +1,5 @@
 """The load benchmark's nodes: leases renewed from their own process, and a node whose
-lease is gone counted as lost by the invariant oracle (issue 14)."""
+lease is gone counted as lost by the invariant oracle and the decision checker (issue 14)."""
 
 from __future__ import annotations
 
@@ -76,9 +76,12 @@ def test_oracle_counts_a_node_whose_lease_is_revoked_as_lost(etcd):
     plans = [(before, 0.0, healthy), (after, 0.0, without)]
     # the controller dropped the lost node's GPUs: right, given the loss
     assert oracle.check("j", plans, [], losses) == []
+    assert checker.check("j", plans, [], losses) == (2, 0) and checker.check_final("j", plans, [], losses)
     # an oracle blind to the loss (the old one) blames the controller for it
     assert any("usable GPUs 4" in v for v in oracle.check("j", plans, []))
+    assert checker.check("j", plans, []) == (2, 1)
     # and a plan after the loss that still uses the lost node's GPUs is a violation
     again = convert.plan_to_proto(checker.expected("j", {}), 3)
     found = oracle.check("j", [*plans, (after + 1, 0.0, again)], [], losses)
     assert any("r0-n00" in v for v in found)
+    assert checker.check("j", [*plans, (after + 1, 0.0, again)], [], losses) == (3, 1)
