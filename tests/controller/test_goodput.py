@@ -139,8 +139,15 @@ def test_the_rest_child_asks_the_controller_for_goodput_once_per_ttl():
         assert steps.goodput("j").replicas_seen == 2
         link_clock.now = 0.9
         assert client.goodput("j") == first  # within the TTL: kept, no round trip
+        assert client.refreshes == 1
         link_clock.now = 1.0
+        # after the TTL: answered with what is kept, the refresh runs on its own thread
+        with client._lock:  # the link busy (a metrics scrape): the read still answers at once
+            assert client.goodput("j") == first
+            assert client.goodput("j") == first and client.refreshes == 1  # one refresh in flight
+        assert client.wait_refreshes(2, 10)
         assert client.goodput("j") == steps.goodput("j") != first
+        assert client.refreshes == 2
     finally:
         server.close()
         ours.close()
