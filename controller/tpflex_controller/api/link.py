@@ -86,10 +86,11 @@ class LinkClient:
 
     Goodput is asked for every job at once and kept ``goodput_ttl_s`` (default 1 s): a
     job read then costs no round trip to the controller (whose answer waits for the
-    decision loop's GIL). Only the first read waits for the answer; later, a read after
-    the TTL starts a refresh on a thread of its own and is answered with what is kept, so
-    no request (the response cache asks on the event loop) waits for the controller, or
-    for a metrics scrape holding the link."""
+    decision loop's GIL). A read between one and two TTLs after the last answer starts a
+    refresh on a thread of its own and is answered with what is kept, so while jobs are
+    read steadily no request (the response cache asks on the event loop) waits for the
+    controller, or for a metrics scrape holding the link; the first read, and one after a
+    quiet spell of two TTLs or more, waits for the answer (never older than two TTLs)."""
 
     def __init__(self, sock: socket.socket, goodput_ttl_s: float = 1.0,
                  clock=time.monotonic) -> None:
@@ -109,8 +110,8 @@ class LinkClient:
 
     def goodput(self, job: str) -> Goodput | None:
         now = self._clock()
-        if self._fetched_at is None:
-            self._refresh(now)  # the first read: nothing kept to answer with
+        if self._fetched_at is None or now - self._fetched_at >= 2 * self._ttl:
+            self._refresh(now)  # nothing kept, or kept from before a quiet spell: asked here
         elif now - self._fetched_at >= self._ttl:
             with self._refreshed:
                 start, self._refreshing = not self._refreshing, True
