@@ -139,8 +139,19 @@ def test_the_rest_child_asks_the_controller_for_goodput_once_per_ttl():
         assert steps.goodput("j").replicas_seen == 2
         link_clock.now = 0.9
         assert client.goodput("j") == first  # within the TTL: kept, no round trip
+        assert client.refreshes == 1
         link_clock.now = 1.0
-        assert client.goodput("j") == steps.goodput("j") != first
+        # after the TTL: answered with what is kept, the refresh runs on its own thread
+        with client._lock:  # the link busy (a metrics scrape): the read still answers at once
+            assert client.goodput("j") == first
+            assert client.goodput("j") == first and client.refreshes == 1  # one refresh in flight
+        assert client.wait_refreshes(2, 10)
+        second = client.goodput("j")
+        assert second == steps.goodput("j") != first
+        assert client.refreshes == 2
+        feed(steps, clock, 0, 12, at=1.2)
+        link_clock.now = 3.0  # a quiet spell of two TTLs: this read waits for the answer
+        assert client.goodput("j") == steps.goodput("j") != second and client.refreshes == 3
     finally:
         server.close()
         ours.close()

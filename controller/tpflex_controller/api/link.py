@@ -86,7 +86,11 @@ class LinkClient:
 
     Goodput is asked for every job at once and kept ``goodput_ttl_s`` (default 1 s): a
     job read then costs no round trip to the controller (whose answer waits for the
-    decision loop's GIL) except once a second, whatever the number of REST clients."""
+    decision loop's GIL). A read between one and two TTLs after the last answer starts a
+    refresh on a thread of its own and is answered with what is kept, so while jobs are
+    read steadily no request (the response cache asks on the event loop) waits for the
+    controller, or for a metrics scrape holding the link; the first read, and one after a
+    quiet spell of two TTLs or more, waits for the answer (never older than two TTLs)."""
 
     def __init__(self, sock: socket.socket, goodput_ttl_s: float = 1.0,
                  clock=time.monotonic) -> None:
@@ -95,6 +99,9 @@ class LinkClient:
         self._ttl, self._clock = goodput_ttl_s, clock
         self._goodput: dict[str, Goodput] = {}
         self._fetched_at: float | None = None
+        self._refreshed = threading.Condition()
+        self._refreshing = False
+        self.refreshes = 0  # answers (or failures) folded in since the start
 
     def _ask(self, req: dict) -> bytes:
         with self._lock:
@@ -103,15 +110,32 @@ class LinkClient:
 
     def goodput(self, job: str) -> Goodput | None:
         now = self._clock()
-        if self._fetched_at is None or now - self._fetched_at >= self._ttl:
-            try:
-                every = json.loads(self._ask({"op": "goodput_all"})) or {}
-            except (ConnectionError, OSError) as exc:
-                log.warning("controller link failed op=goodput error=%s", exc)
-                return None
-            self._goodput = {name: Goodput(**d) for name, d in every.items()}
-            self._fetched_at = now
+        if self._fetched_at is None or now - self._fetched_at >= 2 * self._ttl:
+            self._refresh(now)  # nothing kept, or kept from before a quiet spell: asked here
+        elif now - self._fetched_at >= self._ttl:
+            with self._refreshed:
+                start, self._refreshing = not self._refreshing, True
+            if start:
+                threading.Thread(target=self._refresh, args=(now,), name="rest-goodput", daemon=True).start()
         return self._goodput.get(job)
+
+    def _refresh(self, now: float) -> None:
+        try:
+            every = json.loads(self._ask({"op": "goodput_all"})) or {}
+            self._goodput = {name: Goodput(**d) for name, d in every.items()}
+        except (ConnectionError, OSError) as exc:
+            log.warning("controller link failed op=goodput error=%s", exc)
+        finally:
+            self._fetched_at = now  # a failure is retried after the TTL too
+            with self._refreshed:
+                self._refreshing = False
+                self.refreshes += 1
+                self._refreshed.notify_all()
+
+    def wait_refreshes(self, n: int, timeout: float) -> bool:
+        """Block until ``n`` refreshes have been folded in (tests)."""
+        with self._refreshed:
+            return self._refreshed.wait_for(lambda: self.refreshes >= n, timeout)
 
     def metrics_text(self) -> bytes:
         """The controller's metrics in the text exposition format, as it wrote them (b""
