@@ -4,6 +4,8 @@ commits, under the test etcd's default --max-txn-ops (128), and so does the next
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from tpflex_controller import synthetic
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import Op
@@ -31,12 +33,22 @@ def _caps(etcd, node: str, rack) -> dict[int, float]:
     return {c.gpu.index: c.cap_w for c in codec.decode(types_pb2.NodePowerPlan, kv.value).caps}
 
 
-def test_one_generation_boosting_seven_racks_of_18_nodes_commits_and_the_next_too(etcd_server, etcd):
+@contextmanager
+def _job_on_eight_racks(etcd_server, etcd):
+    """8 racks of 18 nodes x 4 GPUs, job1 over them, a controller and a plan watcher."""
     racks = small_cluster(etcd, racks=8, nodes_per_rack=18, gpus_per_node=4)
     put_job(etcd, racks)
     watcher = PlanWatcher(etcd, "job1")
     ctl = start_controller(etcd_server.endpoints)
     try:
+        yield racks, watcher
+    finally:
+        ctl.stop()
+        watcher.close()
+
+
+def test_one_generation_boosting_seven_racks_of_18_nodes_commits_and_the_next_too(etcd_server, etcd):
+    with _job_on_eight_racks(etcd_server, etcd) as (racks, watcher):
         full = watcher.wait_generation(1).replicas[0].tp_degree  # 64: the job's units
         # 7 racks lose 9 GPUs each (GPU 0 of 9 nodes): degree 63, boosted, so their 18
         # nodes each get new caps: 126 power keys in one generation
@@ -53,23 +65,13 @@ def test_one_generation_boosting_seven_racks_of_18_nodes_commits_and_the_next_to
         third = watcher.wait_generation(3)
         assert [r.tp_degree for r in third.replicas] == [full] * 8 and not third.power_caps
         assert all(set(_caps(etcd, n, r).values()) == {r.gpu_tdp_w} for r in racks for n in r.nodes)
-    finally:
-        ctl.stop()
-        watcher.close()
 
 
 def test_deleting_a_job_that_boosted_126_nodes_puts_them_all_back_to_tdp(etcd_server, etcd):
-    racks = small_cluster(etcd, racks=8, nodes_per_rack=18, gpus_per_node=4)
-    put_job(etcd, racks)
-    watcher = PlanWatcher(etcd, "job1")
-    ctl = start_controller(etcd_server.endpoints)
-    try:
+    with _job_on_eight_racks(etcd_server, etcd) as (racks, watcher):
         watcher.wait_generation(1)
         _health(etcd, {n: {0} for r in racks[:7] for n in r.nodes[:9]}, seq=2)
         assert len({c.gpu.node for c in watcher.wait_generation(2).power_caps}) == 126
         etcd.delete(keys.job_spec("job1"))
         wait_until(lambda: etcd.get(keys.job_plan("job1")) is None, 10, "the deleted job's plan retired")
         assert all(set(_caps(etcd, n, r).values()) == {r.gpu_tdp_w} for r in racks for n in r.nodes)
-    finally:
-        ctl.stop()
-        watcher.close()

@@ -20,16 +20,22 @@ def _dead_by_scan(ix: PartIndex, oldest_kept: int, count: int) -> list[tuple[int
     return sorted(out)
 
 
+def _random_index(rng: random.Random, positions: int, p_add: float, value) -> PartIndex:
+    """Up to 59 random adds (``value(gen, pos)``) and removes of generations 1-8."""
+    ix = PartIndex()
+    for _ in range(rng.randrange(1, 60)):
+        gen, pos = rng.randrange(1, 9), rng.randrange(0, positions)
+        if rng.random() < p_add:
+            ix.add(gen, pos, value(gen, pos))
+        else:
+            ix.remove(gen, pos)
+    return ix
+
+
 def test_index_answers_equal_a_scan_of_every_position():
     rng = random.Random(11)
     for _ in range(200):
-        ix = PartIndex()
-        for _ in range(rng.randrange(1, 60)):
-            gen, pos = rng.randrange(1, 9), rng.randrange(0, 12)
-            if rng.random() < 0.7:
-                ix.add(gen, pos, b"v")
-            else:
-                ix.remove(gen, pos)
+        ix = _random_index(rng, 12, 0.7, lambda gen, pos: b"v")
         top = ix.top_position()
         assert top >= max(ix.gens, default=-1) and (top == -1) == (not ix.gens)
         for generation in range(0, 10):
@@ -55,13 +61,7 @@ def test_release_keeps_exactly_the_values_a_generation_from_then_on_selects():
 
     rng = random.Random(5)
     for _ in range(300):
-        ix = PartIndex()
-        for _ in range(rng.randrange(1, 60)):
-            gen, pos = rng.randrange(1, 9), rng.randrange(0, 6)
-            if rng.random() < 0.8:
-                ix.add(gen, pos, f"{gen}/{pos}".encode())
-            else:
-                ix.remove(gen, pos)
+        ix = _random_index(rng, 6, 0.8, lambda gen, pos: f"{gen}/{pos}".encode())
         before = copy.deepcopy(ix)
         g = rng.randrange(1, 10)
         ix.release(g)
