@@ -213,12 +213,30 @@ class ControllerProc:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired as exc:
+                state = _signal_state(self.proc.pid)  # before the kill: why SIGTERM did not stop it
                 self.proc.kill()
                 self.proc.wait()
-                raise
+                raise AssertionError(f"controller {self.name} did not exit {timeout} s after SIGTERM; "
+                                     f"{state}; log tail:\n{self.log()}") from exc
         self._log.close()
         return self.proc.returncode
+
+
+def _signal_state(pid: int) -> str:
+    """A process's signal masks (blocked, ignored, caught, pending) and what each of its
+    threads waits in (/proc), for a stop that did not happen."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        masks = " ".join(ln.replace("\t", "") for ln in status if ln.startswith(("Sig", "ShdPnd")))
+        threads = []
+        for task in sorted(Path(f"/proc/{pid}/task").iterdir()):
+            comm = (task / "comm").read_text().strip()
+            wchan = (task / "wchan").read_text().strip()
+            threads.append(f"{task.name}:{comm}:{wchan}")
+        return f"{masks}; threads {' '.join(threads)}"
+    except OSError as exc:
+        return f"/proc unreadable: {exc}"
 
 
 def leader_id(etcd: Etcd) -> str | None:
