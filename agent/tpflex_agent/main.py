@@ -147,7 +147,12 @@ def _serve(settings, backend: GpuBackend) -> int:
         log.warning("no etcd endpoints configured: running standalone node=%s", settings.node)
     print(f"tpflex-agent ready node={settings.node} backend={backend.kind} "
           f"grpc={settings.grpc.host}:{port} metrics={settings.metrics.host}:{metrics_port}", flush=True)
-    stop.wait()
+    # wait in slices: a process-directed SIGTERM may be delivered to another thread (gRPC's,
+    # the watches'), and Python runs the handler only when the main thread runs bytecode; an
+    # untimed wait then never wakes (seen: a controller still waiting 15 s after SIGTERM,
+    # SIGTERM caught and not pending, its main thread in a futex wait)
+    while not stop.wait(0.5):
+        pass
     log.info("shutting down node=%s", settings.node)
     enter_shutdown(core)
     if authority is not None:

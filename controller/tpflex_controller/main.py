@@ -238,7 +238,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tpflex-controller: {exc}", file=sys.stderr)
         proc.stop()
         return 2
-    stop.wait()
+    # wait in slices: a process-directed SIGTERM may be delivered to another thread (gRPC's,
+    # the watches'), and Python runs the handler only when the main thread runs bytecode; an
+    # untimed wait then never wakes (seen: a controller still waiting 15 s after SIGTERM,
+    # SIGTERM caught and not pending, its main thread in a futex wait)
+    while not stop.wait(0.5):
+        pass
     log.info("controller stopping id=%s", settings.controller.name)
     proc.stop()
     return 0
