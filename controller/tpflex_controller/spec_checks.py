@@ -176,11 +176,13 @@ class JobFacts:
     base_tp: int
     local_batch: int
     generation: int  # the current plan's; 0 = no plan yet
+    full_tp: int = 0  # T: base_tp capped by the smallest unit count (0: base_tp)
 
 
 def job_facts(spec: types_pb2.JobSpec, generation: int) -> JobFacts:
     ranks = sum(len(st.ranks) or spec.base_tp for rep in spec.replicas for st in rep.stages)
-    return JobFacts(len(spec.replicas), ranks, spec.base_tp, spec.local_batch or 1, generation)
+    full = min([spec.base_tp, *(u.count for u in spec.units)])
+    return JobFacts(len(spec.replicas), ranks, spec.base_tp, spec.local_batch or 1, generation, full)
 
 
 def _seconds(what: str, value: float, least: float) -> None:

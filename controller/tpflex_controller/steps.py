@@ -30,7 +30,8 @@ class Goodput:
     than its steps). A replica that stopped reporting for ``stale_after_s`` (dropped, its
     rank dead) counts 0; a job whose reports all stopped achieves 0. ``failure_free`` is
     the number of replicas that ever reported times the mean rate a replica showed while
-    it ran at the base TP degree. ``ratio`` = achieved / failure_free, clamped to [0, 1]
+    it ran at the failure-free TP degree T (the base degree, or the smallest unit count
+    when that is lower). ``ratio`` = achieved / failure_free, clamped to [0, 1]
     (a window can run faster than the mean by noise; the expectation is an upper bound).
     Pauses (re-planning, resharding) lower ``achieved``."""
 
@@ -72,9 +73,10 @@ class StepStats:
         with self._lock:
             return job in self._jobs
 
-    def record(self, r: controller_pb2.StepReport, at: float | None = None) -> bool:
+    def record(self, r: controller_pb2.StepReport, at: float | None = None, full_tp: int = 0) -> bool:
         """Add a (checked) report received at ``at`` (default: the clock); False when its
-        (replica, step) was already counted."""
+        (replica, step) was already counted. ``full_tp``: the job's failure-free degree T
+        when its unit counts cap it below ``base_tp`` (0: T is the report's base_tp)."""
         at = self._clock() if at is None else at
         with self._lock:
             replicas = self._jobs.get(r.job)
@@ -89,7 +91,7 @@ class StepStats:
                 return False
             sample = StepSample(r.step, r.samples, r.step_seconds, at)
             window.append(sample)
-            if r.base_tp and r.tp_degree == r.base_tp:
+            if r.base_tp and r.tp_degree == (full_tp or r.base_tp):
                 healthy = self._healthy.setdefault(r.job, {})
                 healthy.setdefault(r.replica, deque(maxlen=4 * self._window)).append(sample)
             return True

@@ -320,7 +320,7 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
             check_report(r, facts, self.min_step_seconds)
         except InputError as exc:
             raise _abort_for(exc) from None
-        self.steps.record(r)
+        self.steps.record(r, full_tp=facts.full_tp)
         return controller_pb2.StepReportResponse()
 
 

@@ -30,9 +30,9 @@ def stats(**kw) -> tuple[StepStats, Clock]:
     return StepStats(clock=clock, **kw), clock
 
 
-def feed(steps: StepStats, clock: Clock, replica: int, step: int, at: float, **kw) -> None:
+def feed(steps: StepStats, clock: Clock, replica: int, step: int, at: float, full_tp: int = 0, **kw) -> None:
     clock.now = at
-    steps.record(report(replica, step, **kw))
+    steps.record(report(replica, step, **kw), full_tp=full_tp)
 
 
 def test_healthy_job_runs_at_its_failure_free_rate():
@@ -45,6 +45,22 @@ def test_healthy_job_runs_at_its_failure_free_rate():
     assert g.failure_free_samples_per_s == pytest.approx(80.0)
     assert g.ratio == pytest.approx(1.0)
     assert (g.replicas_reporting, g.replicas_seen) == (2, 2)
+
+
+def test_failure_free_rate_counts_steps_at_the_unit_capped_degree():
+    """3 heads on 4-GPU stages: a failure-free replica runs at TP 3 (its 4th GPU is a
+    spare), and those steps, not none, make the failure-free rate."""
+    steps, clock = stats()
+    for i in range(11):
+        for r in (0, 1):
+            feed(steps, clock, r, i, at=i * 0.1, tp=3, full_tp=3)
+    g = steps.goodput("j")
+    assert g.failure_free_samples_per_s == pytest.approx(80.0)
+    assert g.ratio == pytest.approx(1.0)
+    steps, clock = stats()
+    for i in range(11):  # without the job's T, TP-3 steps are not failure-free ones
+        feed(steps, clock, 0, i, at=i * 0.1, tp=3)
+    assert steps.goodput("j").failure_free_samples_per_s is None
 
 
 def test_degraded_replica_with_smaller_batch_lowers_the_ratio():

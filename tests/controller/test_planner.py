@@ -246,6 +246,29 @@ def test_units_cap_the_degree():
     assert rep.tp_degree == 3 and rep.stages[0].gpus == racks["r0"].gpus[:3]
 
 
+def test_in_rack_spares_cover_failures_and_boosts_are_relative_to_the_capped_degree():
+    """14 heads on 16-GPU stages: T is 14, the last 2 GPUs of each rack spares. Two
+    failures are covered by them (healthy, unboosted, full batch); three leave TP 13,
+    which needs T/t = 14/13 speed (not base_tp/t = 16/13, beyond the power model)."""
+    racks = {f"r{i}": make_rack(f"r{i}", 16, 4) for i in range(3)}
+    job = make_job(racks, 16, units={"heads": 14, "ffn": 64})
+    r1, r2 = racks["r1"].gpus, racks["r2"].gpus
+    result = plan(state(racks, gpu_status=failed(r1[1], r1[6], r2[0], r2[3], r2[9])), job)
+    healthy, spared, short = result.replicas
+    assert healthy.state is ReplicaState.HEALTHY and healthy.stages[0].gpus == racks["r0"].gpus[:14]
+    assert spared.state is ReplicaState.HEALTHY and spared.tp_degree == 14
+    assert spared.stages[0].gpus == tuple(g for g in r1 if g not in (r1[1], r1[6]))[:14]
+    assert spared.local_batch == 8 and spared.relative_throughput == 1.0
+    assert any("rack r1 has 14/16 usable GPUs" in r and r.endswith("-> TP 14") for r in result.reasons)
+    assert short.state is ReplicaState.DEGRADED and short.tp_degree == 13
+    assert set(result.power_caps) == set(short.stages[0].gpus)
+    cap = set(result.power_caps.values()).pop()
+    need = 14 / 13
+    assert MODEL.throughput(cap / TDP) >= need > MODEL.throughput((cap - 1) / TDP)
+    assert short.relative_throughput == 1.0 and short.local_batch == 8
+    assert result.expected_throughput_ratio == 1.0
+
+
 def test_policy_precedence_argument_then_override_then_job():
     racks = make_racks(2)
     job = make_job(racks, 4)

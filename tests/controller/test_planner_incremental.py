@@ -76,7 +76,10 @@ def worlds(draw):
     else:
         racks = make_racks(replicas * stages + n_spares, tp, headroom=headroom)
         spares = tuple(list(racks)[replicas * stages:])
-        job = make_job(racks, tp, stages, min_tp=draw(st.integers(1, tp)), spares=spares)
+        # heads < tp: in-rack spares (the replica's full degree T is below base_tp)
+        heads = draw(st.sampled_from([64, 64, tp - 1]))
+        job = make_job(racks, tp, stages, min_tp=draw(st.integers(1, tp)), spares=spares,
+                       units={"heads": heads, "ffn": 128})
     policy = draw(st.sampled_from(list(Policy)))
     return World(racks), job, policy
 

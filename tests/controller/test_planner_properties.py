@@ -109,16 +109,24 @@ def test_same_input_same_plan(scenario, policy):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 8), st.integers(1, 3), st.integers(1, 4), st.sampled_from(list(Policy)))
-def test_fully_healthy_cluster_gets_identity_plan(tp, stages, replicas, policy):
+@given(
+    st.integers(1, 8), st.integers(1, 3), st.integers(1, 4), st.sampled_from(list(Policy)),
+    st.integers(0, 3),
+)
+def test_fully_healthy_cluster_gets_identity_plan(tp, stages, replicas, policy, fewer_units):
+    """Also when a unit family has fewer units than the stage has GPUs (64 heads on a
+    72-GPU rack): the replica runs at that count T on the first T GPUs, at full speed and
+    batch, unboosted (the rest are in-rack spares)."""
     racks = make_racks(replicas * stages, tp)
-    job = make_job(racks, tp, stages)
+    full = max(1, tp - fewer_units)
+    job = make_job(racks, tp, stages, units={"heads": full, "ffn": 128})
     result = plan(ClusterState(racks), job, policy=policy)
     assert result.power_caps == {} and result.reasons == ()
     assert result.expected_throughput_ratio == 1.0
     for rep, spec in zip(result.replicas, job.replicas, strict=True):
-        assert rep.state is ReplicaState.HEALTHY and rep.tp_degree == tp
-        assert [s.gpus for s in rep.stages] == [s.gpus for s in spec.stages]
+        assert rep.state is ReplicaState.HEALTHY and rep.tp_degree == full
+        assert rep.local_batch == job.local_batch and rep.relative_throughput == 1.0
+        assert [s.gpus for s in rep.stages] == [s.gpus[:full] for s in spec.stages]
 
 
 @pytest.mark.parametrize("headroom", [0.0, 0.3])

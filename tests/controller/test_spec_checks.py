@@ -107,7 +107,9 @@ def test_acks(fields, stored, kind):
 
 def test_job_facts_count_explicit_ranks():
     spec = _job(racks=("rack0",))
-    assert job_facts(spec, 2) == JobFacts(1, 4, 4, 8, 2)
+    assert job_facts(spec, 2) == JobFacts(1, 4, 4, 8, 2, 4)
+    capped = _job(racks=("rack0",), units={"heads": 3, "ffn": 64})  # T = 3 of base_tp 4
+    assert job_facts(capped, 2) == JobFacts(1, 4, 4, 8, 2, 3)
 
 
 _floats = st.floats(allow_nan=True, allow_infinity=True) | st.floats(1e-4, 2.0)

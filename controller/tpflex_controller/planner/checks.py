@@ -8,6 +8,7 @@ from itertools import chain
 from operator import attrgetter
 
 from tpflex_controller.planner.model import (
+    full_tp,
     ClusterState,
     JobOverrides,
     JobSpec,
@@ -36,7 +37,7 @@ def validate(cluster: ClusterState, job: JobSpec, overrides: JobOverrides | None
             raise PlanningError(f"job {job.name}: spare rack {name!r} is unknown")
     if not _stages_fit(cluster, job):
         _stage_problem(cluster, job)
-    return min(job.base_tp, *job.units.values()) if job.units else job.base_tp
+    return full_tp(job)
 
 
 def _stages_fit(cluster: ClusterState, job: JobSpec) -> bool:

@@ -25,6 +25,7 @@ from tpflex_controller.planner.model import (
     ReplicaAssignment,
     ReplicaState,
     StageAssignment,
+    full_tp,
 )
 from tpflex_controller.planner.reasons import _batch, _ntp_pw_tail
 from tpflex_controller.planner.stages import StageDraft, Survey
@@ -36,7 +37,7 @@ _EPS = 1e-9
 class _Shape:
     """What a lone degraded stage's plan depends on besides its GPUs and names."""
 
-    __slots__ = ("batch", "batch_text", "cap", "degree", "rel", "tail", "usable_of", "why")
+    __slots__ = ("batch", "batch_text", "cap", "degree", "rel", "state", "tail", "usable_of", "why")
 
 
 def plan_lone(
@@ -112,7 +113,7 @@ def plan_lone(
         used = usable[:degree]
         caps = {} if shape.cap is None else UniformCaps(used, shape.cap)
         assignment = ReplicaAssignment(
-            i, _DEGRADED, (StageAssignment(name, degree, used, 0),), degree, shape.batch, shape.rel, shape.why
+            i, shape.state, (StageAssignment(name, degree, used, 0),), degree, shape.batch, shape.rel, shape.why
         )
         line = f"replica {i}: rack {name} has {shape.usable_of}{described}){shape.tail}"
         if shape.rel < 1.0 - 1e-12:
@@ -175,18 +176,21 @@ def _shape(cluster, rack, gpus, usable, degree: int, job: JobSpec, curve: power.
     """The parts of a lone stage's plan that its shape decides, through the general code
     (``power.plan_boosts``, ``power.plain_stage_speed``, the planner's arithmetic)."""
     draft = StageDraft(0, rack, gpus, usable, (), degree)
-    power.plan_boosts([draft], cluster, job.base_tp, curve)
+    full = full_tp(job)
+    power.plan_boosts([draft], cluster, full, curve)
     out = _Shape()
     out.degree = degree
     out.cap = draft.cap_w
     speed = power.plain_stage_speed(draft, curve)
-    rel = min(1.0, degree * speed / job.base_tp)
+    rel = min(1.0, degree * speed / full)
     out.rel = rel
     out.batch = max(1, math.floor(job.local_batch * rel + 1e-9))
-    out.why = f"degraded: TP {degree}, {rel:.3f}x throughput"
+    # planner._assign's state and wording: at T with an in-rack spare standing in, healthy
+    out.state = _DEGRADED if degree < full or rel < 1.0 - 1e-12 else ReplicaState.HEALTHY
+    out.why = "healthy" if out.state is ReplicaState.HEALTHY else f"degraded: TP {degree}, {rel:.3f}x throughput"
     out.usable_of = f"{len(usable)}/{len(gpus)} usable GPUs ("
     out.tail = _ntp_pw_tail(draft, curve)
-    probe = ReplicaAssignment(0, _DEGRADED, (), degree, out.batch, rel, out.why)
+    probe = ReplicaAssignment(0, out.state, (), degree, out.batch, rel, out.why)
     out.batch_text = _batch(probe, job)
     return out
 

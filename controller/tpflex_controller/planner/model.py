@@ -105,6 +105,16 @@ class JobSpec:
     local_batch: int = 1  # samples per step of a healthy replica
 
 
+def full_tp(job: JobSpec) -> int:
+    """T, the TP degree of a failure-free replica: ``base_tp``, or fewer when a unit family
+    has fewer units than ``base_tp`` GPUs (each TP rank holds at least one unit of every
+    family), e.g. 64 heads on a 72-GPU NVL72 stage. The stage's other GPUs are in-rack
+    spares: a failure they cover leaves the replica at T, not degraded. Speed needs,
+    batches and throughputs are relative to T (DESIGN.md: a replica at t_r needs T/t_r)."""
+    units = job.units
+    return min(job.base_tp, *units.values()) if units else job.base_tp
+
+
 @dataclass(frozen=True)
 class JobOverrides:
     pins: Mapping[int, int] = field(default_factory=dict)  # replica index -> TP degree

@@ -54,6 +54,7 @@ from tpflex_controller.planner.model import (
     ReplicaSpec,
     ReplicaState,
     StageAssignment,
+    full_tp,
     SuspendedPin,
 )
 from tpflex_controller.planner.reasons import replica_reasons
@@ -178,7 +179,7 @@ def _plan_general(
         power.plan_boosts(
             (s for d in drafts if d.state is not ReplicaState.DROPPED for s in d.stages),
             cluster,
-            job.base_tp,
+            ctx.full_degree,
             curve,
         )
     held = {p.replica: p for p in unheld}
@@ -374,13 +375,14 @@ def _assign(
     caps: Mapping[GpuKey, float] = {}
     rels: list[float] = []
     pins, speeds = cluster.power_pins, cluster.gpu_speed
+    full = full_tp(job)
     for s in d.stages:
         stage_caps = power.gpu_caps(s, pins)
         if pins or speeds:
             speed = power.stage_speed(s, stage_caps, speeds, model, pins)
         else:
             speed = power.plain_stage_speed(s, model)
-        rels.append(min(1.0, s.degree * speed / job.base_tp))
+        rels.append(min(1.0, s.degree * speed / full))
         if not caps:
             caps = stage_caps  # this stage's own map (the common single stage)
         elif stage_caps:

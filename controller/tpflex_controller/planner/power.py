@@ -74,20 +74,20 @@ def slowest_speed(gpus: tuple[GpuKey, ...], speeds: Mapping[GpuKey, float]) -> f
     return min((speeds[g] for g in speeds.keys() & set(gpus)), default=1.0)
 
 
-def stage_speed_need(stage: StageDraft, base_tp: int, speeds: Mapping[GpuKey, float]) -> float:
-    return base_tp / (stage.degree * slowest_speed(stage.used, speeds))
+def stage_speed_need(stage: StageDraft, full_tp: int, speeds: Mapping[GpuKey, float]) -> float:
+    return full_tp / (stage.degree * slowest_speed(stage.used, speeds))
 
 
 def plan_boosts(
-    stages: Iterable[StageDraft], cluster: ClusterState, base_tp: int, model: PowerModel | Curve
+    stages: Iterable[StageDraft], cluster: ClusterState, full_tp: int, model: PowerModel | Curve
 ) -> None:
     """Set ``cap_w`` and ``needed_speed`` on every stage (of running replicas) that needs
-    more than 1x speed."""
+    more than 1x speed: a stage at degree t needs T/t (``full_tp``: T, ``model.full_tp``)."""
     by_rack: dict[str, list[StageDraft]] = {}
     speeds = cluster.gpu_speed
     for s in stages:
         # without slow GPUs the need is T / t (slowest_speed is 1.0)
-        need = stage_speed_need(s, base_tp, speeds) if speeds else base_tp / s.degree
+        need = stage_speed_need(s, full_tp, speeds) if speeds else full_tp / s.degree
         if need > 1.0 + _EPS:
             s.needed_speed = need
             by_rack.setdefault(s.rack.name, []).append(s)

@@ -12,6 +12,7 @@ from tpflex_controller.planner.model import (
     Policy,
     ReplicaAssignment,
     ReplicaState,
+    full_tp,
 )
 from tpflex_controller.planner.stages import ReplicaDraft, StageDraft, describe_lost
 
@@ -49,11 +50,12 @@ def replica_reasons(
         lost = [_health(s) for s in d.stages if s.lost]
         return [f"{head} {'; '.join(lost) + ' -> ' if lost else ''}dropped ({d.why})"]
     lines = [f"{head} {note}" for note in d.notes]
-    if d.pin is not None and d.pin < job.base_tp:
+    full = full_tp(job)
+    if d.pin is not None and d.pin < full:
         lines.append(f"{head} operator pin -> TP {d.pin}")
     if policy is Policy.NTP_PW:
-        lines += [_ntp_pw_line(head, s, job, model, memo) for s in d.stages if _changed(s, job)]
-    elif a.tp_degree < job.base_tp:
+        lines += [_ntp_pw_line(head, s, job, model, memo) for s in d.stages if _changed(s, full)]
+    elif a.tp_degree < full or d.lost_any:
         worst = min(d.stages, key=lambda s: len(s.usable))
         lines.append(
             f"{head} {_health(worst)} -> all {len(d.stages)} stage(s) at TP {a.tp_degree}, "
@@ -65,8 +67,10 @@ def replica_reasons(
     return lines
 
 
-def _changed(s: StageDraft, job: JobSpec) -> bool:
-    return s.degree < job.base_tp or s.cap_w is not None or s.needed_speed > 1.0
+def _changed(s: StageDraft, full: int) -> bool:
+    """A stage that differs from its failure-free self (a lost GPU that an in-rack spare
+    covers changes the GPUs it uses, not its degree)."""
+    return s.degree < full or bool(s.lost) or s.cap_w is not None or s.needed_speed > 1.0
 
 
 def _ntp_pw_line(head: str, s: StageDraft, job: JobSpec, model: PowerModel, memo: dict | None = None) -> str:

@@ -20,6 +20,7 @@ from tpflex_controller.planner.model import (
     RackInfo,
     ReplicaSpec,
     ReplicaState,
+    full_tp,
 )
 
 _node_of = itemgetter(0)
@@ -265,7 +266,8 @@ def decide_ntp_pw(draft: ReplicaDraft, job: JobSpec) -> None:
     cap_degrees(draft)
     if drop_if_too_small(draft, job.min_tp):
         return
-    if any(s.degree < job.base_tp for s in draft.stages):
+    full = full_tp(job)
+    if any(s.degree < full for s in draft.stages):
         draft.state = ReplicaState.DEGRADED
 
 
@@ -278,7 +280,7 @@ def decide_ntp(draft: ReplicaDraft, job: JobSpec) -> None:
     t_r = min(s.degree for s in draft.stages)
     for s in draft.stages:
         s.degree = t_r
-    if t_r < job.base_tp:
+    if t_r < full_tp(job):
         draft.state = ReplicaState.DEGRADED
 
 
@@ -308,7 +310,7 @@ def decide_spare(
     for i in degraded:
         old, rack = draft.stages[i], pool.pop(0)
         gpus = rack.gpus[: job.base_tp]
-        degree = min([job.base_tp, *job.units.values()])
+        degree = full_tp(job)
         draft.stages[i] = StageDraft(
             old.spec_index, rack, gpus, gpus, (), degree, spare_for=old.rack.name
         )
