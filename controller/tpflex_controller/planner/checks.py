@@ -8,12 +8,12 @@ from itertools import chain
 from operator import attrgetter
 
 from tpflex_controller.planner.model import (
-    full_tp,
     ClusterState,
     JobOverrides,
     JobSpec,
     PlanningError,
     SuspendedPin,
+    full_tp,
 )
 
 

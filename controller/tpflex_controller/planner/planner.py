@@ -54,8 +54,8 @@ from tpflex_controller.planner.model import (
     ReplicaSpec,
     ReplicaState,
     StageAssignment,
-    full_tp,
     SuspendedPin,
+    full_tp,
 )
 from tpflex_controller.planner.reasons import replica_reasons
 from tpflex_controller.planner.stages import (
