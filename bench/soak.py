@@ -28,7 +28,8 @@ faults: the **same-layout reference** (``bench/soak_replay.py``: the chaos run's
 replayed in 8 gloo processes, each round's recorded plan from the step the chaos run
 resumed at, the ranks restarted in a round starting empty as they did; when every round
 used one layout this is the fixed-layout baseline itself) and the **fixed-layout
-baseline** (the same job through a fresh control plane, never re-planned). A rank death, a
+baseline** (the same job through a fresh control plane, never re-planned; ``--baseline
+replay``: its arithmetic, one replay round of every step in the job's first plan). A rank death, a
 hang, the controller or etcd faults recover bit for bit; an XID 79 re-plans the degraded
 replica at TP 3 on fewer samples (``local_batch x`` its throughput), whose arithmetic only
 the same-layout reference repeats. With ``--reference``, stderr also gives each run
