@@ -28,7 +28,8 @@ faults: the **same-layout reference** (``bench/soak_replay.py``: the chaos run's
 replayed in 8 gloo processes, each round's recorded plan from the step the chaos run
 resumed at, the ranks restarted in a round starting empty as they did; when every round
 used one layout this is the fixed-layout baseline itself) and the **fixed-layout
-baseline** (the same job through a fresh control plane, never re-planned). A rank death, a
+baseline** (the same job through a fresh control plane, never re-planned; ``--baseline
+replay``: its arithmetic, one replay round of every step in the job's first plan). A rank death, a
 hang, the controller or etcd faults recover bit for bit; an XID 79 re-plans the degraded
 replica at TP 3 on fewer samples (``local_batch x`` its throughput), whose arithmetic only
 the same-layout reference repeats. With ``--reference``, stderr also gives each run
@@ -70,7 +71,9 @@ from tpflex_trainer.ntp.reference import reference_state, state_rel_l2
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench.soak_replay, tests.trainer.harness
 from bench.soak_chaos import (  # noqa: E402
+    ALL_GPUS,
     KINDS,
+    LOCAL_BATCH,
     RACKS,
     SETTLE_S,
     Chaos,
@@ -82,7 +85,7 @@ from bench.soak_chaos import (  # noqa: E402
     run_job,
     wait,
 )
-from bench.soak_replay import ReplayUnsupported, one_layout, replay, rounds_from  # noqa: E402
+from bench.soak_replay import ReplayUnsupported, Round, one_layout, replay, rounds_from  # noqa: E402
 
 
 def pauses(records: list[dict], faults: list[dict]) -> list[float]:
@@ -185,6 +188,36 @@ def chaos_run(work: Path, minutes: float, rng: random.Random, kinds: tuple[str, 
         cluster.stop()
 
 
+def replay_baseline(work: Path, chaos: dict) -> None:
+    """The fixed-layout baseline without a control plane (``--baseline replay``): one
+    ``soak_replay`` round of all the steps in the job's first plan (every GPU), every rank
+    starting empty, each step on the full global batch: the arithmetic of the job never
+    re-planned (the same runtime, the same per-replica split of each step's batch), in 8
+    forkserver gloo processes instead of a second cluster and 8 freshly started ranks."""
+    plans = chaos["plans"]
+    first = min(plans, default=None)
+    if first is None or {(g.node, g.index) for rep in plans[first].replicas if rep.tp_degree
+                         for st in rep.stages for g in st.gpus} != ALL_GPUS:
+        raise RuntimeError(f"no recorded plan places every GPU (generations {sorted(plans)})")
+    ranks = tuple(range(len(ALL_GPUS)))
+    _lean_forkserver()
+    replay(chaos["spec"], [Round(0, chaos["steps"], first, plans[first].SerializeToString(), ranks)], {},
+           work / "final")
+
+
+def _lean_forkserver() -> None:
+    """The replays' workers need torch and the runtime, not the Hugging Face model families
+    the test session's list adds (tests/support/forkserver.py): ~5 s of CPU less in this
+    process's one forkserver. Set after the harness (which sets that list on import)."""
+    import multiprocessing as mp
+
+    import tests.trainer.harness  # noqa: F401
+
+    mp.get_context("forkserver").set_forkserver_preload(
+        ["torch", "torch.distributed", "tpflex_trainer.ntp.runtime", "tpflex_trainer.demo.model",
+         "tpflex_trainer.hooks.plans", "tpflex_trainer.ntp.plan_adapter"])
+
+
 def baseline_run(work: Path, steps: int) -> None:
     cluster = DemoCluster(free_demo_ports(), RACKS, work / "cluster")
     procs = []
@@ -200,6 +233,13 @@ def baseline_run(work: Path, steps: int) -> None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
         cluster.stop()
+
+
+def baseline_records(work: Path, how: str, steps: int) -> list[dict]:
+    """The baseline's step records (a replayed one trained every step on the full batch)."""
+    if how == "replay":
+        return [{"kind": "step", "step": s, "global_batch": LOCAL_BATCH * len(RACKS)} for s in range(steps)]
+    return Records(work / "baseline" / "steps.jsonl").poll()
 
 
 def round_divergences(records: list[dict], replayed: list[dict]) -> list[dict]:
@@ -232,6 +272,7 @@ def same_layout_l2(work: Path, chaos: dict, adapter, state_c: dict, state_b: dic
         return state_rel_l2(state_c["param"], state_b["param"])
     batches = {r["step"]: r["global_batch"] for r in chaos["records"] if r["kind"] == "step"}
     log(f"replaying {len(rounds)} rounds ({sum(1 for r in rounds if r.fresh)} with restarted ranks)")
+    _lean_forkserver()
     (work / "replay-digests").mkdir()
     replay(chaos["spec"], rounds, batches, work / "replay", digest_dir=work / "replay-digests")
     theirs = [json.loads(line) for f in sorted((work / "replay-digests").glob("*.jsonl"))
@@ -254,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="stop after this many faults, before --minutes if sooner (0: no limit)")
     ap.add_argument("--step-min-s", type=float, default=0.0,
                     help="pace the chaos run's steps (fewer steps for the baseline to replay; 0: unpaced)")
+    ap.add_argument("--baseline", choices=("cluster", "replay"), default="cluster",
+                    help="the fixed-layout baseline: the job on a fresh control plane (cluster), or its "
+                         "arithmetic replayed in 8 gloo processes in the first plan (replay: no control "
+                         "plane, no process start-up; the in-suite soak's)")
     ap.add_argument("--reference", action="store_true",
                     help="also compare each run with the single-process reference on its own batches "
                          "(stderr; minutes for thousands of steps)")
@@ -274,7 +319,10 @@ def main(argv: list[str] | None = None) -> int:
     chaos = chaos_run(work / "chaos", args.minutes, random.Random(seed), kinds, args.faults, args.step_min_s)
     t1 = time.monotonic()
     (work / "baseline").mkdir()
-    baseline_run(work / "baseline", chaos["steps"])
+    if args.baseline == "replay":
+        replay_baseline(work / "baseline", chaos)
+    else:
+        baseline_run(work / "baseline", chaos["steps"])
     adapter = as_adapter(DEMO_MODEL, chaos["spec"].base_tp)
     step_c, state_c = read_full_state(work / "chaos" / "final", adapter)
     step_b, state_b = read_full_state(work / "baseline" / "final", adapter)
@@ -289,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.reference:  # e.g. after XID 79 faults (the data differed): how far each run is
         log(f"vs the single-process reference on each run's own batches: chaos "
             f"{vs_reference(chaos['records'], state_c):.3g} baseline "
-            f"{vs_reference(Records(work / 'baseline' / 'steps.jsonl').poll(), state_b):.3g}")
+            f"{vs_reference(baseline_records(work, args.baseline, chaos['steps']), state_b):.3g}")
     print(json.dumps({
         "faults_injected": len(chaos["faults"]),
         "faults_by_kind": dict(sorted(Counter(f["kind"] for f in chaos["faults"]).items())),

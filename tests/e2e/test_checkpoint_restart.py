@@ -13,7 +13,7 @@ from tpflex_trainer.demo.story import FAILED_GPU, Story, StoryConfig
 
 from tests.e2e.support import PHASE_S, free_base_port, reference_for, rel_diff
 
-STEPS, FAIL_AT, EVERY = 36, 6, 5
+STEPS, FAIL_AT, EVERY = 24, 6, 5  # the restart comes after step 3 * EVERY + 2, from step 15 (20 at most)
 
 
 def _latest_checkpoint_step(directory: Path) -> int:

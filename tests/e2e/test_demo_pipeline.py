@@ -13,6 +13,7 @@ from tpflex_trainer.demo.summary import render, summarize
 from tests.e2e.support import PHASE_S, etcd_history, free_base_port
 
 TOPO = TOPOLOGIES[2]
+STEPS = 32  # the job holds at step 25 (repair + 1) until the repair's plan, then trains 7 more
 # rank order = the spec's: replica 0 (rack-0, rack-1), replica 1 (rack-2, rack-3), 2 GPUs each
 RANK_OF_FAILED = 6 + TOPO.failed_gpu[1]
 SURVIVOR = 6 + 1 - TOPO.failed_gpu[1]  # the other GPU of the failed stage
@@ -27,7 +28,7 @@ def _stage_degrees(plan: types_pb2.Plan) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_demo_pp2_one_stage_fails_and_is_repaired(tmp_path):
-    story = Story(StoryConfig(workdir=tmp_path, base_port=free_base_port(), steps=40,
+    story = Story(StoryConfig(workdir=tmp_path, base_port=free_base_port(), steps=STEPS,
                               fail_at_step=10, repair_at_step=24, phase_timeout_s=PHASE_S, pp=2))
     try:
         story.start()
@@ -59,7 +60,7 @@ def test_demo_pp2_one_stage_fails_and_is_repaired(tmp_path):
     assert run.caps_degraded[1 - TOPO.failed_gpu[1]] > 700.0
 
     summary = summarize(run)
-    assert summary.steps == 40
+    assert summary.steps == STEPS
     assert summary.parity_max_rel_diff <= 1e-5
     assert summary.violations() == [], summary.phases_failure
     assert "g2: 2/2+2/1" in render(summary, run)

@@ -4,7 +4,12 @@ SIGKILLed in the middle of training, its GPU healthy: tpflex-run reports the exi
 restarts only that rank, the controller raises the job's restart epoch (a soft failure,
 the plan keeps the GPU), the survivors abort and re-form their groups in-process, the
 restarted rank receives its units from peers, and the job finishes without a checkpoint
-restart, with the single-process reference's losses, weights and Adam moments."""
+restart, with the single-process reference's losses, weights and Adam moments.
+
+The job is also the check of the launchers' plain path (once a test of its own, a second
+cluster): the ranks rendezvous through the controller's store (``tpflex://``, keys in etcd
+bound to the job's lease; no TCPStore anywhere), node-0's launcher never restarts a rank,
+and both launchers end with "all ranks done" and status 0."""
 
 from __future__ import annotations
 
@@ -60,14 +65,17 @@ def _run_job(tmp: Path) -> dict:
         liveness = codec.decode(types_pb2.Liveness, kv.value) if kv is not None else None
         drained = cluster.etcd.count_prefix(keys.gpu_override("node-1", 1))
         plan = planstore.read_plan(cluster.etcd, "liveness")
+        store_keys = cluster.etcd.count_prefix(keys.rendezvous_keys("liveness"))
+        store_lease = cluster.etcd.get(keys.rendezvous_lease("liveness"))
     finally:
         kill_launchers(launchers)
         cluster.stop()
-    logs = {r.node: (tmp / f"{r.node}.log").read_text()[-3000:] for r in RACKS}
+    full_logs = {r.node: (tmp / f"{r.node}.log").read_text() for r in RACKS}
+    logs = {node: text[-3000:] for node, text in full_logs.items()}
     assert statuses == [0, 0], logs
     step, state = read_full_state(final, as_adapter(DEMO_MODEL, spec.base_tp))
-    return dict(records=read_records(out), logs=logs, liveness=liveness, drained=drained, step=step,
-                state=state, spec=spec, plan=plan)
+    return dict(records=read_records(out), logs=logs, full_logs=full_logs, liveness=liveness, drained=drained,
+                step=step, state=state, spec=spec, plan=plan, store_keys=store_keys, store_lease=store_lease)
 
 
 def _run_uninterrupted(tmp: Path, spec: types_pb2.JobSpec, plan: types_pb2.Plan) -> dict:
@@ -95,6 +103,11 @@ def test_a_killed_rank_is_restarted_and_the_job_goes_on_without_a_checkpoint(tmp
     assert {rank: len(p) for rank, p in pids.items()} == {r: 2 if r == VICTIM else 1 for r in range(8)}
     assert "rank died; restarting it" in logs["node-1"] and "reason=signal:SIGKILL" in logs["node-1"]
     assert "rank died" not in logs["node-0"]
+    # the rendezvous went through the controller: keys in etcd, bound to the job's lease;
+    # both launchers ended with every rank done
+    assert run["store_keys"] > 0 and run["store_lease"] is not None
+    for node, text in run["full_logs"].items():
+        assert "all ranks done" in text and "store=tpflex://" in text, (node, text[-3000:])
     # the controller recorded a soft failure: a new restart epoch, the GPU kept (not drained)
     assert liveness is not None and liveness.restart.epoch >= 1, logs
     assert [(f.rank, f.node, f.gpu, f.reason) for f in liveness.recent] == [(VICTIM, "node-1", 1, "signal:SIGKILL")]
