@@ -203,11 +203,17 @@ def test_a_new_generation_renders_only_its_changed_replicas():
         return types_pb2.ReplicaPlan(index=i, tp_degree=tp, stages=[types_pb2.StagePlan(
             rack=f"r{i}", tp_degree=tp, gpus=[types_pb2.GpuRef(node=f"r{i}-n0", index=g) for g in range(tp)])])
 
-    plan = types_pb2.Plan(job="j", generation=1, replicas=[replica(i, 4) for i in range(6)])
+    def cap(i: int, watts: float) -> types_pb2.PowerCap:
+        return types_pb2.PowerCap(gpu=types_pb2.GpuRef(node=f"r{i}-n0", index=0), cap_w=watts)
+
+    plan = types_pb2.Plan(job="j", generation=1, replicas=[replica(i, 4) for i in range(6)],
+                          power_caps=[cap(i, 900.0) for i in range(6)])
     views.plan_json(plan)
-    before = views._replica_json.cache_info().misses
+    before = views._replica_json.cache_info().misses, views._cap_json.cache_info().misses
     plan.generation = 2
-    plan.replicas[3].CopyFrom(replica(3, 3))  # one replica lost a GPU
+    plan.replicas[3].CopyFrom(replica(3, 3))  # one replica lost a GPU, its rack boosted
+    plan.power_caps[3].cap_w = 1100.0
     body = views.plan_json(plan)
-    assert views._replica_json.cache_info().misses == before + 1
+    assert (views._replica_json.cache_info().misses, views._cap_json.cache_info().misses) == (
+        before[0] + 1, before[1] + 1)
     assert json.loads(body) == views.plan_view(plan).model_dump(mode="json")
