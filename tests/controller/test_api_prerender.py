@@ -1,7 +1,8 @@
-"""The REST process's background renders (api/prerender.py): after a change, the renders
-the hot pages serve are made before anyone asks, so that the first requests after a quiet
-spell find them (real etcd, real uvicorn); what the pages answer stays the whole-cluster
-derivation. Also the plan memo's single flight and the plan JSON's per-replica pieces."""
+"""The REST process's background renders (api/prerender.py): after a change, the rows,
+the status index and the rack views the list pages serve are made before anyone asks, so
+that the first requests after a quiet spell find them (real etcd, real uvicorn); what the
+pages answer stays the whole-cluster derivation. Also the plan memo's single flight and
+the plan JSON's per-replica pieces."""
 
 from __future__ import annotations
 
@@ -37,17 +38,16 @@ def _served(etcd, tmp_path, *, prerender: bool = True):
         warmed.set()
 
     cache = ApiStateCache(etcd, retry_s=0.05, on_warm=on_warm)
-    memo = RenderMemo()
     if prerender:
-        started.append(Prerenderer(cache, memo, settle_s=0.01).start())
+        started.append(Prerenderer(cache, settle_s=0.01).start())
     cache.start()
     deps = make_deps(etcd, write_token_file(tmp_path))
-    deps.state, deps.memo = cache, memo
+    deps.state = cache
     server = ServedApp(create_app(deps)).start()
     http = httpx.Client(base_url=server.url, timeout=10.0)
     try:
         assert warmed.wait(10)
-        yield cache, memo, (started[0] if started else None), http
+        yield cache, deps.memo, (started[0] if started else None), http
     finally:
         http.close()
         server.stop()
@@ -75,10 +75,8 @@ def test_the_warm_up_and_each_change_render_before_anyone_asks(etcd, tmp_path):
     h.seed(store)
     with _served(etcd, tmp_path) as (cache, memo, prerender, http):
         _settled(cache, prerender, etcd)
-        # the warm-up rendered every rack and plan: the first requests render nothing
+        # the warm-up rendered every row and rack: the first requests render none
         rows, racks = cache.rows.built, cache.racks_rendered
-        kept = memo.peek("plan", h.JOB)
-        assert kept is not None and kept[0] is cache.plan(h.JOB)
         assert http.get("/v1/racks").status_code == 200 and http.get("/v1/status").status_code == 200
         assert (cache.rows.built, cache.racks_rendered) == (rows, racks)
         changes = [
@@ -98,15 +96,16 @@ def test_the_warm_up_and_each_change_render_before_anyone_asks(etcd, tmp_path):
             assert http.get("/v1/gpus", params={"state": "failed"}).status_code == 200
             assert (cache.rows.built, cache.racks_rendered) == (rows, racks)
             _check(http, store)  # and what they answer is the whole-cluster derivation
-        for generation in (2, 3):
+        for generation in (2, 3):  # plans: rendered by their first reader, once
             _new_generation(store, generation)
             _settled(cache, prerender, etcd)
             plan = cache.plan(h.JOB)
             assert plan.generation == generation
-            kept = memo.peek("plan", h.JOB)  # rendered for this very plan, unasked
-            assert kept is not None and kept[0] is plan
+            before = memo.peek("plan", h.JOB)
+            assert before is None or before[0] is not plan
             resp = http.get(f"/v1/jobs/{h.JOB}/plan")
-            assert resp.content == kept[1]
+            kept = memo.peek("plan", h.JOB)
+            assert kept[0] is plan and resp.content == kept[1]
             assert resp.json() == views.plan_view(plan).model_dump(mode="json")
 
 
@@ -117,13 +116,14 @@ def test_without_the_prerenderer_the_first_requests_render(etcd, tmp_path):
     h.seed(store)
     with _served(etcd, tmp_path, prerender=False) as (cache, memo, _, http):
         _settled(cache, None, etcd)
+        assert http.get("/v1/racks").status_code == 200  # every rack rendered once
         h.put_health(store, "rack-a-n1", {2: (types_pb2.GPU_FAILED, "xid 79")})
-        _new_generation(store, 2)
         _settled(cache, None, etcd)
-        assert memo.peek("plan", h.JOB) is None
-        rows = cache.rows.built
+        rows, racks = cache.rows.built, cache.racks_rendered
         assert http.get("/v1/status").status_code == 200
         assert cache.rows.built == rows + 1
+        assert http.get("/v1/racks").status_code == 200
+        assert cache.racks_rendered == racks + 1
 
 
 def test_a_plan_is_rendered_once_by_concurrent_askers():

@@ -1,22 +1,26 @@
-"""The hot pages' renders kept current in the background, so that a request finds them
+"""The list pages' renders kept current in the background, so that a request finds them
 made instead of making them (and 200 clients arriving at once do not all miss).
 
 Before it, the REST process rendered only when asked: after a quiet spell under GPU churn
 the first reads of ``/v1/status`` and ``/v1/gpus?state=failed`` each folded a minute's
-changed nodes into the status index (0.8 s), ``/v1/racks`` re-rendered its changed racks
-and every ``/v1/jobs/<job>/plan`` its new plan (4 ms of CPU each), all at the moment the
-clients arrived (bench/load.py: the slow requests of a REST run were its first seconds).
+changed nodes into the status index (0.8 s), and ``/v1/racks`` re-rendered its changed
+racks, all at the moment the clients arrived (bench/load.py: the slow requests of a REST
+run were its first seconds).
 
 :class:`Prerenderer` subscribes to the API view's change feed (api/feed.py) and, on its
 own thread, a short ``settle_s`` after a batch arrives (changes of that time are done in
 one pass), renders what the batch changed: the rows of the changed nodes and the status
-index (``ApiStateCache.status_counts``), the rack views of their racks, and the plan JSON
-of each job whose plan changed (``RenderMemo``, the render ``GET /v1/jobs/<job>/plan``
-serves). After a (re-)list the cache's warm-up renders every node's rows and the status
-index, then ``render_all`` (wired as its ``on_warm``) every rack and plan; passes wait
-for that warm-up. Each pass costs O(what changed); requests still
-render what they find missing (the renders are the same functions, keyed by the same
-versions), so the pages' bodies do not depend on whether a pass has run.
+index (``ApiStateCache.status_counts``) and the views of their racks. After a (re-)list
+the cache's warm-up renders every node's rows and the status index, then
+``render_all`` (wired as its ``on_warm``) every rack; passes wait for that warm-up. Each
+pass costs O(what changed); requests still render what they find missing (the renders are
+the same functions, keyed by the same versions), so the pages' bodies do not depend on
+whether a pass has run.
+
+Plans are not rendered ahead: a new plan is rendered by its first reader (once, whoever
+asks: ``RenderMemo.body``, from per-replica pieces, ``views.plan_json``). Rendering each
+generation of every job in the background was most of the process's CPU while nobody
+read plans (py-spy, bench/load.py's churn), for a request's 2 ms saved.
 """
 
 from __future__ import annotations
@@ -25,10 +29,8 @@ import logging
 import threading
 from dataclasses import dataclass, field
 
-from tpflex_controller.api import views
 from tpflex_controller.api.errors import ApiError
 from tpflex_controller.api.feed import Change, Kind
-from tpflex_controller.api.memo import RenderMemo
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,6 @@ class Pending:
 
     nodes: set[str] = field(default_factory=set)
     racks: set[str] = field(default_factory=set)
-    plans: set[str] = field(default_factory=set)
     revision: int = 0  # the newest change's
 
     def add(self, changes: list[Change]) -> None:
@@ -51,25 +52,17 @@ class Pending:
                 self.nodes.add(c.name)
             elif c.kind is Kind.RACK:
                 self.racks.add(c.name)
-            elif c.kind is Kind.PLAN:
-                self.plans.add(c.name)
 
     def __bool__(self) -> bool:
-        return bool(self.nodes or self.racks or self.plans)
-
-
-def plan_body(memo: RenderMemo, job: str, plan) -> bytes:
-    """The JSON ``GET /v1/jobs/<job>/plan`` serves for ``plan`` (rendered once per plan
-    object, by whoever asks first: a request or a pass)."""
-    return memo.body("plan", job, plan, lambda: views.plan_json(plan))
+        return bool(self.nodes or self.racks)
 
 
 class Prerenderer:
     """``start()`` subscribes to ``cache`` and starts the thread; ``stop()``. ``revision``:
     the newest change a finished pass covered (``wait_revision``, for tests)."""
 
-    def __init__(self, cache, memo: RenderMemo, *, settle_s: float = 0.05) -> None:
-        self.cache, self.memo, self.settle_s = cache, memo, settle_s
+    def __init__(self, cache, *, settle_s: float = 0.05) -> None:
+        self.cache, self.settle_s = cache, settle_s
         self.revision = 0
         self._pending = Pending()
         self._cv = threading.Condition()
@@ -133,10 +126,10 @@ class Prerenderer:
                 self._cv.notify_all()
 
     def render_all(self) -> None:
-        """Every rack view and plan (after a (re-)list: ``ApiStateCache(on_warm=)``, whose
-        warm-up rendered the rows and the status index)."""
+        """Every rack's view (after a (re-)list: ``ApiStateCache(on_warm=)``, whose warm-up
+        rendered the rows and the status index)."""
         try:
-            self._render(self.cache.rack_names(), sorted(self.cache.jobs()))
+            self._render(self.cache.rack_names())
         except ApiError:
             pass  # etcd went away meanwhile: requests render on demand
 
@@ -144,13 +137,8 @@ class Prerenderer:
         """One pass over ``pending`` (on the caller's thread)."""
         cache = self.cache
         cache.status_counts()  # folds the changed nodes' rows into the status index
-        self._render(sorted(pending.racks | cache.racks_of(pending.nodes)), sorted(pending.plans))
+        self._render(sorted(pending.racks | cache.racks_of(pending.nodes)))
 
-    def _render(self, racks: list[str], jobs: list[str]) -> None:
-        cache = self.cache
+    def _render(self, racks: list[str]) -> None:
         for i in range(0, len(racks), 64):
-            cache.rack_rows(racks[i:i + 64])
-        for job in jobs:
-            plan = cache.plan(job)
-            if plan is not None:
-                plan_body(self.memo, job, plan)
+            self.cache.rack_rows(racks[i:i + 64])

@@ -104,7 +104,6 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
 
     from tpflex_controller.api import ApiDeps, create_app, load_tokens, stalls
     from tpflex_controller.api.cache import ApiStateCache
-    from tpflex_controller.api.memo import RenderMemo
     from tpflex_controller.api.prerender import Prerenderer
     from tpflex_controller.api.respcache import ResponseCacheCollector
     from tpflex_controller.main import create_etcd
@@ -121,12 +120,11 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
 
     def warmed() -> None:  # after each (re-)list's rows and status index were rendered
         if prerender is not None:
-            prerender.render_all()  # every rack view and plan, before clients ask
+            prerender.render_all()  # every rack's view, before clients ask
         settle_heap()
 
     cache = ApiStateCache(etcd, row_cache_nodes=r.row_cache_nodes, on_warm=warmed)
-    memo = RenderMemo()
-    prerender = Prerenderer(cache, memo).start()  # then what each change alters
+    prerender = Prerenderer(cache).start()  # then what each change alters
     # its own informer; the stall log times each batch folded
     cache.start(wrap=None if stall is None else (lambda handler: stalls.timed_handler(stall, handler)))
     full_gc = FullCollections().start()  # settle_heap turns the automatic ones off
@@ -137,7 +135,6 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
         body_timeout_s=r.body_timeout_s, response_cache_entries=r.response_cache_entries,
         response_cache_bytes=r.response_cache_mb << 20,
         metrics_prefix=link.metrics_text,  # the controller's metrics, read at scrape time
-        memo=memo,
     )
     registry.register(ResponseCacheCollector(deps.response_stats))
     app = create_app(deps)

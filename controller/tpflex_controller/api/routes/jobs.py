@@ -18,7 +18,6 @@ from tpflex_controller.api.deps import Admin, ApiDeps, Deps
 from tpflex_controller.api.errors import ApiError, ErrorCode, invalid, not_found
 from tpflex_controller.api.paging import After, PageLimit, page
 from tpflex_controller.api.params import JobName, Limit
-from tpflex_controller.api.prerender import plan_body
 from tpflex_controller.api.state import job_spec, planner_job
 from tpflex_controller.planner import plan
 from tpflex_controller.planner.model import GpuStatus, JobOverrides
@@ -61,8 +60,7 @@ def get_plan(job: JobName, deps: Deps) -> Response:
     plan = deps.reads.plan(job)
     if plan is None:
         raise not_found(f"job {job!r} has no committed plan yet")
-    # the body a background pass may have rendered already (api/prerender.py)
-    return Response(content=plan_body(deps.memo, job, plan), media_type="application/json")
+    return deps.memo.json("plan", job, plan, lambda: views.plan_json(plan))
 
 
 @router.get("/{job}/plans", response_model=s.PlanHistory, summary="Plan history, oldest first")
