@@ -22,6 +22,7 @@ folds keys in revision and key order holds every part when the header arrives.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -134,24 +135,46 @@ class Assembler:
         self._gpu_of_cap: dict[bytes, tuple[str, int]] = {}
         self._max = max_cached
 
-    def whole(self, header: bytes, parts: Sequence[bytes]) -> bytes:
+    def whole(self, header: bytes, parts: Sequence[bytes], kept: dict | None = None) -> bytes:
+        """``kept``: one job's parsed parts of its previous call (the caller keeps it per
+        job; this call replaces its content with this call's parts): a part seen then, the
+        same bytes, is not split into fields again. A generation changes a few parts, so
+        a reader of every generation (the REST process) splits those few, not the 30-odd
+        of the whole plan with their caps (most of its CPU while idle under GPU churn)."""
         head, caps, tail = [], [], []
+        gpu = self._gpu
         for num, raw in fields(header):
             if num in _HEAD:
                 head.append(raw)
             elif num == _CAPS:
-                caps.append(raw)
+                caps.append((gpu(raw), raw))
             elif num not in _SPLIT_FIELDS and num != _REPLICAS:
                 tail.append(raw)
         replicas = []
+        now = {} if kept is not None else None
         for part in parts:
-            for num, raw in fields(part):
-                if num == _REPLICAS:
-                    replicas.append(raw)
-                elif num == _CAPS:
-                    caps.append(raw)
-        caps.sort(key=self._gpu)
-        return b"".join([*head, *replicas, *caps, *tail])
+            pieces = kept.get(part) if kept is not None else None
+            if pieces is None:
+                pieces = self._pieces(part)
+            if now is not None:
+                now[part] = pieces
+            replicas.extend(pieces[0])
+            caps.extend(pieces[1])
+        if kept is not None:
+            kept.clear()
+            kept.update(now)
+        caps.sort(key=_first)  # stable: caps of one GPU stay in header, then part order
+        return b"".join([*head, *replicas, *(raw for _, raw in caps), *tail])
+
+    def _pieces(self, part: bytes) -> tuple[tuple[bytes, ...], tuple[tuple[tuple[str, int], bytes], ...]]:
+        """A part's replica fields and its caps with their GPUs."""
+        replicas, caps = [], []
+        for num, raw in fields(part):
+            if num == _REPLICAS:
+                replicas.append(raw)
+            elif num == _CAPS:
+                caps.append((self._gpu(raw), raw))
+        return tuple(replicas), tuple(caps)
 
     def _gpu(self, raw: bytes) -> tuple[str, int]:
         gpu = self._gpu_of_cap.get(raw)
@@ -162,6 +185,9 @@ class Assembler:
                 self._gpu_of_cap.clear()
             self._gpu_of_cap[raw] = gpu
         return gpu
+
+
+_first = operator.itemgetter(0)
 
 
 # ---- which parts exist, which generation needs which ----
@@ -304,14 +330,16 @@ def whole_plans(kvs: Iterable, assembler: Assembler | None = None) -> tuple[dict
     return current, kept
 
 
-def whole(value: bytes, parts: PartIndex | None, assembler: Assembler, key: str) -> types_pb2.Plan:
-    """The whole plan of a stored header (or of a whole plan stored as such)."""
+def whole(value: bytes, parts: PartIndex | None, assembler: Assembler, key: str,
+          kept: dict | None = None) -> types_pb2.Plan:
+    """The whole plan of a stored header (or of a whole plan stored as such); ``kept``:
+    the job's parsed parts (``Assembler.whole``)."""
     plan = decode_plan(value, key)
     if not plan.split:
         return plan
     chosen = (parts or PartIndex()).select(plan.generation, plan.stored_replicas, key)
     try:
-        return decode_plan(assembler.whole(value, chosen), key)
+        return decode_plan(assembler.whole(value, chosen, kept), key)
     except ValueError as exc:
         raise codec.MalformedValue(key, "Plan", str(exc)) from exc
 

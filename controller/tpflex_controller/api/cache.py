@@ -64,12 +64,14 @@ class ApiStateCache:
         self._placement: tuple[object, list[str], dict[str, tuple[str, ...]]] = (None, [], {})
         self._rack_json: dict[str, tuple[object, tuple, tuple, bytes]] = {}
         self._rack_lock = threading.Lock()
+        self.racks_rendered = 0  # rack views rendered so far
         self._own_informer = informer is None
         self.informer = informer if informer is not None else Informer(etcd, retry_s=retry_s)
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._t = Tables()
         self._synced = False
+        self._warm_epoch = None
         self._unregister = None
         self._subscribers = Subscribers()
         self._index = NodeIndex()
@@ -240,8 +242,15 @@ class ApiStateCache:
             self.status_counts()
         except ApiError:
             return  # etcd went away meanwhile; rows are rendered on demand
-        if self.on_warm is not None and self._t is tables:
-            self.on_warm()
+        if self._t is tables:
+            self._warm_epoch = tables.epoch
+            if self.on_warm is not None:
+                self.on_warm()
+
+    @property
+    def warm(self) -> bool:
+        """The current tables' rows and status index were rendered once (``_warm_rows``)."""
+        return self._synced and self._warm_epoch == self._t.epoch
 
     def node_names(self) -> list[str]:
         """Every node known (rack members and registered nodes), sorted; kept until the
@@ -273,6 +282,21 @@ class ApiStateCache:
                 del self._rack_json[gone]
         return names, members
 
+    def racks_of(self, nodes) -> set[str]:
+        """The racks whose views show ``nodes`` (the rack listing each, or the one it
+        names when none lists it); unknown nodes have none."""
+        t = self._tables()
+        with self._lock:
+            out = set()
+            for n in nodes:
+                rack = t.node_rack.get(n)
+                if rack is None:
+                    reg = t.snap.nodes.get(n)
+                    rack = reg.rack if reg is not None else None
+                if rack is not None:
+                    out.add(rack)
+            return out
+
     def rack_names(self) -> list[str]:
         """Every rack, sorted (kept until the racks or a node's placement may change)."""
         return self._racks()[0]
@@ -295,6 +319,7 @@ class ApiStateCache:
                 continue
             body = render_rack(rack, self.node_rows(list(nodes)))
             with self._rack_lock:
+                self.racks_rendered += 1
                 if name in self._placement[2]:  # not a rack gone meanwhile
                     self._rack_json[name] = (rack, nodes, vers, body)
             out.append(body)

@@ -104,6 +104,7 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
 
     from tpflex_controller.api import ApiDeps, create_app, load_tokens, stalls
     from tpflex_controller.api.cache import ApiStateCache
+    from tpflex_controller.api.prerender import Prerenderer
     from tpflex_controller.api.respcache import ResponseCacheCollector
     from tpflex_controller.main import create_etcd
     from tpflex_controller.store import Store
@@ -115,7 +116,15 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
                          protect_reads=r.protect_reads)
     etcd = create_etcd(settings)
     stall = stalls.from_env()  # TPFLEX_DEBUG_REST_STALLS: a debugging aid, off by default
-    cache = ApiStateCache(etcd, row_cache_nodes=r.row_cache_nodes, on_warm=settle_heap)
+    prerender: Prerenderer | None = None
+
+    def warmed() -> None:  # after each (re-)list's rows and status index were rendered
+        if prerender is not None:
+            prerender.render_all()  # every rack's view, before clients ask
+        settle_heap()
+
+    cache = ApiStateCache(etcd, row_cache_nodes=r.row_cache_nodes, on_warm=warmed)
+    prerender = Prerenderer(cache).start()  # then what each change alters
     # its own informer; the stall log times each batch folded
     cache.start(wrap=None if stall is None else (lambda handler: stalls.timed_handler(stall, handler)))
     full_gc = FullCollections().start()  # settle_heap turns the automatic ones off
@@ -142,6 +151,7 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
         server.run(sockets=[sock])  # SIGTERM/SIGINT: uvicorn stops gracefully
     finally:
         full_gc.stop()
+        prerender.stop()
         cache.stop()
         etcd.close()
     return 0

@@ -79,6 +79,7 @@ class RowCache:
         self.max_nodes = max_nodes
         self._lock = threading.Lock()
         self._rows: OrderedDict[str, tuple[object, NodeRow | None]] = OrderedDict()
+        self.built = 0  # rows rendered so far
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -111,6 +112,7 @@ class RowCache:
                 return kept[1]
         row = build()  # outside the lock: readers of other nodes go on
         with self._lock:
+            self.built += 1
             kept = self._rows.get(node)
             if kept is not None and kept[0] == version:
                 return kept[1]  # rendered meanwhile by another reader: one row per version

@@ -47,6 +47,9 @@ class Tables:
         self.events: dict[int, types_pb2.Event] = {}
         self.leader: types_pb2.LeaderRecord | None = None
         self.leader_present = False
+        # per job, the parts of its last assembled plan split into fields (planstore's
+        # Assembler.whole(kept=)): a commit splits only the parts it wrote
+        self.plan_pieces: dict[str, dict] = {}
 
     def fold_change(self, c: KeyChange, assembled: dict | None = None, i: int = 0) -> None:
         """One informer change record (decoded there; a malformed value was logged there
@@ -87,9 +90,11 @@ class Tables:
                 fold_plan_key(snap, pk, c.key_value(), c.deleted)
             elif c.deleted:
                 snap.plan_parts.pop(k.name, None)
+                self.plan_pieces.pop(k.name, None)
             else:
                 try:
-                    out[i] = planstore.whole(c.value, snap.plan_parts.get(k.name), ASSEMBLER, c.key)
+                    out[i] = planstore.whole(c.value, snap.plan_parts.get(k.name), ASSEMBLER, c.key,
+                                             self.plan_pieces.setdefault(k.name, {}))
                 except codec.MalformedValue as exc:
                     log.warning("skipping malformed etcd value key=%s error=%s", c.key, exc)
                     out[i] = None
