@@ -9,7 +9,8 @@ which is a fresh interpreter) or the interpreter traces already
 writes ``tpflex-memtrace-<pid>-<n>.txt`` to the temporary directory: tracemalloc's traced
 total next to VmRSS, the top allocations grouped by traceback that grew since the first
 dump and since the previous one, and (to tell live objects from allocator fragmentation)
-VmRSS again after glibc's ``malloc_trim(0)`` (both taken before the dump's own work) plus
+VmRSS again after glibc's ``malloc_trim(0)`` (both taken before the dump's own work),
+glibc's mallinfo2 (held by its arenas, allocated, free but kept, mapped apart) plus
 pymalloc's arena counts. The trim
 changes the process's RSS from then on: a diagnostic, never for production.
 """
@@ -52,6 +53,27 @@ def _pymalloc_arenas() -> str:
     return "\n".join(line for line in text.splitlines() if "arena" in line.lower())
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+        "keepcost")]
+
+
+def malloc_stats() -> str:
+    """glibc's own account (mallinfo2, all arenas): bytes its arenas hold from the system
+    (``arena``), how much of that is allocated (``uordblks``) and free but kept
+    (``fordblks``), and the blocks mapped on their own (``hblkhd``); "" off glibc."""
+    try:
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return ""
+    fn.restype = _Mallinfo2
+    m = fn()
+    mb = {k: getattr(m, k) / 2**20 for k in ("arena", "uordblks", "fordblks", "hblkhd")}
+    return (f"malloc_arena_mb={mb['arena']:.1f} malloc_used_mb={mb['uordblks']:.1f} "
+            f"malloc_free_mb={mb['fordblks']:.1f} malloc_mmap_mb={mb['hblkhd']:.1f}")
+
+
 def _trim() -> int:
     try:
         return ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -85,6 +107,7 @@ class MemTrace:
                 return None
             # RSS and the trim first: the dump's own temporaries are not in them
             rss = rss_mb()
+            glibc = malloc_stats()
             current, peak = tracemalloc.get_traced_memory()
             trimmed = _trim()
             trimmed_rss = rss_mb()
@@ -94,7 +117,7 @@ class MemTrace:
             out.write(f"# dump {self._n} pid={os.getpid()} rss_mb={rss:.1f} traced_mb={current / 2**20:.1f} "
                       f"traced_peak_mb={peak / 2**20:.1f} tracemalloc_overhead_mb="
                       f"{tracemalloc.get_tracemalloc_memory() / 2**20:.1f} malloc_trim(0)={trimmed} "
-                      f"rss_mb_after_trim={trimmed_rss:.1f}\n")
+                      f"rss_mb_after_trim={trimmed_rss:.1f} {glibc}\n")
             if self._first is not None:
                 _diff(out, "since the first dump", snap, tracemalloc.Snapshot.load(str(self._first)))
             if self._last is not None and self._last != self._first:
