@@ -10,8 +10,8 @@ writes ``tpflex-memtrace-<pid>-<n>.txt`` to the temporary directory: tracemalloc
 total next to VmRSS, the top allocations grouped by traceback that grew since the first
 dump and since the previous one, and (to tell live objects from allocator fragmentation)
 VmRSS again after glibc's ``malloc_trim(0)`` (both taken before the dump's own work),
-glibc's mallinfo2 (held by its arenas, allocated, free but kept, mapped apart) plus
-pymalloc's arena counts. The trim
+glibc's mallinfo2 (held by its arenas, allocated, free but kept, mapped apart), the cyclic
+collector's runs per generation and frozen objects, plus pymalloc's arena counts. The trim
 changes the process's RSS from then on: a diagnostic, never for production.
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import io
 import os
 import signal
@@ -108,6 +109,7 @@ class MemTrace:
             # RSS and the trim first: the dump's own temporaries are not in them
             rss = rss_mb()
             glibc = malloc_stats()
+            collections = "/".join(str(g["collections"]) for g in gc.get_stats())
             current, peak = tracemalloc.get_traced_memory()
             trimmed = _trim()
             trimmed_rss = rss_mb()
@@ -117,7 +119,8 @@ class MemTrace:
             out.write(f"# dump {self._n} pid={os.getpid()} rss_mb={rss:.1f} traced_mb={current / 2**20:.1f} "
                       f"traced_peak_mb={peak / 2**20:.1f} tracemalloc_overhead_mb="
                       f"{tracemalloc.get_tracemalloc_memory() / 2**20:.1f} malloc_trim(0)={trimmed} "
-                      f"rss_mb_after_trim={trimmed_rss:.1f} {glibc}\n")
+                      f"rss_mb_after_trim={trimmed_rss:.1f} {glibc} gc_collections={collections} "
+                      f"gc_frozen={gc.get_freeze_count()}\n")
             if self._first is not None:
                 _diff(out, "since the first dump", snap, tracemalloc.Snapshot.load(str(self._first)))
             if self._last is not None and self._last != self._first:
