@@ -9,7 +9,11 @@ Channels to agents are pooled by address, at most ``max_channels`` (least recent
 closed first) and each closed after ``channel_idle_s`` without a send (settings
 ``agents.max_channels``, ``agents.channel_idle_s``): a channel keeps gRPC's connection
 state and reconnect timers, so one per agent ever pushed to grew the controller's memory
-with the fleet (tens of MB at 10,000 unreachable agents). A channel in use is never closed;
+with the fleet (tens of MB at 10,000 unreachable agents). Besides, a channel whose last
+send could not reach its agent (UNAVAILABLE, DEADLINE_EXCEEDED) is closed as soon as no send
+uses it: the retry after the backoff opens a new one, so agents that are down or gone hold
+no channel between their retries (under the load bench, whose agents are all unreachable,
+the pool sat at its bound). A channel in use is never closed;
 a send after a close opens a new one. A send is handed to the worker pool only when a
 worker is free: sends that are due wait in the schedule (one per node), so retries to
 unreachable agents neither pile up as queued futures nor hold back a new plan's send.
@@ -41,6 +45,8 @@ _RETRY_CODES = {
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.ABORTED,
 }
+# a send failed with these never reached the agent: its channel is not kept
+_UNREACHED_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _OUTCOMES = agent_pb2.ApplyPowerPlanResponse.Outcome
 
 
@@ -215,14 +221,14 @@ class AgentPusher:
 
     def _attempt(self, node: str, address: str, plan: types_pb2.NodePowerPlan, attempts: int) -> None:
         req = agent_pb2.ApplyPowerPlanRequest(generation=plan.generation, caps=list(plan.caps))
-        retry = False
+        retry = unreached = False
         channel = self._channel(address)
         try:
             resp = agent_pb2_grpc.AgentStub(channel).ApplyPowerPlan(req, timeout=self._timeout)
             result = self._result(node, plan, True, _OUTCOMES.Name(resp.outcome), _errors(resp), attempts)
         except grpc.RpcError as exc:
             code = exc.code()
-            retry = code in _RETRY_CODES
+            retry, unreached = code in _RETRY_CODES, code in _UNREACHED_CODES
             detail = exc.details() or ""
             result = self._result(node, plan, False, code.name if code else "UNKNOWN", detail, attempts)
             if self._on_failure is not None:
@@ -233,7 +239,7 @@ class AgentPusher:
                 node, plan.generation, result.outcome, attempts, detail,
             )
         with self._cv:
-            self._release(address)
+            self._release(address, unreached)
             t = self._targets.get(node)
             if t is None:
                 return  # cancelled
@@ -270,11 +276,15 @@ class AgentPusher:
             self._trim_channels()
             return entry[0]
 
-    def _release(self, address: str) -> None:
-        """Under ``_cv``: one send on ``address``'s channel ended."""
+    def _release(self, address: str, unreached: bool = False) -> None:
+        """Under ``_cv``: one send on ``address``'s channel ended; ``unreached``: it did not
+        reach the agent: the channel is closed unless another send still uses it."""
         entry = self._channels.get(address)
         if entry is not None:
             entry[1], entry[2] = self._clock(), entry[2] - 1
+            if unreached and not entry[2]:
+                del self._channels[address]
+                entry[0].close()
         self._trim_channels()
 
     def _trim_channels(self) -> None:
