@@ -72,7 +72,26 @@ def malloc_stats() -> str:
     m = fn()
     mb = {k: getattr(m, k) / 2**20 for k in ("arena", "uordblks", "fordblks", "hblkhd")}
     return (f"malloc_arena_mb={mb['arena']:.1f} malloc_used_mb={mb['uordblks']:.1f} "
-            f"malloc_free_mb={mb['fordblks']:.1f} malloc_mmap_mb={mb['hblkhd']:.1f}")
+            f"malloc_free_mb={mb['fordblks']:.1f} malloc_mmap_mb={mb['hblkhd']:.1f} "
+            f"malloc_arenas={_arena_count()}")
+
+
+def _arena_count() -> int:
+    """glibc's arenas (``<heap nr=`` entries of malloc_info); -1 if it cannot say."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.fopen.restype = ctypes.c_void_p
+    libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.fclose.argtypes = [ctypes.c_void_p]
+    with tempfile.NamedTemporaryFile() as tmp:
+        fp = libc.fopen(tmp.name.encode(), b"w")
+        if not fp:
+            return -1
+        try:
+            libc.malloc_info(0, fp)
+        finally:
+            libc.fclose(fp)
+        return Path(tmp.name).read_text().count("<heap nr=")
 
 
 def _trim() -> int:

@@ -42,6 +42,7 @@ def test_a_dump_names_what_grew(tmp_path, monkeypatch):
     glibc = dict(kv.split("=") for kv in head.split() if kv.startswith("malloc_") and kv.endswith(tuple("0123456789")))
     assert float(glibc["malloc_arena_mb"]) >= float(glibc["malloc_used_mb"]) > 7.5
     assert "gc_collections=" in head and "gc_frozen=" in head
+    assert int(glibc["malloc_arenas"]) >= 1
 
 
 def test_the_process_entry_installs_it_not_the_reconcile_loop(etcd_server, tmp_path, monkeypatch):
