@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import signal
 import tracemalloc
+from pathlib import Path
 
 from tpflex_controller import memtrace
 
@@ -46,13 +47,14 @@ def test_a_dump_names_what_grew(tmp_path, monkeypatch):
 
 
 def test_the_process_entry_installs_it_not_the_reconcile_loop(etcd_server, tmp_path, monkeypatch):
-    """``tpflex-controller`` traces from main() (its switch is a ``TPFLEX_DEBUG_*`` variable,
+    """(And reports the process entry's arena cap, heap.py.) ``tpflex-controller`` traces from main() (its switch is a ``TPFLEX_DEBUG_*`` variable,
     which bench/load.py passes on): SIGUSR1 writes a dump of the controller's pid, none of
     the REST child's; an in-process reconcile loop started with the switch set traces
     nothing (the loop is no process entry)."""
     from tests.controller.controller_harness import ControllerProc, start_controller
     from tests.support.wait import wait_until
 
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
     proc = ControllerProc(etcd_server.endpoints, "c1", tmp_path,
                           env={memtrace.ENV: "1", "TMPDIR": str(tmp_path)})
     try:
@@ -61,7 +63,11 @@ def test_the_process_entry_installs_it_not_the_reconcile_loop(etcd_server, tmp_p
         proc.proc.send_signal(signal.SIGUSR1)
         dump = tmp_path / f"tpflex-memtrace-{proc.proc.pid}-0.txt"
         wait_until(lambda: dump.exists() and "## pymalloc" in dump.read_text(), 30, "the controller's dump")
-        assert f"pid={proc.proc.pid} " in dump.read_text().partition("\n")[0]
+        head = dump.read_text().partition("\n")[0]
+        assert f"pid={proc.proc.pid} " in head
+        # heap.py: the controller (~30 threads) keeps 2 glibc arenas, its REST child inherits the cap
+        assert 1 <= int(head.split("malloc_arenas=")[1].split()[0]) <= 2
+        assert b"MALLOC_ARENA_MAX=2\0" in Path(f"/proc/{child}/environ").read_bytes()
         assert proc.terminate() == 0
         assert (tmp_path / f"tpflex-memtrace-{proc.proc.pid}-1.txt").exists()  # at exit
         assert not list(tmp_path.glob(f"tpflex-memtrace-{child}-*"))
