@@ -13,6 +13,8 @@ VmRSS again after glibc's ``malloc_trim(0)`` (both taken before the dump's own w
 glibc's mallinfo2 (held by its arenas, allocated, free but kept, mapped apart), the cyclic
 collector's runs per generation and frozen objects, plus pymalloc's arena counts. The trim
 changes the process's RSS from then on: a diagnostic, never for production.
+``TPFLEX_DEBUG_MEMTRACE_FRAMES=0`` writes the same dumps without tracing (no traced figures
+or diffs): the allocator's account of a process running at full speed.
 """
 
 from __future__ import annotations
@@ -123,41 +125,44 @@ class MemTrace:
 
     def dump(self) -> Path | None:
         with self._lock:
-            if not tracemalloc.is_tracing():
-                return None
             # RSS and the trim first: the dump's own temporaries are not in them
             rss = rss_mb()
             glibc = malloc_stats()
             collections = "/".join(str(g["collections"]) for g in gc.get_stats())
-            current, peak = tracemalloc.get_traced_memory()
+            traced = ""
+            if tracemalloc.is_tracing():
+                current, peak = tracemalloc.get_traced_memory()
+                traced = (f" traced_mb={current / 2**20:.1f} traced_peak_mb={peak / 2**20:.1f} "
+                          f"tracemalloc_overhead_mb={tracemalloc.get_tracemalloc_memory() / 2**20:.1f}")
             trimmed = _trim()
             trimmed_rss = rss_mb()
-            filters = [tracemalloc.Filter(False, tracemalloc.__file__)]
-            snap = tracemalloc.take_snapshot().filter_traces(filters)
             out = io.StringIO()
-            out.write(f"# dump {self._n} pid={os.getpid()} rss_mb={rss:.1f} traced_mb={current / 2**20:.1f} "
-                      f"traced_peak_mb={peak / 2**20:.1f} tracemalloc_overhead_mb="
-                      f"{tracemalloc.get_tracemalloc_memory() / 2**20:.1f} malloc_trim(0)={trimmed} "
+            out.write(f"# dump {self._n} pid={os.getpid()} rss_mb={rss:.1f}{traced} malloc_trim(0)={trimmed} "
                       f"rss_mb_after_trim={trimmed_rss:.1f} {glibc} gc_collections={collections} "
                       f"gc_frozen={gc.get_freeze_count()}\n")
-            if self._first is not None:
-                _diff(out, "since the first dump", snap, tracemalloc.Snapshot.load(str(self._first)))
-            if self._last is not None and self._last != self._first:
-                _diff(out, "since the previous dump", snap, tracemalloc.Snapshot.load(str(self._last)))
-            out.write("\n## pymalloc\n" + _pymalloc_arenas() + "\n")
             path = Path(tempfile.gettempdir()) / f"tpflex-memtrace-{os.getpid()}-{self._n}.txt"
-            kept = path.with_suffix(".snapshot")
-            snap.dump(str(kept))
-            del snap
-            if self._first is None:
-                self._first = kept
-            elif self._last != self._first and self._last is not None:
-                self._last.unlink(missing_ok=True)
-            self._last = kept
+            if traced:
+                self._diffs(out, path.with_suffix(".snapshot"))
+            out.write("\n## pymalloc\n" + _pymalloc_arenas() + "\n")
             self._n += 1
             path.write_text(out.getvalue())
             return path
 
+    def _diffs(self, out: io.StringIO, kept: Path) -> None:
+        """The traced allocations that grew since the first and the previous dump."""
+        filters = [tracemalloc.Filter(False, tracemalloc.__file__)]
+        snap = tracemalloc.take_snapshot().filter_traces(filters)
+        if self._first is not None:
+            _diff(out, "since the first dump", snap, tracemalloc.Snapshot.load(str(self._first)))
+        if self._last is not None and self._last != self._first:
+            _diff(out, "since the previous dump", snap, tracemalloc.Snapshot.load(str(self._last)))
+        snap.dump(str(kept))
+        del snap
+        if self._first is None:
+            self._first = kept
+        elif self._last != self._first and self._last is not None:
+            self._last.unlink(missing_ok=True)
+        self._last = kept
 
 ENV = "TPFLEX_DEBUG_MEMTRACE_FRAMES"
 OLD_ENV = "TPFLEX_MEMTRACE_FRAMES"  # bench/load.py does not pass it to the controller
@@ -170,7 +175,7 @@ def install_if_asked(environ=os.environ) -> MemTrace | None:
     frames = environ.get(ENV, "") or environ.get(OLD_ENV, "")
     if frames.isdigit() and int(frames) > 0 and not tracemalloc.is_tracing():
         tracemalloc.start(int(frames))
-    if not tracemalloc.is_tracing():
+    if not tracemalloc.is_tracing() and frames != "0":
         return None
     mt = MemTrace()
     # the dump runs in a thread: a signal handler must not take locks the loop holds

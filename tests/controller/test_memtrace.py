@@ -46,6 +46,25 @@ def test_a_dump_names_what_grew(tmp_path, monkeypatch):
     assert int(glibc["malloc_arenas"]) >= 1
 
 
+def test_frames_zero_dumps_without_tracing(tmp_path, monkeypatch):
+    """``=0``: the allocator's account (RSS, glibc, the collector, pymalloc), no tracing."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(memtrace.tempfile, "tempdir", None)
+    previous = signal.getsignal(signal.SIGUSR1)
+    try:
+        mt = memtrace.install_if_asked({memtrace.ENV: "0"})
+        assert mt is not None and not tracemalloc.is_tracing()
+        text = mt.dump().read_text()
+    finally:
+        atexit.unregister(mt.dump)
+        signal.signal(signal.SIGUSR1, previous)
+    head = text.partition("\n")[0]
+    assert "rss_mb=" in head and "malloc_arenas=" in head and "traced_mb" not in head
+    assert "since the first dump" not in text
+    assert "arenas allocated current" in text.split("## pymalloc")[1]
+    assert not list(tmp_path.glob("*.snapshot"))
+
+
 def test_the_process_entry_installs_it_not_the_reconcile_loop(etcd_server, tmp_path, monkeypatch):
     """(And reports the process entry's arena cap, heap.py.) ``tpflex-controller`` traces from main() (its switch is a ``TPFLEX_DEBUG_*`` variable,
     which bench/load.py passes on): SIGUSR1 writes a dump of the controller's pid, none of
