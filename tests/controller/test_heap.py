@@ -26,7 +26,8 @@ def work():
 threads = [threading.Thread(target=work) for _ in range(8)]
 [t.start() for t in threads]; [t.join() for t in threads]
 stats = dict(kv.split("=") for kv in memtrace.malloc_stats().split())
-child = subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('MALLOC_ARENA_MAX', ''))"],
+child = subprocess.run([sys.executable, "-c", "import os; e = os.environ; "
+                        "print(e.get('MALLOC_ARENA_MAX', ''), e.get('MALLOC_MMAP_THRESHOLD_', ''))"],
                        capture_output=True, text=True).stdout.strip()
 print(json.dumps({"cap": cap, "arenas": int(stats["malloc_arenas"]), "child_env": child}))
 """
@@ -43,9 +44,38 @@ def test_the_arena_cap_holds_and_reaches_children():
     free = _run("free", env)
     assert free["arenas"] > 2 and free["child_env"] == ""  # glibc's default: one per thread
     capped = _run("cap", env)
-    assert capped == {"cap": 2, "arenas": 2, "child_env": "2"}
-    given = _run("cap", {**env, heap.ENV: "3"})  # the environment's cap (the systemd unit's) wins
-    assert given["cap"] == 3 and given["arenas"] <= 3 and given["child_env"] == "3"
+    assert capped == {"cap": 2, "arenas": 2, "child_env": "2 262144"}
+    # the environment's settings (the systemd unit's) win
+    given = _run("cap", {**env, heap.ENV: "3", heap.MMAP_ENV: "131072"})
+    assert given["cap"] == 3 and given["arenas"] <= 3 and given["child_env"] == "3 131072"
+
+
+_BIG_BLOCKS = """
+import json
+from tpflex_controller import heap, memtrace
+if sys.argv[1] == "cap":
+    heap.limit_arenas()
+for _ in range(3):  # a 4 MiB buffer freed raises glibc's own threshold to 4 MiB
+    block = bytearray(4 << 20)
+    del block
+blocks = [bytearray(1 << 20) for _ in range(32)]
+mapped = dict(kv.split("=") for kv in memtrace.malloc_stats().split())["malloc_mmap_mb"]
+print(json.dumps(float(mapped)))
+"""
+
+
+def test_big_blocks_stay_mapped_apart():
+    """After a big block is freed, glibc keeps later big blocks in its arenas (where their
+    memory stays when freed) unless the threshold is fixed."""
+    env = {k: v for k, v in os.environ.items() if k not in (heap.ENV, heap.MMAP_ENV)}
+
+    def mapped(mode: str) -> float:
+        out = subprocess.run([sys.executable, "-c", "import sys\n" + _BIG_BLOCKS, mode], capture_output=True,
+                             text=True, timeout=60, env=env, check=True)
+        return json.loads(out.stdout)
+
+    assert mapped("free") < 8  # MB of the 32 MiB mapped apart: glibc's threshold rose
+    assert mapped("cap") >= 32
 
 
 def test_limit_arenas_refuses_a_cap_below_one():
