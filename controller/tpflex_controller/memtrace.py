@@ -42,7 +42,8 @@ def rss_mb() -> float:
 
 
 def _pymalloc_arenas() -> str:
-    """The arena lines of sys._debugmallocstats() (it writes to the C stderr)."""
+    """The arena, block and pool totals of sys._debugmallocstats() (it writes to the C
+    stderr; nothing while tracemalloc traces)."""
     with tempfile.TemporaryFile() as tmp:
         saved = os.dup(2)
         try:
@@ -53,7 +54,8 @@ def _pymalloc_arenas() -> str:
             os.close(saved)
         tmp.seek(0)
         text = tmp.read().decode(errors="replace")
-    return "\n".join(line for line in text.splitlines() if "arena" in line.lower())
+    keep = ("arena", "# bytes in", "unused pools")  # arenas, live and free blocks, empty pools
+    return "\n".join(line for line in text.splitlines() if any(k in line for k in keep))
 
 
 class _Mallinfo2(ctypes.Structure):

@@ -62,6 +62,7 @@ def test_frames_zero_dumps_without_tracing(tmp_path, monkeypatch):
     assert "rss_mb=" in head and "malloc_arenas=" in head and "traced_mb" not in head
     assert "since the first dump" not in text
     assert "arenas allocated current" in text.split("## pymalloc")[1]
+    assert "# bytes in allocated blocks" in text.split("## pymalloc")[1]
     assert not list(tmp_path.glob("*.snapshot"))
 
 
