@@ -64,7 +64,10 @@ class PushResult:
 @dataclass
 class _Target:
     address: str
-    plan: types_pb2.NodePowerPlan
+    generation: int
+    # the encoded ApplyPowerPlanRequest: kept until the agent has it, which for agents that
+    # are down is long (a decoded plan is ~1.2 KB of upb arena, this ~120 bytes)
+    request: bytes
     attempts: int = 0
     in_flight: bool = False
     due: float = 0.0  # when its queued heap entry is due
@@ -112,12 +115,14 @@ class AgentPusher:
 
     def push(self, node: str, address: str, plan: types_pb2.NodePowerPlan) -> None:
         """Send ``plan`` to ``node``'s agent at ``address`` ("" = not known yet)."""
+        request = agent_pb2.ApplyPowerPlanRequest(generation=plan.generation, caps=list(plan.caps))
+        data = request.SerializeToString()
         with self._cv:
             t = self._targets.get(node)
             if t is None:
-                self._targets[node] = _Target(address, plan)
+                self._targets[node] = _Target(address, plan.generation, data)
             else:
-                t.address, t.plan, t.attempts = address or t.address, plan, 0
+                t.address, t.generation, t.request, t.attempts = address or t.address, plan.generation, data, 0
             self._schedule(node, 0.0)
 
     def set_address(self, node: str, address: str) -> None:
@@ -150,7 +155,7 @@ class AgentPusher:
 
     def pending(self) -> dict[str, int]:
         with self._cv:
-            return {n: t.plan.generation for n, t in self._targets.items()}
+            return {n: t.generation for n, t in self._targets.items()}
 
     def cancel_all(self) -> None:
         with self._cv:
@@ -210,33 +215,33 @@ class AgentPusher:
                     continue
                 t.in_flight = True
                 t.attempts += 1
-                plan, address, attempts = t.plan, t.address, t.attempts
-            self._pool.submit(self._attempt_in_slot, node, address, plan, attempts)
+                send = (t.generation, t.request, t.address, t.attempts)
+            self._pool.submit(self._attempt_in_slot, node, *send)
 
-    def _attempt_in_slot(self, node: str, address: str, plan: types_pb2.NodePowerPlan, attempts: int) -> None:
+    def _attempt_in_slot(self, node: str, generation: int, request: bytes, address: str, attempts: int) -> None:
         try:
-            self._attempt(node, address, plan, attempts)
+            self._attempt(node, generation, request, address, attempts)
         finally:
             self._slots.release()
 
-    def _attempt(self, node: str, address: str, plan: types_pb2.NodePowerPlan, attempts: int) -> None:
-        req = agent_pb2.ApplyPowerPlanRequest(generation=plan.generation, caps=list(plan.caps))
+    def _attempt(self, node: str, generation: int, request: bytes, address: str, attempts: int) -> None:
+        req = agent_pb2.ApplyPowerPlanRequest.FromString(request)
         retry = unreached = False
         channel = self._channel(address)
         try:
             resp = agent_pb2_grpc.AgentStub(channel).ApplyPowerPlan(req, timeout=self._timeout)
-            result = self._result(node, plan, True, _OUTCOMES.Name(resp.outcome), _errors(resp), attempts)
+            result = self._result(node, generation, True, _OUTCOMES.Name(resp.outcome), _errors(resp), attempts)
         except grpc.RpcError as exc:
             code = exc.code()
             retry, unreached = code in _RETRY_CODES, code in _UNREACHED_CODES
             detail = exc.details() or ""
-            result = self._result(node, plan, False, code.name if code else "UNKNOWN", detail, attempts)
+            result = self._result(node, generation, False, code.name if code else "UNKNOWN", detail, attempts)
             if self._on_failure is not None:
                 self._on_failure()
             log.log(
                 logging.INFO if retry else logging.WARNING,
                 "agent power push failed node=%s generation=%d code=%s attempt=%d detail=%s",
-                node, plan.generation, result.outcome, attempts, detail,
+                node, generation, result.outcome, attempts, detail,
             )
         with self._cv:
             self._release(address, unreached)
@@ -244,7 +249,7 @@ class AgentPusher:
             if t is None:
                 return  # cancelled
             t.in_flight = False
-            if t.plan.generation != plan.generation:
+            if t.generation != generation:
                 self._schedule(node, 0.0)  # superseded while in flight: send the newer one
                 return
             if retry:
@@ -254,8 +259,8 @@ class AgentPusher:
             del self._targets[node]
         self._on_result(result)
 
-    def _result(self, node, plan, ok, outcome, detail, attempts) -> PushResult:
-        return PushResult(node, plan.generation, ok, outcome, detail, attempts, time.time())
+    def _result(self, node, generation, ok, outcome, detail, attempts) -> PushResult:
+        return PushResult(node, generation, ok, outcome, detail, attempts, time.time())
 
     def _channel(self, address: str) -> grpc.Channel:
         """The pooled channel to ``address``, counted in use until ``_release``."""
