@@ -71,6 +71,10 @@ class NodePower:
     def of(cls, plan: types_pb2.NodePowerPlan) -> NodePower:
         return cls(plan.generation, tuple((c.gpu.index, c.cap_w) for c in plan.caps))
 
+    def to_proto(self, node: str) -> types_pb2.NodePowerPlan:
+        return types_pb2.NodePowerPlan(node=node, generation=self.generation, caps=[
+            types_pb2.PowerCap(gpu=types_pb2.GpuRef(node=node, index=i), cap_w=w) for i, w in self.caps])
+
 
 @dataclass
 class PlanRecord:

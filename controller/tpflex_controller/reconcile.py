@@ -515,8 +515,8 @@ class Reconciler:
         self.pusher.push(node, reg.agent_address if reg is not None else "", plan)
 
     def _repush_all(self) -> None:
-        for node, (plan, _) in self.view.power.items():
-            self._push(node, plan)
+        for node, (power, _) in self.view.power.items():
+            self._push(node, power.to_proto(node))
 
     def _phase_reached(self, r: Rollout, phase: Phase) -> None:
         self.metrics.phase(phase.value, r.reached[phase] - r.reached[Phase.DETECTED])
