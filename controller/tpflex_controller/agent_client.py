@@ -9,7 +9,11 @@ Channels to agents are pooled by address, at most ``max_channels`` (least recent
 closed first) and each closed after ``channel_idle_s`` without a send (settings
 ``agents.max_channels``, ``agents.channel_idle_s``): a channel keeps gRPC's connection
 state and reconnect timers, so one per agent ever pushed to grew the controller's memory
-with the fleet (tens of MB at 10,000 unreachable agents). A channel in use is never closed;
+with the fleet (tens of MB at 10,000 unreachable agents). Besides, a channel whose last
+send could not reach its agent (UNAVAILABLE, DEADLINE_EXCEEDED) is closed as soon as no send
+uses it: the retry after the backoff opens a new one, so agents that are down or gone hold
+no channel between their retries (under the load bench, whose agents are all unreachable,
+the pool sat at its bound). A channel in use is never closed;
 a send after a close opens a new one. A send is handed to the worker pool only when a
 worker is free: sends that are due wait in the schedule (one per node), so retries to
 unreachable agents neither pile up as queued futures nor hold back a new plan's send.
@@ -41,6 +45,8 @@ _RETRY_CODES = {
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.ABORTED,
 }
+# a send failed with these never reached the agent: its channel is not kept
+_UNREACHED_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 _OUTCOMES = agent_pb2.ApplyPowerPlanResponse.Outcome
 
 
@@ -58,7 +64,10 @@ class PushResult:
 @dataclass
 class _Target:
     address: str
-    plan: types_pb2.NodePowerPlan
+    generation: int
+    # the encoded ApplyPowerPlanRequest: kept until the agent has it, which for agents that
+    # are down is long (a decoded plan is ~1.2 KB of upb arena, this ~120 bytes)
+    request: bytes
     attempts: int = 0
     in_flight: bool = False
     due: float = 0.0  # when its queued heap entry is due
@@ -106,12 +115,14 @@ class AgentPusher:
 
     def push(self, node: str, address: str, plan: types_pb2.NodePowerPlan) -> None:
         """Send ``plan`` to ``node``'s agent at ``address`` ("" = not known yet)."""
+        request = agent_pb2.ApplyPowerPlanRequest(generation=plan.generation, caps=list(plan.caps))
+        data = request.SerializeToString()
         with self._cv:
             t = self._targets.get(node)
             if t is None:
-                self._targets[node] = _Target(address, plan)
+                self._targets[node] = _Target(address, plan.generation, data)
             else:
-                t.address, t.plan, t.attempts = address or t.address, plan, 0
+                t.address, t.generation, t.request, t.attempts = address or t.address, plan.generation, data, 0
             self._schedule(node, 0.0)
 
     def set_address(self, node: str, address: str) -> None:
@@ -144,7 +155,7 @@ class AgentPusher:
 
     def pending(self) -> dict[str, int]:
         with self._cv:
-            return {n: t.plan.generation for n, t in self._targets.items()}
+            return {n: t.generation for n, t in self._targets.items()}
 
     def cancel_all(self) -> None:
         with self._cv:
@@ -204,41 +215,41 @@ class AgentPusher:
                     continue
                 t.in_flight = True
                 t.attempts += 1
-                plan, address, attempts = t.plan, t.address, t.attempts
-            self._pool.submit(self._attempt_in_slot, node, address, plan, attempts)
+                send = (t.generation, t.request, t.address, t.attempts)
+            self._pool.submit(self._attempt_in_slot, node, *send)
 
-    def _attempt_in_slot(self, node: str, address: str, plan: types_pb2.NodePowerPlan, attempts: int) -> None:
+    def _attempt_in_slot(self, node: str, generation: int, request: bytes, address: str, attempts: int) -> None:
         try:
-            self._attempt(node, address, plan, attempts)
+            self._attempt(node, generation, request, address, attempts)
         finally:
             self._slots.release()
 
-    def _attempt(self, node: str, address: str, plan: types_pb2.NodePowerPlan, attempts: int) -> None:
-        req = agent_pb2.ApplyPowerPlanRequest(generation=plan.generation, caps=list(plan.caps))
-        retry = False
+    def _attempt(self, node: str, generation: int, request: bytes, address: str, attempts: int) -> None:
+        req = agent_pb2.ApplyPowerPlanRequest.FromString(request)
+        retry = unreached = False
         channel = self._channel(address)
         try:
             resp = agent_pb2_grpc.AgentStub(channel).ApplyPowerPlan(req, timeout=self._timeout)
-            result = self._result(node, plan, True, _OUTCOMES.Name(resp.outcome), _errors(resp), attempts)
+            result = self._result(node, generation, True, _OUTCOMES.Name(resp.outcome), _errors(resp), attempts)
         except grpc.RpcError as exc:
             code = exc.code()
-            retry = code in _RETRY_CODES
+            retry, unreached = code in _RETRY_CODES, code in _UNREACHED_CODES
             detail = exc.details() or ""
-            result = self._result(node, plan, False, code.name if code else "UNKNOWN", detail, attempts)
+            result = self._result(node, generation, False, code.name if code else "UNKNOWN", detail, attempts)
             if self._on_failure is not None:
                 self._on_failure()
             log.log(
                 logging.INFO if retry else logging.WARNING,
                 "agent power push failed node=%s generation=%d code=%s attempt=%d detail=%s",
-                node, plan.generation, result.outcome, attempts, detail,
+                node, generation, result.outcome, attempts, detail,
             )
         with self._cv:
-            self._release(address)
+            self._release(address, unreached)
             t = self._targets.get(node)
             if t is None:
                 return  # cancelled
             t.in_flight = False
-            if t.plan.generation != plan.generation:
+            if t.generation != generation:
                 self._schedule(node, 0.0)  # superseded while in flight: send the newer one
                 return
             if retry:
@@ -248,8 +259,8 @@ class AgentPusher:
             del self._targets[node]
         self._on_result(result)
 
-    def _result(self, node, plan, ok, outcome, detail, attempts) -> PushResult:
-        return PushResult(node, plan.generation, ok, outcome, detail, attempts, time.time())
+    def _result(self, node, generation, ok, outcome, detail, attempts) -> PushResult:
+        return PushResult(node, generation, ok, outcome, detail, attempts, time.time())
 
     def _channel(self, address: str) -> grpc.Channel:
         """The pooled channel to ``address``, counted in use until ``_release``."""
@@ -270,11 +281,15 @@ class AgentPusher:
             self._trim_channels()
             return entry[0]
 
-    def _release(self, address: str) -> None:
-        """Under ``_cv``: one send on ``address``'s channel ended."""
+    def _release(self, address: str, unreached: bool = False) -> None:
+        """Under ``_cv``: one send on ``address``'s channel ended; ``unreached``: it did not
+        reach the agent: the channel is closed unless another send still uses it."""
         entry = self._channels.get(address)
         if entry is not None:
             entry[1], entry[2] = self._clock(), entry[2] - 1
+            if unreached and not entry[2]:
+                del self._channels[address]
+                entry[0].close()
         self._trim_channels()
 
     def _trim_channels(self) -> None:

@@ -25,7 +25,7 @@ from tpflex_proto.informer import Informer
 from tpflex_proto.keys import Kind
 from tpflex_proto.tls import ServerTls, channel_credentials
 
-from tpflex_controller import memtrace
+from tpflex_controller import heap, memtrace
 from tpflex_controller.api.process import RestSupervisor
 from tpflex_controller.election import Elector
 from tpflex_controller.metrics import ControllerMetrics
@@ -227,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.controller.log_level,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    # before any thread: at most 2 glibc arenas here and in the REST child (heap.py)
+    heap.limit_arenas()
     memtrace.install_if_asked()  # debug only: TPFLEX_DEBUG_MEMTRACE_FRAMES=N (memtrace.py)
+    trimmer = heap.HeapTrimmer().start()  # freed C heap back to the system every 30 s
     proc = ControllerProcess(settings)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -237,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:  # ConfigError, TokenFileError, bind errors
         print(f"tpflex-controller: {exc}", file=sys.stderr)
         proc.stop()
+        trimmer.stop()
         return 2
     # wait in slices: a process-directed SIGTERM may be delivered to another thread (gRPC's,
     # the watches'), and Python runs the handler only when the main thread runs bytecode; an
@@ -246,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         pass
     log.info("controller stopping id=%s", settings.controller.name)
     proc.stop()
+    trimmer.stop()
     return 0
 
 

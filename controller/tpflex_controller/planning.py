@@ -266,7 +266,7 @@ def desired_power(
         want = {i: float(new_caps.get((node, i), rack.tdp_w)) for i in indices}
         current = view.power.get(node)
         have = (
-            {c.gpu.index: c.cap_w for c in current[0].caps}
+            dict(current[0].caps)
             if current is not None
             else {i: float(rack.tdp_w) for i in indices}
         )

@@ -223,8 +223,8 @@ class Reconciler:
         for job, rec in view.plans.items():
             if rec.proto is not None:
                 self.metrics.plan_proto_observed(job, rec.proto)
-        for node, (plan, _) in view.power.items():
-            self.metrics.node_power_observed(node, plan)
+        for node, (power, _) in view.power.items():
+            self.metrics.power_observed(node, power.caps)
         for rack in view.racks:
             self.metrics.rack_healthy_gpus.labels(rack=rack).set(view.healthy_gpus(rack))
         self.ready.set()
@@ -307,7 +307,7 @@ class Reconciler:
         elif kind is Kind.POWER and ev.kind == "put":
             rec = self.view.power.get(name)
             if rec is not None:
-                self.metrics.node_power_observed(rec[0].node or name, rec[0])
+                self.metrics.power_observed(name, rec[0].caps)
         elif kind is Kind.JOB_ACK:
             acked.setdefault(name, set()).add(k.number)
         elif kind is Kind.JOB_PLAN and name in self.view.plans and self.view.plans[name].proto is not None:
@@ -515,8 +515,8 @@ class Reconciler:
         self.pusher.push(node, reg.agent_address if reg is not None else "", plan)
 
     def _repush_all(self) -> None:
-        for node, (plan, _) in self.view.power.items():
-            self._push(node, plan)
+        for node, (power, _) in self.view.power.items():
+            self._push(node, power.to_proto(node))
 
     def _phase_reached(self, r: Rollout, phase: Phase) -> None:
         self.metrics.phase(phase.value, r.reached[phase] - r.reached[Phase.DETECTED])

@@ -111,3 +111,39 @@ def test_pushes_faster_than_the_workers_send_queue_one_entry_per_node():
     finally:
         pusher.close()
         hole.close()
+
+
+def test_a_channel_that_did_not_reach_its_agent_is_not_kept():
+    """Agents nobody listens for, with a pool bound and an idle time that would keep all
+    their channels: each failed send closes its channel (before, the 6 stayed for the idle
+    time, and under the load bench the pool sat at its bound); a live agent's channel
+    stays pooled; an agent that comes back at its address gets the pending plan through a
+    channel opened anew."""
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    failures = []
+    live_port, back_port, *dead_ports = free_ports(8)
+    agent = _start_agent("live", "rack0", live_port)
+    pusher = AgentPusher(results.put, timeout=1.0, backoff_initial=0.05, backoff_max=0.2,
+                         max_channels=64, channel_idle_s=3600.0, on_failure=lambda: failures.append(1))
+    back = None
+    try:
+        pusher.push("live", f"127.0.0.1:{live_port}", _plan("live", 1))
+        got = results.get(timeout=15)
+        assert (got.node, got.ok) == ("live", True)
+        assert pusher.channel_count() == 1  # reached: kept for the next plan
+        for i, port in enumerate(dead_ports):
+            pusher.push(f"dead{i}", f"127.0.0.1:{port}", _plan(f"dead{i}", 1))
+        pusher.push("back", f"127.0.0.1:{back_port}", _plan("back", 1))
+        eventually(lambda: len(failures) >= 3 * (len(dead_ports) + 1), timeout=20)
+        with pusher._cv:  # between two retries a dead agent holds no channel
+            assert len(pusher._channels) <= 1 + pusher.sending()  # (the lock is reentrant)
+        back = _start_agent("back", "rack0", back_port)
+        got = results.get(timeout=15)
+        assert (got.node, got.ok, got.generation) == ("back", True, 1)
+        pusher.cancel_all()  # no new sends; those in flight end and release their channels
+        eventually(lambda: pusher.channel_count() == 2, timeout=10)  # the two agents reached
+    finally:
+        pusher.close()
+        agent.stop(0)
+        if back is not None:
+            back.stop(0)

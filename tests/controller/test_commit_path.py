@@ -28,7 +28,7 @@ def _fresh_view(etcd) -> ClusterView:
 
 def _essence(view: ClusterView) -> tuple:
     plan = view.plans["job1"]
-    power = {n: (np.SerializeToString(deterministic=True), rev) for n, (np, rev) in view.power.items()}
+    power = dict(view.power)  # node -> (NodePower, revision)
     parts = {pos: sorted(gens) for pos, gens in view.plan_parts["job1"].gens.items()}
     return plan.generation, plan.mod_revision, plan.raw, power, parts, list(view.event_seqs)
 

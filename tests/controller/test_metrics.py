@@ -75,3 +75,40 @@ def test_no_series_has_a_label_named_job():
     samples = [s for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples]
     assert {s.labels.get("training_job") for s in samples if s.name.startswith("tpflex_plan_generation")} == {"j"}
     assert not [s for s in samples if "job" in s.labels]
+
+
+def test_cap_series_are_written_without_holding_a_sample_per_gpu():
+    """4,000 nodes' caps (16,000 series; the load bench has 40,000): the exposition has
+    each GPU's last cap, a later partial plan of a node updating its GPUs and keeping the
+    others (compared with a dict kept here), and writing it allocates at its peak less
+    than 5x the text it returns. Before, the family held a ``Sample`` and a label dict
+    per GPU: a peak of ~9x the text (~20 MB a scrape at 10,000 nodes)."""
+    import random
+    import tracemalloc
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    rng = random.Random(7)
+    m = ControllerMetrics(CollectorRegistry())
+    expected: dict[tuple[str, str], float] = {}
+    for n in range(4000):
+        caps = [(i, float(rng.randrange(300, 1200))) for i in range(4)]
+        m.power_observed(f"r{n // 18:04d}-n{n % 18:02d}", caps)
+        expected.update({(f"r{n // 18:04d}-n{n % 18:02d}", str(i)): c for i, c in caps})
+    for n in rng.sample(range(4000), 500):  # a second plan for some nodes, for 2 GPUs
+        caps = [(i, float(rng.randrange(300, 1200))) for i in (1, 3)]
+        m.power_observed(f"r{n // 18:04d}-n{n % 18:02d}", caps)
+        expected.update({(f"r{n // 18:04d}-n{n % 18:02d}", str(i)): c for i, c in caps})
+    generate_latest(m.registry)  # first-call caches (escaping, formatting) out of the peak
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        text = generate_latest(m.registry)
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    [caps] = [f for f in text_string_to_metric_families(text.decode()) if f.name == "tpflex_gpu_power_cap_watts"]
+    got = {(s.labels["node"], s.labels["gpu"]): s.value for s in caps.samples}
+    assert got == expected
+    assert peak < 5 * len(text), (peak, len(text))

@@ -91,6 +91,16 @@ def test_controller_runs_unprivileged_with_no_capabilities():
     assert "ReadWritePaths" not in service  # state lives in etcd, logs in journald
 
 
+def test_controller_caps_glibc_arenas_as_the_process_would():
+    """The unit's malloc settings are those the controller sets itself without them
+    (tpflex_controller/heap.py), and its REST child inherits it."""
+    from tpflex_controller import heap
+
+    env = [kv for line in _service(SYSTEMD / "tpflex-controller.service")["Environment"] for kv in line.split()]
+    assert f"{heap.ENV}={heap.ARENA_MAX}" in env
+    assert f"{heap.MMAP_ENV}={heap.MMAP_THRESHOLD}" in env
+
+
 def test_agent_is_root_with_only_the_nvml_capability_and_nvidia_devices():
     service = _service(SYSTEMD / "tpflex-agent.service")
     assert "User" not in service  # root: NVML set calls need CAP_SYS_ADMIN
