@@ -28,9 +28,9 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import threading
-import time
 from collections.abc import Callable, MutableMapping
+
+from tpflex_controller.periodic import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -82,40 +82,15 @@ def trim() -> bool:
     return bool(libc is not None and libc.malloc_trim(0))
 
 
-class HeapTrimmer:
-    """``malloc_trim(0)`` every ``interval_s`` until ``stop()``; ``runs`` counts them."""
+class HeapTrimmer(Periodic):
+    """``malloc_trim(0)`` every ``interval_s`` until ``stop()``; ``runs`` counts them,
+    ``seconds`` is the time spent trimming (all runs). Without glibc it never starts."""
 
     def __init__(self, interval_s: float = TRIM_INTERVAL_S,
                  trim_fn: Callable[[], bool] = trim) -> None:
-        if interval_s <= 0:
-            raise ValueError("need interval_s > 0")
-        self.interval_s = interval_s
-        self.runs = 0
-        self.seconds = 0.0  # spent trimming, all runs
-        self._trim = trim_fn
-        self._stop = threading.Event()
-        self._ran = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="heap-trim", daemon=True)
+        super().__init__(interval_s, trim_fn, "heap-trim")
 
     def start(self) -> HeapTrimmer:
         if _glibc() is not None:
-            self._thread.start()
+            super().start()
         return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.ident is not None:
-            self._thread.join(5)
-
-    def wait_runs(self, n: int, timeout: float) -> bool:
-        with self._ran:
-            return self._ran.wait_for(lambda: self.runs >= n, timeout)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            t = time.perf_counter()
-            self._trim()
-            with self._ran:
-                self.seconds += time.perf_counter() - t
-                self.runs += 1
-                self._ran.notify_all()

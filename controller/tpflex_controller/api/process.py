@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from tpflex_proto.backoff import Backoff
 
 from tpflex_controller.api.link import LinkClient, LinkServer
+from tpflex_controller.periodic import Periodic
 from tpflex_controller.settings import ControllerSettings
 from tpflex_controller.steps import StepStats
 
@@ -184,36 +185,16 @@ def settle_heap() -> None:
     log.info("rest process heap settled frozen_objects=%d", gc.get_freeze_count())
 
 
-class FullCollections:
+class FullCollections(Periodic):
     """A full collection every ``interval_s`` on a daemon thread (what cyclic garbage
     reaches the old generation is freed within that time); ``runs`` counts them."""
 
     def __init__(self, interval_s: float = FULL_COLLECTION_S) -> None:
-        self.interval_s = interval_s
-        self.runs = 0
-        self._stop = threading.Event()
-        self._ran = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="rest-full-gc", daemon=True)
+        super().__init__(interval_s, self._collect, "rest-full-gc")
 
-    def start(self) -> FullCollections:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def wait_runs(self, n: int, timeout: float) -> bool:
-        with self._ran:
-            return self._ran.wait_for(lambda: self.runs >= n, timeout)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            found = gc.collect()
-            with self._ran:
-                self.runs += 1
-                self._ran.notify_all()
-            log.debug("rest process full collection unreachable=%d", found)
+    @staticmethod
+    def _collect() -> None:
+        log.debug("rest process full collection unreachable=%d", gc.collect())
 
 
 def _die_with_parent() -> None:
