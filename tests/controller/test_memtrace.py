@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import signal
 import tracemalloc
+from contextlib import contextmanager
 from pathlib import Path
 
 from tpflex_controller import memtrace
@@ -18,20 +19,31 @@ def test_off_without_the_switch():
     assert not tracemalloc.is_tracing()
 
 
-def test_a_dump_names_what_grew(tmp_path, monkeypatch):
+@contextmanager
+def _installed(frames: str, tmp_path, monkeypatch):
+    """memtrace installed with ``frames``, dumping into ``tmp_path``; afterwards no tracing,
+    no exit dump and the previous SIGUSR1 handler."""
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr(memtrace.tempfile, "tempdir", None)
     previous = signal.getsignal(signal.SIGUSR1)
+    mt = None
     try:
-        mt = memtrace.install_if_asked({memtrace.ENV: "4"})
-        assert mt is not None and tracemalloc.is_tracing()
+        mt = memtrace.install_if_asked({memtrace.ENV: frames})
+        assert mt is not None
+        yield mt
+    finally:
+        if mt is not None:
+            atexit.unregister(mt.dump)
+        tracemalloc.stop()
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_dump_names_what_grew(tmp_path, monkeypatch):
+    with _installed("4", tmp_path, monkeypatch) as mt:
+        assert tracemalloc.is_tracing()
         mt.dump()
         kept = [bytearray(4096) for _ in range(2000)]  # ~8 MiB that stays alive
         text = mt.dump().read_text()
-    finally:
-        atexit.unregister(mt.dump)
-        tracemalloc.stop()
-        signal.signal(signal.SIGUSR1, previous)
     assert len(kept) == 2000
     head, _, rest = text.partition("\n")
     assert "rss_mb=" in head and "traced_mb=" in head
@@ -48,16 +60,9 @@ def test_a_dump_names_what_grew(tmp_path, monkeypatch):
 
 def test_frames_zero_dumps_without_tracing(tmp_path, monkeypatch):
     """``=0``: the allocator's account (RSS, glibc, the collector, pymalloc), no tracing."""
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    monkeypatch.setattr(memtrace.tempfile, "tempdir", None)
-    previous = signal.getsignal(signal.SIGUSR1)
-    try:
-        mt = memtrace.install_if_asked({memtrace.ENV: "0"})
-        assert mt is not None and not tracemalloc.is_tracing()
+    with _installed("0", tmp_path, monkeypatch) as mt:
+        assert not tracemalloc.is_tracing()
         text = mt.dump().read_text()
-    finally:
-        atexit.unregister(mt.dump)
-        signal.signal(signal.SIGUSR1, previous)
     head = text.partition("\n")[0]
     assert "rss_mb=" in head and "malloc_arenas=" in head and "traced_mb" not in head
     assert "since the first dump" not in text
