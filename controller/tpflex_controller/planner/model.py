@@ -87,7 +87,7 @@ class StageSpec:
     gpus: tuple[GpuKey, ...]  # TP ranks of this stage, in order (len == base_tp)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)  # weakref: planner.memo keys
 class ReplicaSpec:
     stages: tuple[StageSpec, ...]  # one per pipeline stage
 
