@@ -14,7 +14,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from google.protobuf.message import Message
 from tpflex_proto import codec, keys, planstore, types_pb2
@@ -102,6 +102,11 @@ class ClusterView:
         self.node_rack: dict[str, str] = {}
         self.rack_jobs: dict[str, set[str]] = {}
         self.live_nodes: set[str] = set()
+        # the racked nodes without a live lease, and whether some node was ever listed by
+        # two racks (then node_rack cannot index racks for the planner: ClusterState's
+        # node_racks / down_nodes are left out from then on)
+        self.down_nodes: set[str] = set()
+        self._node_listed_twice = False
         self.gpu_status: dict[GpuKey, GpuStatus] = {}
         self.gpu_speed: dict[GpuKey, float] = {}
         self.power_pins: dict[GpuKey, float] = {}
@@ -120,6 +125,8 @@ class ClusterView:
             gpu_speed=self.gpu_speed,
             live_nodes=self.live_nodes,  # a live set, read only by the owning thread
             power_pins=self.power_pins,
+            node_racks=self.node_rack,  # the planner's indexes (ClusterState), kept below
+            down_nodes=self.down_nodes,
         )
         self.damper: FlapDamper | None = None  # hold-down of recovered GPUs (damping.py)
         # newest revision folded per key: after a re-read, a lagging watch replays events
@@ -362,12 +369,15 @@ class ClusterView:
             if node not in self.live_nodes:
                 return []
             self.live_nodes.discard(node)
+            if node in self.node_rack:
+                self.down_nodes.add(node)
             return self._jobs_of_nodes([node], "node_lost")
         if not apply_kv(self.snap, self._kv(keys.node(node), value, rev), msg=msg):
             return []
         if node in self.live_nodes:
             return []
         self.live_nodes.add(node)
+        self.down_nodes.discard(node)
         return self._jobs_of_nodes([node], "node_joined")
 
     def _fold_rack(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
@@ -376,14 +386,20 @@ class ClusterView:
             return []  # malformed: keep what we had
         old = self.racks.pop(name, None)
         if old is not None:
-            for n in {g[0] for g in old.gpus}:
+            for n in old.nodes:
                 if self.node_rack.get(n) == name:
                     del self.node_rack[n]
+                    self.down_nodes.discard(n)
         rack = self.snap.racks.get(name)
         if rack is not None:
-            self.racks[name] = convert.rack_info(rack)
-            for n in rack.nodes:
+            info = self.racks[name] = convert.rack_info(rack)
+            for n in info.nodes:
+                if self.node_rack.get(n, name) != name and not self._node_listed_twice:
+                    self._node_listed_twice = True
+                    self.state = replace(self.state, node_racks=None, down_nodes=None)
                 self.node_rack[n] = name
+                if n not in self.live_nodes:
+                    self.down_nodes.add(n)
         jobs = self.rack_jobs.get(name, set())
         for j in jobs:
             self._job_specs.pop(j, None)

@@ -56,6 +56,7 @@ def plan_lone(
     racks, replicas = cluster.racks, job.replicas
     live, by_node, unusable = survey.live, survey.by_node, survey.unusable
     touched_nodes, status = survey.touched_nodes, cluster.gpu_status
+    by_rack, down_racks = survey.by_rack, survey.down_racks  # the view's indexes, or None
     min_tp = job.min_tp
     can_be_identity = full_degree == job.base_tp
     shapes: dict[tuple, _Shape] = {}
@@ -75,15 +76,24 @@ def plan_lone(
         if (gpus is not rack.gpus and gpus != rack.gpus) or not nodes:
             rest.append(i)
             continue
-        if touched_nodes.isdisjoint(nodes):
-            if can_be_identity and (live is None or live.issuperset(nodes)):
-                continue  # clean: the identity assignment
-            rest.append(i)
-            continue
-        if live is not None and not live.issuperset(nodes):
-            rest.append(i)
-            continue
-        at = _lost_positions(gpus, nodes, touched_nodes, by_node, unusable)
+        if by_rack is not None:  # by the rack's key: a rack's name field may differ
+            held = by_rack.get(spec.rack)
+            if held is None or spec.rack in down_racks:
+                if held is None and can_be_identity and spec.rack not in down_racks:
+                    continue  # clean: the identity assignment
+                rest.append(i)
+                continue
+            at = _lost_among(gpus, nodes, held, unusable)
+        else:
+            if touched_nodes.isdisjoint(nodes):
+                if can_be_identity and (live is None or live.issuperset(nodes)):
+                    continue  # clean: the identity assignment
+                rest.append(i)
+                continue
+            if live is not None and not live.issuperset(nodes):
+                rest.append(i)
+                continue
+            at = _lost_positions(gpus, nodes, touched_nodes, by_node, unusable)
         if not at:  # touched but nothing lost (or not found by position)
             rest.append(i)
             continue
@@ -159,6 +169,26 @@ def _lost_positions(gpus, nodes, touched_nodes, by_node, unusable) -> list[int] 
                 return None
             if g in unusable:
                 at.append(base + index)
+    at.sort()
+    return at
+
+
+def _lost_among(gpus, nodes, held, unusable) -> list[int] | None:
+    """``_lost_positions`` from the touched GPUs of the rack (``Survey.by_rack``)."""
+    per, extra = divmod(len(gpus), len(nodes))
+    if extra:
+        return None
+    at: list[int] = []
+    for g in held:
+        index = g[1]
+        try:
+            p = nodes.index(g[0]) * per + index
+        except ValueError:  # not a node of this rack: the index is not the racks'
+            return None
+        if not 0 <= index < per or gpus[p] != g:
+            return None
+        if g in unusable:
+            at.append(p)
     at.sort()
     return at
 

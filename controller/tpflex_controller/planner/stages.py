@@ -33,7 +33,8 @@ class Survey:
     that need a per-GPU look (non-healthy, slow or power-pinned), the unusable ones and
     their nodes, and which racks are clean (memoised per rack name for this call only)."""
 
-    __slots__ = ("_racks", "by_node", "cluster", "live", "touched", "touched_nodes", "unusable")
+    __slots__ = ("_racks", "by_node", "by_rack", "cluster", "down_racks", "live", "touched", "touched_nodes",
+                 "unusable")
 
     def __init__(self, cluster: ClusterState) -> None:
         self.cluster = cluster
@@ -50,6 +51,22 @@ class Survey:
         self.touched_nodes = set(self.by_node)
         self.unusable = unusable_gpus(cluster)
         self._racks: dict[str, bool] = {}
+        # with the view's indexes (ClusterState.node_racks): the touched GPUs of each rack,
+        # and the racks with a dead node; a rack in neither is clean (None: no indexes)
+        self.by_rack: dict[str | None, list[GpuKey]] | None = None
+        self.down_racks: set[str | None] | None = None
+        index, down = cluster.node_racks, cluster.down_nodes
+        if index is not None and down is not None:
+            by_rack: dict[str | None, list[GpuKey]] = {}
+            for node, held in by_node.items():
+                rack = index.get(node)
+                listed = by_rack.get(rack)
+                if listed is None:
+                    by_rack[rack] = list(held)
+                else:
+                    listed.extend(held)
+            self.by_rack = by_rack
+            self.down_racks = {index.get(n) for n in down}
 
     def lost(self, gpus: tuple[GpuKey, ...], rack: RackInfo) -> set[GpuKey] | None:
         """The unusable GPUs of a stage (failed, drained, or on a dead node); None when
@@ -104,6 +121,9 @@ class Survey:
 
     def _rack_clean(self, rack: RackInfo) -> bool:
         clean = self._racks.get(rack.name)
+        if clean is None and self.by_rack is not None and self.cluster.racks.get(rack.name) is rack:
+            clean = rack.name not in self.by_rack and rack.name not in self.down_racks
+            self._racks[rack.name] = clean
         if clean is None:
             live = self.live
             clean = self.touched_nodes.isdisjoint(rack.nodes) and (
