@@ -8,7 +8,9 @@ Prints one JSON line:
   watch -> fold -> plan -> fenced CAS commit) does the work in between.
 - ``full_replan_ms``: the planner over the whole job (1,024 replicas x TP 72) with 1% of
   the GPUs failed across random racks, from a freshly converted job spec and fresh rack
-  objects each run, so nothing memoised by object identity helps; the inputs are frozen
+  objects each run, so nothing memoised by object identity helps (the cluster state holds
+  fresh copies of the view's node->rack index and dead-node set, which the controller's
+  view keeps up to date as it folds and passes to every plan); the inputs are frozen
   out of the garbage collector's scans first, as the controller freezes its view (median;
   ``full_replan_warm_ms``: the same with the objects reused, as in the running loop).
 - ``max_txn_bytes``: the most bytes (keys + values put, keys deleted) one etcd revision
@@ -121,12 +123,14 @@ def _full_replan_ms(etcd: Etcd, racks: list[types_pb2.Rack], rng: random.Random)
     for _ in range(len(racks) * TP // 100):
         r = rng.choice(racks)
         failed[(rng.choice(list(r.nodes)), rng.randrange(GPUS_PER_NODE))] = GpuStatus.FAILED
-    state = ClusterState(racks=view.racks, gpu_status=failed, live_nodes=frozenset(view.live_nodes))
+    state = ClusterState(racks=view.racks, gpu_status=failed, live_nodes=frozenset(view.live_nodes),
+                         node_racks=view.node_rack, down_nodes=view.down_nodes)
     overrides = convert.job_overrides(None)
     cold, warm = [], []
     for _ in range(REPLANS):
         fresh = {n: convert.rack_info(r) for n, r in view.snap.racks.items()}
-        cold_state = ClusterState(racks=fresh, gpu_status=dict(failed), live_nodes=frozenset(view.live_nodes))
+        cold_state = ClusterState(racks=fresh, gpu_status=dict(failed), live_nodes=frozenset(view.live_nodes),
+                                  node_racks=dict(view.node_rack), down_nodes=set(view.down_nodes))
         cold_job = convert.job_spec(view.snap.jobs[JOB], fresh)
         # as the running controller does after loading its view (reconcile.py gc.freeze):
         # the long-lived inputs leave the collector's scans, so the timed plan does not pay

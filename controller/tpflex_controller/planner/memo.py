@@ -33,7 +33,7 @@ class IdentityMemo(Generic[V]):
         def forget(ref: _Ref) -> None:
             hit = entries.get(ref.key_id)
             if hit is not None and hit[0] is ref:
-                del entries[ref.key_id]
+                entries.pop(ref.key_id, None)
 
         self._forget = forget
 
