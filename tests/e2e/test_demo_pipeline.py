@@ -29,7 +29,8 @@ def _stage_degrees(plan: types_pb2.Plan) -> list[list[int]]:
 @pytest.mark.timeout(300)
 def test_demo_pp2_one_stage_fails_and_is_repaired(tmp_path):
     story = Story(StoryConfig(workdir=tmp_path, base_port=free_base_port(), steps=STEPS,
-                              fail_at_step=10, repair_at_step=24, phase_timeout_s=PHASE_S, pp=2))
+                              fail_at_step=10, repair_at_step=24, phase_timeout_s=PHASE_S, pp=2,
+                              preload=True))
     try:
         story.start()
         run = story.play()

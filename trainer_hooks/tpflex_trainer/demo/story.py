@@ -20,7 +20,7 @@ from pathlib import Path
 from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, planstore, types_pb2
 
 from tpflex_trainer.demo.cluster import DemoCluster, DemoPorts, RackLayout, check_ports_free
-from tpflex_trainer.demo.launcher import JobLauncher, demo_job_spec
+from tpflex_trainer.demo.launcher import JobLauncher, demo_job_spec, worker_preload
 from tpflex_trainer.demo.model import LOCAL_BATCH, demo_model
 
 JOB = "demo-gpt"
@@ -86,6 +86,9 @@ class StoryConfig:
     # worker's TPFLEX_DEMO_HOLD_FILE), so that a short, fast job cannot finish before the
     # controller re-plans the repaired GPU in; off for drivers that script their own phases
     hold_for_repair: bool = True
+    # fork the ranks from a zygote that imported the worker's modules once (faster starts
+    # and the repaired GPU's process; demo/launcher.worker_preload)
+    preload: bool = False
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -144,8 +147,9 @@ class Story:
             self.config.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             env = {"TPFLEX_CHECKPOINT_DIR": str(self.config.checkpoint_dir),
                    "TPFLEX_CHECKPOINT_EVERY": str(self.config.checkpoint_every), **env}
+        preload = worker_preload(self.config.model_dir) if self.config.preload else ()
         self.launcher = JobLauncher(spec, self.config.workdir, self.ports.store,
-                                    self.cluster.trainer_endpoint, self.config.steps, env=env)
+                                    self.cluster.trainer_endpoint, self.config.steps, env=env, preload=preload)
         self.progress(f"starting the training job: {self.topo.describe()}")
         self.launcher.start_all()
 
