@@ -25,7 +25,7 @@ ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
 
 @pytest.fixture(scope="module")
 def zygote():
-    z = Zygote(sys.executable, PRELOAD, env=ENV)
+    z = Zygote(sys.executable, PRELOAD, env=ENV, wait=False)  # the first spawn waits for its imports
     try:
         yield z
     finally:
@@ -105,3 +105,7 @@ def _wait_text(path: Path, text: str) -> bool:
 def test_a_zygote_that_cannot_preload_says_why(tmp_path):
     with pytest.raises(ZygoteError, match="No module named 'no_such_module_here'"):
         Zygote(sys.executable, ["no_such_module_here"])
+    late = Zygote(sys.executable, ["no_such_module_here"], wait=False)  # told at the first spawn
+    with pytest.raises(ZygoteError, match="No module named 'no_such_module_here'"):
+        late.spawn(entry_of([sys.executable, CHILD, "exit:0"]), [CHILD], dict(os.environ))
+    assert late.proc.wait(10) == 1

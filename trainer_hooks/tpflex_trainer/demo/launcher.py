@@ -33,7 +33,7 @@ from tpflex_proto import types_pb2
 
 from tpflex_trainer.demo.cluster import stop_process_groups
 from tpflex_trainer.hooks.config import write_spec
-from tpflex_trainer.launch.zygote import Entry, Zygote, ZygoteProc
+from tpflex_trainer.launch.zygote import Entry, Zygote, ZygoteError, ZygoteProc
 
 WORKER = "tpflex_trainer.demo.worker"
 
@@ -70,10 +70,19 @@ def worker_preload(model_dir: str | Path | None = None) -> list[str]:
     return names
 
 
+def zygote_for(preload: Sequence[str], wait: bool = True) -> Zygote:
+    """A zygote for the demo's ranks, importing with their settings that do not vary by
+    rank or run (started before the cluster, ``wait=False``, it imports meanwhile)."""
+    return Zygote(sys.executable, preload, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
+                  wait=wait)
+
+
 class JobLauncher:
     def __init__(self, spec: types_pb2.JobSpec, workdir: Path, store_port: int,
                  controller: str, steps: int, env: dict[str, str] | None = None,
-                 preload: Sequence[str] = ()) -> None:
+                 preload: Sequence[str] = (), zygote: Zygote | None = None) -> None:
+        """``preload``: fork the ranks from a zygote importing these modules; or ``zygote``,
+        one already started (``zygote_for``), which the launcher then owns."""
         self.spec, self.workdir, self.steps = spec, workdir, steps
         self.controller = controller
         self.extra_env = env or {}
@@ -84,8 +93,7 @@ class JobLauncher:
                                    timeout=timedelta(seconds=60), wait_for_workers=False)
         self.store_address = f"127.0.0.1:{store_port}"
         self.procs: dict[GpuKey, subprocess.Popen | ZygoteProc] = {}
-        # the ranks' settings that do not vary by rank, also what the zygote imports with
-        self.zygote = Zygote(sys.executable, preload, env=self._env({})) if preload else None
+        self.zygote = zygote if zygote is not None else zygote_for(preload) if preload else None
 
     def gpus(self) -> list[GpuKey]:
         return [(g.node, g.index) for rep in self.spec.replicas for st in rep.stages for g in st.ranks]
@@ -105,11 +113,16 @@ class JobLauncher:
         command = [sys.executable, "-m", WORKER]
         with open(self.workdir / f"rank-{node}-{index}.log", "ab") as log:
             if self.zygote is not None:
-                self.procs[gpu] = self.zygote.spawn(Entry("module", WORKER, ()), command, env,
-                                                    stdout=log.fileno(), stderr=log.fileno())
-            else:
-                self.procs[gpu] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                   start_new_session=True)
+                try:
+                    self.procs[gpu] = self.zygote.spawn(Entry("module", WORKER, ()), command, env,
+                                                        stdout=log.fileno(), stderr=log.fileno())
+                    return
+                except ZygoteError as exc:  # as tpflex-run does: the ranks start without it
+                    print(f"demo launcher: no zygote ({exc}); starting ranks with Popen", file=sys.stderr)
+                    self.zygote.close()
+                    self.zygote = None
+            self.procs[gpu] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True)
 
     def start_all(self) -> None:
         for gpu in self.gpus():

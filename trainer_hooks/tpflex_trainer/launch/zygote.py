@@ -125,12 +125,15 @@ class ZygoteProc:
 
 class Zygote:
     """The server process, started with ``python`` (the ranks' interpreter) and ``env``
-    (the launcher's environment: what the preloaded modules are imported with)."""
+    (the launcher's environment: what the preloaded modules are imported with). With
+    ``wait=False`` the constructor returns while the server imports (the caller starts
+    other things meanwhile); the first :meth:`spawn` (or :meth:`wait_ready`) waits for it."""
 
     def __init__(self, python: str, preload: Sequence[str], *, env: Mapping[str, str] | None = None,
-                 cwd: str | None = None, ready_timeout_s: float = 300.0) -> None:
+                 cwd: str | None = None, ready_timeout_s: float = 300.0, wait: bool = True) -> None:
         self._ctl, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._lock = threading.Lock()
+        self._preload, self._ready_timeout_s, self._ready = list(preload), ready_timeout_s, False
         try:
             self.proc = subprocess.Popen(
                 [python, "-m", "tpflex_trainer.launch.zygote", str(theirs.fileno()), ",".join(preload)],
@@ -141,11 +144,20 @@ class Zygote:
             raise ZygoteError(f"cannot start {python}: {exc}") from None
         finally:
             theirs.close()
-        ready, _, _ = select.select([self._ctl], [], [], ready_timeout_s)
-        reply = self._reply() if ready else {"error": f"not ready within {ready_timeout_s:.0f} s"}
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Return once the server has imported its modules; ZygoteError (and the server
+        stopped) if it could not."""
+        if self._ready:
+            return
+        ready, _, _ = select.select([self._ctl], [], [], self._ready_timeout_s)
+        reply = self._reply() if ready else {"error": f"not ready within {self._ready_timeout_s:.0f} s"}
         if not reply.get("ready"):
             self.close()
-            raise ZygoteError(f"preloading {','.join(preload)}: {reply.get('error', 'no reply')}")
+            raise ZygoteError(f"preloading {','.join(self._preload)}: {reply.get('error', 'no reply')}")
+        self._ready = True
 
     def spawn(self, entry: Entry, args: Sequence[str], env: Mapping[str, str], cwd: str | None = None,
               stdin: int | None = None, stdout: int | None = None, stderr: int | None = None) -> ZygoteProc:
@@ -158,6 +170,7 @@ class Zygote:
                2 if stderr is None else stderr]
         try:
             with self._lock:
+                self.wait_ready()
                 socket.send_fds(self._ctl, [json.dumps(request).encode()], fds)
                 reply = self._reply()
         except OSError as exc:
@@ -171,7 +184,10 @@ class Zygote:
         return ZygoteProc(int(reply["pid"]), mine, args)
 
     def _reply(self) -> dict:
-        data = self._ctl.recv(_MAX_MSG)
+        try:
+            data = self._ctl.recv(_MAX_MSG)
+        except OSError:
+            data = b""
         return json.loads(data) if data else {}
 
     def close(self) -> None:
