@@ -85,6 +85,8 @@ def test_an_error_leaving_the_rank_is_its_status_and_its_stderr(zygote, tmp_path
 
 
 def test_signals_reach_the_rank_and_its_session_and_its_status_tells(zygote, tmp_path):
+    zygote.proc.send_signal(signal.SIGTERM)  # a scheduler signalling the whole job: the launcher's
+    zygote.proc.send_signal(signal.SIGINT)  # to handle, the zygote stays
     out = tmp_path / "out"
     with open(out, "wb") as o:
         proc = zygote.spawn(entry_of([sys.executable, CHILD, "wait"]), [CHILD], dict(os.environ), stdout=o.fileno())
@@ -95,6 +97,29 @@ def test_signals_reach_the_rank_and_its_session_and_its_status_tells(zygote, tmp
     assert os.getsid(proc.pid) == proc.pid and os.getpgid(proc.pid) == proc.pid and waiting
     os.killpg(proc.pid, signal.SIGTERM)
     assert proc.wait(30) == -signal.SIGTERM and proc.poll() == -signal.SIGTERM
+    assert zygote.proc.poll() is None
+
+
+def test_a_rank_whose_zygote_died_is_killed_and_reported_so(tmp_path):
+    z = Zygote(sys.executable, PRELOAD, env=ENV)
+    out = tmp_path / "out"
+    with open(out, "wb") as o:
+        proc = z.spawn(entry_of([sys.executable, CHILD, "wait"]), [CHILD], dict(os.environ), stdout=o.fileno())
+    _wait_text(out, "waiting")
+    z.proc.kill()  # nobody can tell the rank's exit any more
+    assert proc.wait(30) == -signal.SIGKILL
+    from tests.support.wait import wait_until
+    wait_until(lambda: not _alive(proc.pid), 30, "the orphaned rank to be gone")
+    z.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its new parent counts as gone
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _wait_text(path: Path, text: str) -> bool:

@@ -24,7 +24,10 @@ Protocol: a ``SOCK_SEQPACKET`` pair between the launcher and the server. The ser
 JSON message ``{"kind": "script"|"module", "target", "args", "env", "cwd"}`` with four
 descriptors (the rank's status socket, stdin, stdout, stderr), answered ``{"pid": N}``
 or ``{"error": ...}``; the rank's exit status comes as ``{"exit": CODE}`` on its status
-socket. The server exits when the launcher's end closes (its ranks keep running).
+socket. The server exits when the launcher's end closes (its ranks keep running); it
+ignores SIGINT and SIGTERM (the launcher's to handle). If it dies all the same, its
+ranks' exits cannot be told any more: :class:`ZygoteProc` then kills the rank's process
+group and reports it killed (-SIGKILL), and the launcher restarts it with Popen.
 """
 
 from __future__ import annotations
@@ -332,7 +335,12 @@ def _exit_code(value) -> int:
 
 def main(argv: list[str]) -> int:
     ctl = socket.socket(fileno=int(argv[0]))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's ^C is the launcher's to handle
+    # a terminal's ^C, or a scheduler's SIGTERM to every process of the job (Slurm's
+    # scancel), is for the launcher to handle: it drains the ranks with their grace period,
+    # and the zygote leaves when the launcher does (its socket closes). A zygote gone
+    # early would cost every running rank (their exits can no longer be told: killed)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     try:
         import gc
         import importlib
