@@ -3,8 +3,8 @@ SIGKILL is restarted alone (the survivors keep their processes), restarts are bo
 with backoff, SIGTERM drains every rank (seen in the ranks' own records) and SIGKILLs a
 rank that ignores it after the grace period, and the exit status reflects the ranks.
 The first test runs two ways: ranks started with Popen and forked by the preloading zygote
-(``--preload``: first starts and the restart); the finishing ranks are started with
-``--preload`` and a command the zygote cannot run (``python -u``): Popen."""
+(``--preload``: first starts and the restart); two others check ``--preload``'s fallback to
+Popen: a zygote that cannot import its modules, a command it cannot run (``python -u``)."""
 
 from __future__ import annotations
 
@@ -60,10 +60,13 @@ def test_a_killed_rank_is_restarted_alone_and_sigterm_drains_every_rank(tmp_path
 
 
 def test_a_rank_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path, spec):
-    run = Launcher(tmp_path, [*COMMON, "--job-spec", spec, "--gpus", "0-1", "--grace-period-s", "1"],
-                   env={"STUBBORN_RANK": "1"})
+    # a zygote that cannot preload its modules: the ranks are started with Popen
+    run = Launcher(tmp_path, [*COMMON, "--job-spec", spec, "--gpus", "0-1", "--grace-period-s", "1",
+                              "--preload", "no_such_module_here"], env={"STUBBORN_RANK": "1"})
     try:
         first = run.wait_started({0: 1, 1: 1})
+        assert {s[0]["ppid"] for s in first.values()} == {run.proc.pid}
+        assert "--preload: no zygote (preloading no_such_module_here: ModuleNotFoundError" in run.log()
         run.signal(signal.SIGINT)  # Ctrl-C: the same drain
         assert run.wait() == 128 + signal.SIGKILL  # the stubborn rank was killed
         assert len(run.events(0, "sigterm")) == 1 and len(run.events(1, "sigterm")) == 1
