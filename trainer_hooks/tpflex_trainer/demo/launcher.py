@@ -94,6 +94,8 @@ class JobLauncher:
         self.store_address = f"127.0.0.1:{store_port}"
         self.procs: dict[GpuKey, subprocess.Popen | ZygoteProc] = {}
         self.zygote = zygote if zygote is not None else zygote_for(preload) if preload else None
+        # False: ranks started from now on use Popen (the zygote keeps serving those it forked)
+        self.fork_new_ranks = True
 
     def gpus(self) -> list[GpuKey]:
         return [(g.node, g.index) for rep in self.spec.replicas for st in rep.stages for g in st.ranks]
@@ -112,7 +114,7 @@ class JobLauncher:
         env = self._env({"TPFLEX_NODE": node, "TPFLEX_GPU": str(index), "TPFLEX_STORE": self.store_address})
         command = [sys.executable, "-m", WORKER]
         with open(self.workdir / f"rank-{node}-{index}.log", "ab") as log:
-            if self.zygote is not None:
+            if self.zygote is not None and self.fork_new_ranks:
                 try:
                     self.procs[gpu] = self.zygote.spawn(Entry("module", WORKER, ()), command, env,
                                                         stdout=log.fileno(), stderr=log.fileno())
