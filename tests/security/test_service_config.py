@@ -5,23 +5,19 @@ never prints a secret, the timeout hierarchy and the TLS settings are checked.
 The services run as real processes where the process is what is checked (a refusal's
 exit status and stderr without a traceback: the unknown-key test for each service; a
 controller that stops at start). The other refusals come from the same entry points
-(``tpflex_controller.main:main``, ``tpflex_agent.main:main``, what the console scripts
-call) called in this process with the same arguments and environment, their stdout,
-stderr and status captured: each process would import the service for a second or two
-to print the same lines."""
+called in this process with the same arguments and environment (tests/support/entry.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import pytest
+
+from tests.support.entry import call_service
 
 BIN = Path(sys.executable).parent
 
@@ -30,33 +26,6 @@ def _run(service: str, *args: str, env: dict[str, str] | None = None, timeout: f
     clean = {k: v for k, v in os.environ.items() if not k.startswith("TPFLEX_")}
     return subprocess.run([str(BIN / f"tpflex-{service}"), *args], capture_output=True, text=True,
                           env={**clean, **(env or {})}, timeout=timeout)
-
-
-def _call(service: str, *args: str, env: dict[str, str] | None = None):
-    """``_run`` without the process: the console script's entry point, its environment
-    (no inherited TPFLEX_* variables, ``env`` added) set for the call. An exception that
-    escapes it is printed as the interpreter would, status 1."""
-    if service == "controller":
-        from tpflex_controller.main import main
-    else:
-        from tpflex_agent.main import main
-    saved = dict(os.environ)
-    out, err = io.StringIO(), io.StringIO()
-    try:
-        os.environ.clear()
-        os.environ.update({k: v for k, v in saved.items() if not k.startswith("TPFLEX_")}, **(env or {}))
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = main(list(args))
-            except SystemExit as exc:  # argparse: --help, unrecognized arguments
-                code = exc.code if isinstance(exc.code, int) else 1
-            except Exception:  # noqa: BLE001 - the traceback a process would print
-                traceback.print_exc()
-                code = 1
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    return subprocess.CompletedProcess([service, *args], code or 0, out.getvalue(), err.getvalue())
 
 
 def _refused(result, *words: str) -> None:
@@ -75,7 +44,7 @@ def _refused(result, *words: str) -> None:
 def test_a_malformed_value_names_the_key_and_the_file(tmp_path, service, text, key):
     path = tmp_path / f"{service}.toml"
     path.write_text(text)
-    _refused(_call(service, "--config", str(path), "--print-config"), key, str(path))
+    _refused(call_service(service, "--config", str(path), "--print-config"), key, str(path))
 
 
 @pytest.mark.parametrize("service", ["controller", "agent"])
@@ -91,7 +60,7 @@ def test_unknown_keys_are_refused_from_file_and_environment(tmp_path, service):
 def test_a_value_from_the_environment_is_blamed_on_its_variable(tmp_path):
     path = tmp_path / "controller.toml"
     path.write_text("[etcd]\nlease_ttl_s = 3\n")
-    result = _call("controller", "--config", str(path), "--print-config",
+    result = call_service("controller", "--config", str(path), "--print-config",
                    env={"TPFLEX_ETCD__DIAL_TIMEOUT_S": "soon"})
     _refused(result, "etcd.dial_timeout_s", "TPFLEX_ETCD__DIAL_TIMEOUT_S")
 
@@ -123,7 +92,7 @@ key_file = "{certs}/controller-key.pem"
 admin_tokens_file = "{s['admin']}"
 readonly_tokens_file = "{s['reader']}"
 """)
-    result = _call("controller", "--config", str(ctl), "--print-config")
+    result = call_service("controller", "--config", str(ctl), "--print-config")
     assert result.returncode == 0, result.stderr
     effective = json.loads(result.stdout)
     assert effective["rest"]["admin_tokens_file"] == str(s["admin"])
@@ -133,7 +102,7 @@ readonly_tokens_file = "{s['reader']}"
         assert secret not in result.stdout
     agent = tmp_path / "agent.toml"
     agent.write_text(f'[etcd]\nusername = "a"\npassword_file = "{s["password"]}"\n[grpc]\ninsecure = true\n')
-    result = _call("agent", "--config", str(agent), "--print-config")
+    result = call_service("agent", "--config", str(agent), "--print-config")
     assert result.returncode == 0, result.stderr
     assert "etcd-password-CCCC" not in result.stdout and str(s["password"]) in result.stdout
 
@@ -146,7 +115,7 @@ readonly_tokens_file = "{s['reader']}"
     ({"TPFLEX_AGENTS__RPC_TIMEOUT_S": "30"}, ["agents.rpc_timeout_s < timeouts.reaction_bound_s"]),
 ])
 def test_the_timeout_hierarchy_is_checked_at_start(env, words):
-    _refused(_call("controller", "--print-config", env=env), *words)
+    _refused(call_service("controller", "--print-config", env=env), *words)
 
 
 @pytest.mark.parametrize("service,env,words", [
@@ -158,7 +127,7 @@ def test_the_timeout_hierarchy_is_checked_at_start(env, words):
 ])
 def test_incomplete_tls_settings_are_refused(certs, service, env, words):
     env = {k: v.format(ca=certs / "ca.pem", cert=certs / "controller.pem") for k, v in env.items()}
-    _refused(_call(service, "--print-config", env=env), *words)
+    _refused(call_service(service, "--print-config", env=env), *words)
 
 
 def test_a_bad_token_file_stops_the_controller_at_start(tmp_path):
@@ -170,7 +139,7 @@ def test_a_bad_token_file_stops_the_controller_at_start(tmp_path):
 
 
 def test_tokens_are_never_command_line_arguments():
-    result = _call("controller", "--admin-token", "secret", "--print-config")
+    result = call_service("controller", "--admin-token", "secret", "--print-config")
     assert result.returncode == 2 and "unrecognized arguments" in result.stderr
-    options = [w for w in _call("controller", "--help").stdout.split() if w.startswith("--")]
+    options = [w for w in call_service("controller", "--help").stdout.split() if w.startswith("--")]
     assert [o for o in options if "token" in o] == ["--admin-tokens-file", "--readonly-tokens-file"]
