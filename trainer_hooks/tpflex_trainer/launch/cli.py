@@ -178,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("COMMAND: missing the training command after --")
         if shutil.which(command[0]) is None:
             raise UsageError(f"COMMAND: {command[0]!r} is not an executable file or on PATH")
+        try:
+            preload = ns.preload if ns.preload is not None else _module_list(os.environ.get("TPFLEX_PRELOAD", ""))
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"--preload: {exc} (TPFLEX_PRELOAD)") from None
         setting, gpus = _setting(ns, os.environ)
         log_dir = Path(ns.log_dir) if ns.log_dir else None
         if log_dir is not None:
@@ -193,7 +197,6 @@ def main(argv: list[str] | None = None) -> int:
     policy = RestartPolicy(ns.max_restarts, ns.restart_window_s, ns.backoff_s, ns.backoff_max_s)
     reports = ControllerEvents(_control(setting, setting.controller), setting.node).start()
     beat_dir = Path(tempfile.mkdtemp(prefix="tpflex-run-beats-"))
-    preload = ns.preload if ns.preload is not None else _module_list(os.environ.get("TPFLEX_PRELOAD", ""))
     try:
         return Supervisor(command, gpus, setting, policy=policy, grace_s=ns.grace_period_s,
                           log_dir=log_dir, events=[LogEvents(setting.node), reports],
