@@ -153,7 +153,7 @@ def vs_reference(records: list[dict], state: dict) -> float:
 
 
 def chaos_run(work: Path, minutes: float, rng: random.Random, kinds: tuple[str, ...], max_faults: int = 0,
-              pace_s: float = 0.0) -> dict:
+              pace_s: float = 0.0, preload: bool = False) -> dict:
     cluster = SoakCluster(free_demo_ports(), RACKS, work / "cluster")
     stop_file = work / "stop-at"
     procs = []
@@ -161,7 +161,8 @@ def chaos_run(work: Path, minutes: float, rng: random.Random, kinds: tuple[str, 
     try:
         cluster.start()
         threading.Thread(target=record_plans, args=(cluster, stop_plans), daemon=True).start()
-        spec, procs = run_job(cluster, work, 10**9, stop_file=stop_file, checkpoints=True, pace_s=pace_s)
+        spec, procs = run_job(cluster, work, 10**9, stop_file=stop_file, checkpoints=True, pace_s=pace_s,
+                              preload=preload)
         records = Records(work / "steps.jsonl")
         chaos = Chaos(cluster, work, records, rng, kinds)
         wait(lambda: records.progress() >= 5, 240, "the job's first steps")
@@ -218,12 +219,12 @@ def _lean_forkserver() -> None:
          "tpflex_trainer.hooks.plans", "tpflex_trainer.ntp.plan_adapter"])
 
 
-def baseline_run(work: Path, steps: int) -> None:
+def baseline_run(work: Path, steps: int, preload: bool = False) -> None:
     cluster = DemoCluster(free_demo_ports(), RACKS, work / "cluster")
     procs = []
     try:
         cluster.start()
-        _, procs = run_job(cluster, work, steps, stop_file=None, checkpoints=False)
+        _, procs = run_job(cluster, work, steps, stop_file=None, checkpoints=False, preload=preload)
         statuses = [p.wait(timeout=3600) for p in procs]
         if statuses != [0, 0]:
             raise RuntimeError(f"baseline launchers exited {statuses}; logs in {work}")
@@ -299,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the fixed-layout baseline: the job on a fresh control plane (cluster), or its "
                          "arithmetic replayed in 8 gloo processes in the first plan (replay: no control "
                          "plane, no process start-up; the in-suite soak's)")
+    ap.add_argument("--preload", action="store_true",
+                    help="tpflex-run --preload: ranks forked from a zygote that imported the worker's modules "
+                         "(starts and restarts skip the imports: shorter rejoin pauses; docs/launch.md)")
     ap.add_argument("--reference", action="store_true",
                     help="also compare each run with the single-process reference on its own batches "
                          "(stderr; minutes for thousands of steps)")
@@ -316,13 +320,14 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="tpflex-soak-"))
     log(f"work={work} seed={seed} minutes={args.minutes}")
     t0 = time.monotonic()
-    chaos = chaos_run(work / "chaos", args.minutes, random.Random(seed), kinds, args.faults, args.step_min_s)
+    chaos = chaos_run(work / "chaos", args.minutes, random.Random(seed), kinds, args.faults, args.step_min_s,
+                      args.preload)
     t1 = time.monotonic()
     (work / "baseline").mkdir()
     if args.baseline == "replay":
         replay_baseline(work / "baseline", chaos)
     else:
-        baseline_run(work / "baseline", chaos["steps"])
+        baseline_run(work / "baseline", chaos["steps"], args.preload)
     adapter = as_adapter(DEMO_MODEL, chaos["spec"].base_tp)
     step_c, state_c = read_full_state(work / "chaos" / "final", adapter)
     step_b, state_b = read_full_state(work / "baseline" / "final", adapter)

@@ -20,7 +20,7 @@ from tpflex_proto.devtools.etcd_server import EtcdCluster
 from tpflex_proto.devtools.ports import free_ports
 from tpflex_proto.etcd import Etcd
 from tpflex_trainer.demo.cluster import DemoCluster, DemoPorts, RackLayout, check_ports_free
-from tpflex_trainer.demo.launcher import demo_job_spec
+from tpflex_trainer.demo.launcher import demo_job_spec, worker_preload
 from tpflex_trainer.demo.model import DEMO_MODEL
 from tpflex_trainer.hooks.config import write_spec
 
@@ -139,7 +139,7 @@ def wait(cond, timeout: float, what: str, interval: float = 0.1):
 
 
 def run_job(cluster: DemoCluster, work: Path, steps: int, *, stop_file: Path | None, checkpoints: bool,
-            pace_s: float = 0.0):
+            pace_s: float = 0.0, preload: bool = False):
     spec = demo_job_spec(JOB, [(r.name, r.node, r.gpus) for r in RACKS], LOCAL_BATCH, DEMO_MODEL.unit_counts())
     write_spec(spec, work / "job.json")
     env = {**os.environ, "TPFLEX_DEMO_OUT": str(work / "steps.jsonl"), "TPFLEX_DEMO_STEPS": str(steps),
@@ -160,7 +160,7 @@ def run_job(cluster: DemoCluster, work: Path, steps: int, *, stop_file: Path | N
             [str(Path(sys.executable).parent / "tpflex-run"), "--controller", cluster.trainer_endpoint,
              "--job-spec", str(work / "job.json"), "--node", r.node, "--log-dir", str(work / "ranks"),
              "--backoff-s", "0.5", "--backoff-max-s", str(BACKOFF_MAX_S), "--max-restarts", "1000",
-             "--beat-timeout-s", "3", "--",
+             "--beat-timeout-s", "3", *(["--preload", ",".join(worker_preload())] if preload else []), "--",
              sys.executable, "-m", "tpflex_trainer.demo.worker"],
             env=env, stdout=subprocess.DEVNULL, stderr=open(work / f"{r.node}.log", "wb"), start_new_session=True))
     return spec, procs

@@ -1,5 +1,8 @@
 """The example configuration and environment files are consistent with each other and
-are accepted by the real services' loaders (`--print-config`)."""
+are accepted by the real services' loaders (`--print-config`, the console scripts as
+processes); the refusals of broken copies come from the same entry points called in this
+process (tests/support/entry.py; the refusal as a process, exit 2 without a traceback, is
+tests/security/test_service_config.py's)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.tools import DEPLOY, stage_etc_tpflex
+from tests.support.entry import call_service
 
 CONFIG = DEPLOY / "config"
 ENV = DEPLOY / "env"
@@ -100,7 +104,7 @@ def test_an_unknown_key_in_the_example_config_is_refused_by_name(service, tmp_pa
     staged = stage_etc_tpflex(tmp_path / "etc-tpflex", dev_certs)
     path = staged / f"{service}.toml"
     path.write_text(path.read_text().replace("[etcd]\n", "[etcd]\nlease_ttl = 5\n", 1))
-    result = _print_config(service, staged, {})
+    result = call_service(service, "--config", str(staged / f"{service}.toml"), "--print-config")
     assert result.returncode != 0
     assert "etcd.lease_ttl" in result.stderr and str(path) in result.stderr
     assert "Traceback" not in result.stderr
@@ -108,6 +112,7 @@ def test_an_unknown_key_in_the_example_config_is_refused_by_name(service, tmp_pa
 
 def test_the_controller_refuses_a_broken_timeout_hierarchy(tmp_path, dev_certs):
     staged = stage_etc_tpflex(tmp_path / "etc-tpflex", dev_certs)
-    result = _print_config("controller", staged, {"TPFLEX_TIMEOUTS__REACTION_BOUND_S": "3"})
+    result = call_service("controller", "--config", str(staged / "controller.toml"), "--print-config",
+                          env={"TPFLEX_TIMEOUTS__REACTION_BOUND_S": "3"})
     assert result.returncode != 0
     assert "reaction_bound_s" in result.stderr and "Traceback" not in result.stderr

@@ -27,7 +27,7 @@ def _latest_checkpoint_step(directory: Path) -> int:
 def test_fresh_processes_load_the_checkpoint_into_the_current_layout(tmp_path):
     config = StoryConfig(workdir=tmp_path, base_port=free_base_port(), steps=STEPS,
                          fail_at_step=FAIL_AT, repair_at_step=STEPS - 1, checkpoint_every=EVERY,
-                         phase_timeout_s=PHASE_S)
+                         phase_timeout_s=PHASE_S, preload=True)
     story = Story(config)
     try:
         story.start()

@@ -1,14 +1,19 @@
 """``tpflex-demo --pp 2``'s story end to end: real etcd, controller and 4 simulated agents
 (4 racks x 2 GPUs), a real 8-process gloo job of 2 replicas x PP 2 x TP 2 following the
 controller's plans through the failure of a GPU of one stage (only that stage drops to TP
-1) and its repair; loss parity with the single-process reference."""
+1) and its repair; loss parity with the single-process reference. The 8 ranks are forked
+from the launcher's zygote; the repaired GPU's new process is started with Popen (the
+demo launcher's plain path, joining a running job)."""
 
 from __future__ import annotations
+
+from subprocess import Popen
 
 import pytest
 from tpflex_proto import keys, types_pb2
 from tpflex_trainer.demo.story import JOB, TOPOLOGIES, Story, StoryConfig
 from tpflex_trainer.demo.summary import render, summarize
+from tpflex_trainer.launch.zygote import ZygoteProc
 
 from tests.e2e.support import PHASE_S, etcd_history, free_base_port
 
@@ -29,9 +34,11 @@ def _stage_degrees(plan: types_pb2.Plan) -> list[list[int]]:
 @pytest.mark.timeout(300)
 def test_demo_pp2_one_stage_fails_and_is_repaired(tmp_path):
     story = Story(StoryConfig(workdir=tmp_path, base_port=free_base_port(), steps=STEPS,
-                              fail_at_step=10, repair_at_step=24, phase_timeout_s=PHASE_S, pp=2))
+                              fail_at_step=10, repair_at_step=24, phase_timeout_s=PHASE_S, pp=2,
+                              preload=True))
     try:
         story.start()
+        story.launcher.fork_new_ranks = False  # the repaired GPU's process: Popen
         run = story.play()
         plans = etcd_history(story.cluster.etcd, keys.job_plan(JOB), types_pb2.Plan)
     finally:
@@ -40,6 +47,8 @@ def test_demo_pp2_one_stage_fails_and_is_repaired(tmp_path):
     assert [p.generation for p in plans] == [1, 2, 3]
     assert [_stage_degrees(p) for p in plans] == [[[2, 2], [2, 2]], [[2, 2], [2, 1]], [[2, 2], [2, 2]]]
     assert run.started_after_repair == [TOPO.failed_gpu]
+    started_by = {gpu: type(proc) for gpu, proc in story.launcher.procs.items()}
+    assert started_by == {gpu: Popen if gpu == TOPO.failed_gpu else ZygoteProc for gpu in story.launcher.gpus()}
 
     ran: dict[int, dict[int, set[int]]] = {}  # generation -> rank -> TP degrees of its stage
     for r in run.records:

@@ -111,7 +111,7 @@ def test_short_demo_story_with_tls_tokens_and_a_hf_model(tmp_path):
     model = make_model_dir(tmp_path / "llama", "llama", heads=8, kv=4)
     story = Story(StoryConfig(workdir=tmp_path / "w", base_port=free_base_port(), steps=STEPS,
                               fail_at_step=8, repair_at_step=20, phase_timeout_s=PHASE_TIMEOUT_S, tls=True,
-                              model_dir=str(model)))
+                              model_dir=str(model), preload=True))
     try:
         story.start()
         run = story.play()

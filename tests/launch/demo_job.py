@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from tpflex_trainer.demo.cluster import DemoCluster, RackLayout
-from tpflex_trainer.demo.launcher import demo_job_spec
+from tpflex_trainer.demo.launcher import demo_job_spec, worker_preload
 from tpflex_trainer.demo.model import DEMO_MODEL
 from tpflex_trainer.hooks.config import write_spec
 
@@ -43,14 +43,18 @@ def read_records(path: Path, *, partial_ok: bool = False) -> list[dict]:
 def start_job(cluster: DemoCluster, tmp: Path, job: str, env: dict[str, str], run_args: list[str]):
     """Write the job's spec and start one ``tpflex-run`` per rack (demo workers; each in a
     session of its own, its stderr in ``tmp/<node>.log``, its ranks' logs in
-    ``tmp/<node>/``). Returns (spec, launchers)."""
+    ``tmp/<node>/``). Returns (spec, launchers). The ranks are forked from a zygote
+    (``--preload``): what these tests assert does not depend on how a rank process starts
+    (tests/launch/test_tpflex_run.py checks both ways), and each of 8 ranks, and every
+    restart, would import torch for seconds of CPU."""
     spec = demo_job_spec(job, [(r.name, r.node, r.gpus) for r in RACKS], LOCAL_BATCH, DEMO_MODEL.unit_counts())
     write_spec(spec, tmp / "job.json")
     launchers = []
     for r in RACKS:
         launchers.append(subprocess.Popen(
             [RUN, "--controller", cluster.trainer_endpoint, "--job-spec", str(tmp / "job.json"),
-             "--node", r.node, "--log-dir", str(tmp / r.node), *run_args, "--",
+             "--node", r.node, "--log-dir", str(tmp / r.node), "--preload", ",".join(worker_preload()),
+             *run_args, "--",
              sys.executable, "-m", "tpflex_trainer.demo.worker"],
             env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{r.node}.log", "wb"),
             start_new_session=True))

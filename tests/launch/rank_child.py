@@ -49,7 +49,7 @@ def on_usr1(signum, frame):
 
 signal.signal(signal.SIGTERM, on_term)
 signal.signal(signal.SIGUSR1, on_usr1)
-record("start", env={k: os.environ.get(k) for k in ENV_KEYS}, argv=sys.argv[1:])
+record("start", env={k: os.environ.get(k) for k in ENV_KEYS}, argv=sys.argv[1:], ppid=os.getppid())
 if crash:
     sys.exit(int(os.environ.get("CRASH_CODE", "5")))
 if mode == "once":

@@ -126,6 +126,8 @@ def test_bad_arguments_exit_2_naming_the_argument(tmp_path, monkeypatch, capsys)
          "--node: srun runs 4(x2) tasks per node"),
         (ok[:4], {"KUBERNETES_SERVICE_HOST": "10.96.0.1"}, "--node: in a Kubernetes pod without NODE_NAME"),
         ([*ok, "--gpus", "1"], {"CUDA_VISIBLE_DEVICES": "0"}, "--gpus: CUDA_VISIBLE_DEVICES=0 does not include GPU 1"),
+        ([*ok, "--preload", "torch,not-a-module"], None, "argument --preload: not a module name: 'not-a-module'"),
+        (ok, {"TPFLEX_PRELOAD": "torch,bad name"}, "--preload: not a module name: 'bad name' (TPFLEX_PRELOAD)"),
     ]
     for args, env, message in cases:
         code, err = bad_in_process(args, env, monkeypatch, capsys)

@@ -6,7 +6,9 @@ step, need no checkpoint, and end bit for bit with the weights of the same job r
 without faults (bench/soak.py's same-layout reference). Paced steps keep the fault-free
 replay short; the fixed-layout baseline is that arithmetic replayed in 8 forkserver gloo
 processes (``--baseline replay``, no second cluster: bench/soak.py's 2-minute and
-10-minute runs train it through a fresh control plane). A fixed seed fixes the fault
+10-minute runs train it through a fresh control plane). The ranks are forked from
+tpflex-run's zygote (``--preload``: no rank, first or restarted, imports torch itself;
+the faults and the recoveries asserted are the same). A fixed seed fixes the fault
 schedule, not the timing."""
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def test_two_minute_soak_loses_nothing():
     # a fixed fault schedule (which kinds in which order, which ranks); the timing is the
     # machine's: on a loaded one the recovery paths run slower, which they must survive
     proc = subprocess.run([sys.executable, str(SOAK), "--faults", "5", "--step-min-s", "0.4", "--kinds", kinds,
-                           "--seed", "13", "--baseline", "replay"], capture_output=True, text=True, timeout=880)
+                           "--seed", "13", "--baseline", "replay", "--preload"], capture_output=True, text=True,
+                          timeout=880)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout

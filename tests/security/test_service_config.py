@@ -1,6 +1,11 @@
 """Start-up configuration of the real ``tpflex-controller`` and ``tpflex-agent``: bad
 values name the key and where they came from (exit 2, no traceback), ``--print-config``
-never prints a secret, the timeout hierarchy and the TLS settings are checked."""
+never prints a secret, the timeout hierarchy and the TLS settings are checked.
+
+The services run as real processes where the process is what is checked (a refusal's
+exit status and stderr without a traceback: the unknown-key test for each service; a
+controller that stops at start). The other refusals come from the same entry points
+called in this process with the same arguments and environment (tests/support/entry.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.entry import call_service
 
 BIN = Path(sys.executable).parent
 
@@ -37,7 +44,7 @@ def _refused(result, *words: str) -> None:
 def test_a_malformed_value_names_the_key_and_the_file(tmp_path, service, text, key):
     path = tmp_path / f"{service}.toml"
     path.write_text(text)
-    _refused(_run(service, "--config", str(path), "--print-config"), key, str(path))
+    _refused(call_service(service, "--config", str(path), "--print-config"), key, str(path))
 
 
 @pytest.mark.parametrize("service", ["controller", "agent"])
@@ -53,8 +60,8 @@ def test_unknown_keys_are_refused_from_file_and_environment(tmp_path, service):
 def test_a_value_from_the_environment_is_blamed_on_its_variable(tmp_path):
     path = tmp_path / "controller.toml"
     path.write_text("[etcd]\nlease_ttl_s = 3\n")
-    result = _run("controller", "--config", str(path), "--print-config",
-                  env={"TPFLEX_ETCD__DIAL_TIMEOUT_S": "soon"})
+    result = call_service("controller", "--config", str(path), "--print-config",
+                   env={"TPFLEX_ETCD__DIAL_TIMEOUT_S": "soon"})
     _refused(result, "etcd.dial_timeout_s", "TPFLEX_ETCD__DIAL_TIMEOUT_S")
 
 
@@ -85,7 +92,7 @@ key_file = "{certs}/controller-key.pem"
 admin_tokens_file = "{s['admin']}"
 readonly_tokens_file = "{s['reader']}"
 """)
-    result = _run("controller", "--config", str(ctl), "--print-config")
+    result = call_service("controller", "--config", str(ctl), "--print-config")
     assert result.returncode == 0, result.stderr
     effective = json.loads(result.stdout)
     assert effective["rest"]["admin_tokens_file"] == str(s["admin"])
@@ -95,7 +102,7 @@ readonly_tokens_file = "{s['reader']}"
         assert secret not in result.stdout
     agent = tmp_path / "agent.toml"
     agent.write_text(f'[etcd]\nusername = "a"\npassword_file = "{s["password"]}"\n[grpc]\ninsecure = true\n')
-    result = _run("agent", "--config", str(agent), "--print-config")
+    result = call_service("agent", "--config", str(agent), "--print-config")
     assert result.returncode == 0, result.stderr
     assert "etcd-password-CCCC" not in result.stdout and str(s["password"]) in result.stdout
 
@@ -108,7 +115,7 @@ readonly_tokens_file = "{s['reader']}"
     ({"TPFLEX_AGENTS__RPC_TIMEOUT_S": "30"}, ["agents.rpc_timeout_s < timeouts.reaction_bound_s"]),
 ])
 def test_the_timeout_hierarchy_is_checked_at_start(env, words):
-    _refused(_run("controller", "--print-config", env=env), *words)
+    _refused(call_service("controller", "--print-config", env=env), *words)
 
 
 @pytest.mark.parametrize("service,env,words", [
@@ -120,7 +127,7 @@ def test_the_timeout_hierarchy_is_checked_at_start(env, words):
 ])
 def test_incomplete_tls_settings_are_refused(certs, service, env, words):
     env = {k: v.format(ca=certs / "ca.pem", cert=certs / "controller.pem") for k, v in env.items()}
-    _refused(_run(service, "--print-config", env=env), *words)
+    _refused(call_service(service, "--print-config", env=env), *words)
 
 
 def test_a_bad_token_file_stops_the_controller_at_start(tmp_path):
@@ -132,7 +139,7 @@ def test_a_bad_token_file_stops_the_controller_at_start(tmp_path):
 
 
 def test_tokens_are_never_command_line_arguments():
-    result = _run("controller", "--admin-token", "secret", "--print-config")
+    result = call_service("controller", "--admin-token", "secret", "--print-config")
     assert result.returncode == 2 and "unrecognized arguments" in result.stderr
-    options = [w for w in _run("controller", "--help").stdout.split() if w.startswith("--")]
+    options = [w for w in call_service("controller", "--help").stdout.split() if w.startswith("--")]
     assert [o for o in options if "token" in o] == ["--admin-tokens-file", "--readonly-tokens-file"]

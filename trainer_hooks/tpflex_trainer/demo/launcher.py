@@ -10,12 +10,17 @@ a reported exit is a soft failure, the controller keeps the GPU in the plan and 
 waits for the rank to rejoin, and this launcher never restarts a rank. The demo's ranks
 die with their GPU (XID 79); the survivors learn it from the failure generation on the
 plan stream (``hooks.abort``), blocked collectives included.
+
+With ``preload`` the ranks are forked from a zygote that imported those modules once
+(launch/zygote.py; :func:`worker_preload` lists the worker's): a rank's start, and a
+repaired GPU's new process, skip the imports of torch (and transformers).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -28,6 +33,9 @@ from tpflex_proto import types_pb2
 
 from tpflex_trainer.demo.cluster import stop_process_groups
 from tpflex_trainer.hooks.config import write_spec
+from tpflex_trainer.launch.zygote import Entry, Zygote, ZygoteError, ZygoteProc
+
+WORKER = "tpflex_trainer.demo.worker"
 
 GpuKey = tuple[str, int]
 
@@ -49,9 +57,32 @@ def demo_job_spec(name: str, racks: Sequence[tuple[str, str, int]], local_batch:
     return spec
 
 
+def worker_preload(model_dir: str | Path | None = None) -> list[str]:
+    """What the demo worker imports (torch, the hooks, the runtime), with a Hugging Face
+    model the modelling module of its family too."""
+    names = ["torch", "torch.distributed", "tpflex_trainer.demo.model", "tpflex_trainer.hooks.trainer",
+             "tpflex_trainer.ntp.state", "tpflex_trainer.train.worker"]
+    if model_dir:
+        model_type = json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", "")
+        names.append("tpflex_trainer.ntp.hf_adapter")
+        if re.fullmatch(r"[a-z0-9_]+", model_type):
+            names.append(f"transformers.models.{model_type}.modeling_{model_type}")
+    return names
+
+
+def zygote_for(preload: Sequence[str], wait: bool = True) -> Zygote:
+    """A zygote for the demo's ranks, importing with their settings that do not vary by
+    rank or run (started before the cluster, ``wait=False``, it imports meanwhile)."""
+    return Zygote(sys.executable, preload, env={**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"},
+                  wait=wait)
+
+
 class JobLauncher:
     def __init__(self, spec: types_pb2.JobSpec, workdir: Path, store_port: int,
-                 controller: str, steps: int, env: dict[str, str] | None = None) -> None:
+                 controller: str, steps: int, env: dict[str, str] | None = None,
+                 preload: Sequence[str] = (), zygote: Zygote | None = None) -> None:
+        """``preload``: fork the ranks from a zygote importing these modules; or ``zygote``,
+        one already started (``zygote_for``), which the launcher then owns."""
         self.spec, self.workdir, self.steps = spec, workdir, steps
         self.controller = controller
         self.extra_env = env or {}
@@ -61,26 +92,39 @@ class JobLauncher:
         self.store = dist.TCPStore("127.0.0.1", store_port, is_master=True,
                                    timeout=timedelta(seconds=60), wait_for_workers=False)
         self.store_address = f"127.0.0.1:{store_port}"
-        self.procs: dict[GpuKey, subprocess.Popen] = {}
+        self.procs: dict[GpuKey, subprocess.Popen | ZygoteProc] = {}
+        self.zygote = zygote if zygote is not None else zygote_for(preload) if preload else None
+        # False: ranks started from now on use Popen (the zygote keeps serving those it forked)
+        self.fork_new_ranks = True
 
     def gpus(self) -> list[GpuKey]:
         return [(g.node, g.index) for rep in self.spec.replicas for st in rep.stages for g in st.ranks]
 
-    def start_rank(self, gpu: GpuKey) -> None:
-        node, index = gpu
-        env = {
+    def _env(self, rank: dict[str, str]) -> dict[str, str]:
+        return {
             **os.environ, **self.extra_env,
             "TPFLEX_CONTROLLER": self.controller, "TPFLEX_JOB": self.spec.name,
-            "TPFLEX_NODE": node, "TPFLEX_GPU": str(index), "TPFLEX_STORE": self.store_address,
             "TPFLEX_JOB_SPEC": str(self.spec_file), "TPFLEX_DEMO_OUT": str(self.out_file),
             "TPFLEX_DEMO_STEPS": str(self.steps), "GLOO_SOCKET_IFNAME": "lo",
-            "OMP_NUM_THREADS": "1",
+            "OMP_NUM_THREADS": "1", **rank,
         }
-        log = open(self.workdir / f"rank-{node}-{index}.log", "ab")
-        self.procs[gpu] = subprocess.Popen(
-            [sys.executable, "-m", "tpflex_trainer.demo.worker"], env=env,
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+
+    def start_rank(self, gpu: GpuKey) -> None:
+        node, index = gpu
+        env = self._env({"TPFLEX_NODE": node, "TPFLEX_GPU": str(index), "TPFLEX_STORE": self.store_address})
+        command = [sys.executable, "-m", WORKER]
+        with open(self.workdir / f"rank-{node}-{index}.log", "ab") as log:
+            if self.zygote is not None and self.fork_new_ranks:
+                try:
+                    self.procs[gpu] = self.zygote.spawn(Entry("module", WORKER, ()), command, env,
+                                                        stdout=log.fileno(), stderr=log.fileno())
+                    return
+                except ZygoteError as exc:  # as tpflex-run does: the ranks start without it
+                    print(f"demo launcher: no zygote ({exc}); starting ranks with Popen", file=sys.stderr)
+                    self.zygote.close()
+                    self.zygote = None
+            self.procs[gpu] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True)
 
     def start_all(self) -> None:
         for gpu in self.gpus():
@@ -151,3 +195,6 @@ class JobLauncher:
 
     def stop(self) -> None:
         stop_process_groups(self.procs.values())
+        if self.zygote is not None:
+            self.zygote.close()
+            self.zygote = None

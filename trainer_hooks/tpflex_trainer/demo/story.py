@@ -20,8 +20,9 @@ from pathlib import Path
 from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, planstore, types_pb2
 
 from tpflex_trainer.demo.cluster import DemoCluster, DemoPorts, RackLayout, check_ports_free
-from tpflex_trainer.demo.launcher import JobLauncher, demo_job_spec
+from tpflex_trainer.demo.launcher import JobLauncher, demo_job_spec, worker_preload, zygote_for
 from tpflex_trainer.demo.model import LOCAL_BATCH, demo_model
+from tpflex_trainer.launch.zygote import Zygote
 
 JOB = "demo-gpt"
 RACKS = (RackLayout("rack-0", "node-0", 4), RackLayout("rack-1", "node-1", 4))
@@ -86,6 +87,9 @@ class StoryConfig:
     # worker's TPFLEX_DEMO_HOLD_FILE), so that a short, fast job cannot finish before the
     # controller re-plans the repaired GPU in; off for drivers that script their own phases
     hold_for_repair: bool = True
+    # fork the ranks from a zygote that imported the worker's modules once (faster starts
+    # and the repaired GPU's process; demo/launcher.worker_preload)
+    preload: bool = False
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -119,12 +123,15 @@ class Story:
         self.topo = TOPOLOGIES[config.pp]
         self.cluster = DemoCluster(self.ports, self.topo.racks, config.workdir / "cluster", tls=config.tls)
         self.launcher: JobLauncher | None = None
+        self._zygote: Zygote | None = None  # the ranks' zygote until the launcher takes it
         self.run = StoryRun(workdir=config.workdir, failed_rack=self.topo.failed_rack)
 
     # ------------------------------------------------------------------ phases
     def start(self) -> None:
         racks = self.topo.racks
         check_ports_free(self.ports.all(len(racks)))
+        if self.config.preload:  # it imports torch while the cluster starts
+            self._zygote = zygote_for(worker_preload(self.config.model_dir), wait=False)
         secured = " with TLS/mTLS, etcd auth and REST tokens" if self.config.tls else ""
         self.progress(f"starting etcd, tpflex-controller and {len(racks)} simulated agents "
                       f"({len(racks)} racks x {racks[0].gpus} GPUs){secured}")
@@ -145,7 +152,8 @@ class Story:
             env = {"TPFLEX_CHECKPOINT_DIR": str(self.config.checkpoint_dir),
                    "TPFLEX_CHECKPOINT_EVERY": str(self.config.checkpoint_every), **env}
         self.launcher = JobLauncher(spec, self.config.workdir, self.ports.store,
-                                    self.cluster.trainer_endpoint, self.config.steps, env=env)
+                                    self.cluster.trainer_endpoint, self.config.steps, env=env, zygote=self._zygote)
+        self._zygote = None
         self.progress(f"starting the training job: {self.topo.describe()}")
         self.launcher.start_all()
 
@@ -172,6 +180,9 @@ class Story:
     def stop(self) -> None:
         if self.launcher is not None:
             self.launcher.stop()
+        if self._zygote is not None:  # stopped before the launcher took it
+            self._zygote.close()
+            self._zygote = None
         self.cluster.stop()
 
     # ------------------------------------------------------------------ actions

@@ -67,6 +67,14 @@ def _gpu_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _module_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if not all(part.isidentifier() for part in n.split("."))]
+    if bad:
+        raise argparse.ArgumentTypeError(f"not a module name: {bad[0]!r}")
+    return names
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tpflex-run", usage="tpflex-run [options] -- COMMAND [ARGS...]",
@@ -94,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="after SIGTERM/SIGINT, SIGKILL ranks still running after this long (30)")
     p.add_argument("--beat-timeout-s", type=_seconds, default=10.0,
                    help="kill (and restart) a rank whose heartbeat file is older than this; 0 = off (10)")
+    p.add_argument("--preload", type=_module_list, metavar="MODULES",
+                   help="import these modules (e.g. torch,transformers) once in a zygote process and fork "
+                        "each rank from it (TPFLEX_PRELOAD): starts and restarts skip those imports. Only "
+                        "for `python SCRIPT ARGS` or `python -m MODULE ARGS` (other commands: Popen); the "
+                        "modules are imported with tpflex-run's environment and must not initialise CUDA "
+                        "(docs/launch.md, Preloading)")
     p.add_argument("--log-dir", help="write <node>-rank-<local rank>.log files here (may be shared by "
                                      "nodes; default: inherit stdout/stderr)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -164,6 +178,10 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("COMMAND: missing the training command after --")
         if shutil.which(command[0]) is None:
             raise UsageError(f"COMMAND: {command[0]!r} is not an executable file or on PATH")
+        try:
+            preload = ns.preload if ns.preload is not None else _module_list(os.environ.get("TPFLEX_PRELOAD", ""))
+        except argparse.ArgumentTypeError as exc:
+            raise UsageError(f"--preload: {exc} (TPFLEX_PRELOAD)") from None
         setting, gpus = _setting(ns, os.environ)
         log_dir = Path(ns.log_dir) if ns.log_dir else None
         if log_dir is not None:
@@ -182,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return Supervisor(command, gpus, setting, policy=policy, grace_s=ns.grace_period_s,
                           log_dir=log_dir, events=[LogEvents(setting.node), reports],
-                          beat_dir=beat_dir, beat_timeout_s=ns.beat_timeout_s).run()
+                          beat_dir=beat_dir, beat_timeout_s=ns.beat_timeout_s, preload=preload).run()
     finally:
         reports.stop()
         shutil.rmtree(beat_dir, ignore_errors=True)

@@ -5,6 +5,12 @@ a second signal). One thread: signals and child exits wake a ``select`` through
 ``signal.set_wakeup_fd``; children are reaped with ``waitpid(-1)`` (so that, as a pod's
 PID 1, orphans are reaped too).
 
+With ``preload`` (``tpflex-run --preload``), ranks of a ``python script.py``/``python -m
+module`` command are forked from a zygote that imported those modules once
+(launch/zygote.py): first starts and restarts skip the imports; their exits come over
+the zygote's status sockets, which wake the same ``select``. Any other command, or a
+zygote that cannot start, falls back to ``Popen``.
+
 What happens to ranks is told to :class:`RankEvents` observers: the log today, the
 controller in part 2 (a soft failure: rank died, GPU healthy).
 """
@@ -14,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import select
+import shutil
 import signal
 import subprocess
 import time
@@ -31,6 +38,7 @@ from tpflex_trainer.launch.policy import (
     describe_exit,
     launcher_status,
 )
+from tpflex_trainer.launch.zygote import Entry, Zygote, ZygoteError, ZygoteProc, entry_of
 
 log = logging.getLogger("tpflex_run")
 
@@ -42,7 +50,7 @@ _MAX_IDLE_S = 1.0
 class Rank:
     local_rank: int
     gpu: LocalGpu
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | ZygoteProc | None = None
     restarted_at: list[float] = field(default_factory=list)
     restart_due: float | None = None
     last_code: int | None = None
@@ -93,7 +101,7 @@ class Supervisor:
                  policy: RestartPolicy = RestartPolicy(), grace_s: float = 30.0,
                  log_dir: Path | None = None, events: Sequence[RankEvents] = (),
                  base_env: Mapping[str, str] | None = None, beat_dir: Path | None = None,
-                 beat_timeout_s: float = 0.0,
+                 beat_timeout_s: float = 0.0, preload: Sequence[str] = (),
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.command, self.setting, self.policy = list(command), setting, policy
         self.grace_s, self.log_dir, self._clock = grace_s, log_dir, clock
@@ -105,6 +113,9 @@ class Supervisor:
         # a rank whose heartbeat file is older than beat_timeout_s (its process frozen or
         # wedged: SIGSTOP, D state) is killed and restarted like a rank that died
         self.beat_dir, self.beat_timeout_s = beat_dir, beat_timeout_s
+        self.preload = list(preload)
+        self._zygote: Zygote | None = None
+        self._entry: Entry | None = None
 
     # ---- the loop ----
 
@@ -115,6 +126,7 @@ class Supervisor:
         previous = {s: signal.signal(s, _noop) for s in (*_STOP_SIGNALS, signal.SIGCHLD)}
         old_fd = signal.set_wakeup_fd(wake_w)
         try:
+            self._start_zygote()
             for rank in self.ranks:
                 self._start(rank)
             while not all(r.final is not None for r in self.ranks):
@@ -131,6 +143,8 @@ class Supervisor:
             for s, handler in previous.items():
                 signal.signal(s, handler)
             self._kill_all(signal.SIGKILL)  # never leave ranks behind
+            if self._zygote is not None:
+                self._zygote.close()
             os.close(wake_r)
             os.close(wake_w)
 
@@ -141,8 +155,9 @@ class Supervisor:
             due.append(self._kill_at)
         idle = min(_MAX_IDLE_S, self.beat_timeout_s / 4) if self.beat_timeout_s > 0 else _MAX_IDLE_S
         timeout = min([idle, *(max(0.0, d - now) for d in due)])
-        ready, _, _ = select.select([wake_r], [], [], timeout)
-        if not ready:
+        forked = [r.proc for r in self.ranks if isinstance(r.proc, ZygoteProc) and r.running]
+        ready, _, _ = select.select([wake_r, *forked], [], [], timeout)
+        if wake_r not in ready:
             return
         try:
             data = os.read(wake_r, 512)
@@ -173,6 +188,35 @@ class Supervisor:
 
     # ---- ranks ----
 
+    def _start_zygote(self) -> None:
+        if not self.preload:
+            return
+        self._entry = entry_of(self.command)
+        python = shutil.which(self.command[0]) if self._entry is not None else None
+        if python is None:
+            log.warning("--preload: not a `python SCRIPT` or `python -m MODULE` command; starting ranks "
+                        "with Popen node=%s", self.setting.node)
+            return
+        try:
+            self._zygote = Zygote(python, self.preload, env=self.base_env)
+        except ZygoteError as exc:
+            log.warning("--preload: no zygote (%s); starting ranks with Popen node=%s", exc, self.setting.node)
+            return
+        log.info("zygote ready node=%s preload=%s pid=%d", self.setting.node, ",".join(self.preload),
+                 self._zygote.proc.pid)
+
+    def _spawn(self, env: dict[str, str], out) -> subprocess.Popen | ZygoteProc:
+        if self._zygote is not None:
+            fd = out.fileno() if out is not None else None
+            try:
+                return self._zygote.spawn(self._entry, self.command, env, stdout=fd, stderr=fd)
+            except ZygoteError as exc:
+                log.error("zygote failed; starting ranks with Popen node=%s error=%s", self.setting.node, exc)
+                self._zygote.close()
+                self._zygote = None
+        return subprocess.Popen(self.command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                start_new_session=True)
+
     def _start(self, rank: Rank) -> None:
         env = rank_env(self.base_env, self.setting, rank.gpu, rank.local_rank, len(self.ranks),
                        len(rank.restarted_at))
@@ -185,8 +229,7 @@ class Supervisor:
         if self.log_dir is not None:
             out = open(self.log_dir / f"{self.setting.node}-rank-{rank.local_rank}.log", "ab")  # noqa: SIM115
         try:
-            rank.proc = subprocess.Popen(self.command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                         start_new_session=True)
+            rank.proc = self._spawn(env, out)
         except OSError as exc:
             log.error("rank not started node=%s local_rank=%d error=%s", self.setting.node, rank.local_rank, exc)
             rank.proc = None
@@ -199,6 +242,10 @@ class Supervisor:
             e.rank_started(rank)
 
     def _reap(self) -> None:
+        for rank in self.ranks:  # ranks forked by the zygote: their exits come from it
+            if isinstance(rank.proc, ZygoteProc) and rank.running and rank.proc.poll() is not None:
+                _signal_group(rank.proc.pid, signal.SIGKILL)
+                self._on_exit(rank, rank.proc.returncode)
         by_pid = {r.proc.pid: r for r in self.ranks if r.running}
         while True:
             try:
