@@ -79,3 +79,19 @@ def test_a_rack_that_left_named_in_the_changes_is_not_planned_on():
         plan(state(gone), job)
     with pytest.raises(PlanningError, match="unknown rack"):
         replan(prev, state(gone), job, Changes(racks=frozenset({"r1"})))
+
+
+def test_event_reasons_are_the_added_then_the_resolved_ones_bounded():
+    from tpflex_controller.planning import MAX_EVENT_REASONS, event_reasons
+
+    first = tuple(f"replica {i}: TP 3" for i in range(100))
+    assert event_reasons(None, first) == list(first[:MAX_EVENT_REASONS])
+    old = ("replica 0: TP 3", "replica 1: TP 3", "replica 2: TP 2")
+    new = ("replica 0: TP 3", "replica 2: TP 3", "replica 5: TP 1")
+    assert event_reasons(old, new) == [
+        "replica 2: TP 3", "replica 5: TP 1", "resolved: replica 1: TP 3", "resolved: replica 2: TP 2",
+    ]
+    assert event_reasons(new, new) == []
+    many = tuple(f"replica {i}: TP 2" for i in range(100))
+    got = event_reasons(first, many)
+    assert len(got) == MAX_EVENT_REASONS and got == list(many[:MAX_EVENT_REASONS])
