@@ -4,11 +4,13 @@ gives), and the rank count of a plan is carried from the previous plan."""
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from tpflex_controller.cache import ClusterView
-from tpflex_controller.planbytes import cap_wire
+from tpflex_controller.planbytes import cap_prefix, cap_wire
 from tpflex_controller.planner import PlanningError, plan
 from tpflex_controller.planner.incremental import Changes, plan_job, replan
 from tpflex_controller.planning import rank_count, rank_count_since
@@ -68,6 +70,15 @@ def test_cap_bytes_written_out_equal_protobufs_encoding(node, index, watts):
     holder = types_pb2.Plan()
     holder.power_caps.add(gpu=types_pb2.GpuRef(node=node, index=index), cap_w=watts)
     assert cap_wire((node, index), watts) == codec.encode(holder)
+
+
+@given(st.text(max_size=140), st.integers(0, (1 << 32) - 1),
+       st.floats(min_value=1e-300, allow_infinity=True) | st.sampled_from([700.0, 1e-300, 5e-324]))
+def test_cap_prefix_and_the_watts_are_the_caps_bytes(node, index, watts):
+    prefix = cap_prefix((node, index))
+    assert (prefix is None) == (not node)
+    if prefix is not None:
+        assert prefix + struct.pack("<d", watts) == cap_wire((node, index), watts)
 
 
 def test_a_rack_that_left_named_in_the_changes_is_not_planned_on():
