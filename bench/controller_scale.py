@@ -230,6 +230,19 @@ def _start_controller(endpoints: list[str], stages: str | None) -> subprocess.Po
     )
 
 
+def _wait_initial_plan(arrivals: _PlanArrivals, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            arrivals.wait(1, timeout=1.0)
+            return
+        except TimeoutError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the controller process exited with {proc.returncode}") from None
+            if time.monotonic() > deadline:
+                raise
+
+
 def _stop_controller(proc: subprocess.Popen) -> None:
     proc.stdin.close()
     try:
@@ -269,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         controller = _start_controller(cluster.endpoints, args.stages and args.stages + ".controller")
         spy = None
         try:
-            arrivals.wait(1, timeout=600)
+            _wait_initial_plan(arrivals, controller, timeout=600)
             print("# initial plan committed", file=sys.stderr)
             put_p50 = _put_p50_ms(etcd)
             if args.profile:
