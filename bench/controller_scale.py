@@ -4,9 +4,12 @@ its default limits (1.5 MiB requests, 128 operations a transaction).
 Prints one JSON line:
 - ``failure_to_commit_p50_ms`` / ``_p99_ms``: from just before a GPU-failure health write
   (``health/<node>`` with one GPU_FAILED) to the committed plan generation arriving at an
-  independent etcd watcher on ``jobs/<job>/plan``. The real reconcile loop (in-process:
-  watch -> fold -> plan -> fenced CAS commit) does the work in between.
-- ``full_replan_ms``: the planner over the whole job (1,024 replicas x TP 72) with 1% of
+  independent etcd watcher on ``jobs/<job>/plan``. The real reconcile loop (watch -> fold
+  -> plan -> fenced CAS commit) does the work in between, in a controller process of its
+  own (the same Reconciler and Elector, as ``tpflex-controller`` runs them; in production
+  the controller is its own process): this process's failure writer, plan watcher, put
+  probe and whole-prefix size watcher do not share its GIL.
+- ``full_replan_ms``: the planner over the whole job, in this process, (1,024 replicas x TP 72) with 1% of
   the GPUs failed across random racks, from a freshly converted job spec and fresh rack
   objects each run, so nothing memoised by object identity helps (the cluster state holds
   fresh copies of the view's node->rack index and dead-node set, which the controller's
@@ -24,11 +27,15 @@ Goals (issue 2): p99 failure->commit <= 100 ms, full re-plan <= 50 ms.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import logging
+import os
 import random
+import signal
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -153,7 +160,8 @@ def _full_replan_ms(etcd: Etcd, racks: list[types_pb2.Rack], rng: random.Random)
     return statistics.median(cold), statistics.median(warm), len(failed)
 
 
-def _failure_to_commit(etcd: Etcd, racks, rng: random.Random, arrivals: _PlanArrivals) -> list[float]:
+def _failure_to_commit(etcd: Etcd, racks, rng: random.Random, arrivals: _PlanArrivals,
+                       marks: dict[int, dict[str, float]]) -> list[float]:
     samples = []
     gen = arrivals.latest
     for i, r in enumerate(rng.sample(racks, FAILURES)):
@@ -162,9 +170,27 @@ def _failure_to_commit(etcd: Etcd, racks, rng: random.Random, arrivals: _PlanArr
         value = codec.encode(health)
         t0 = time.perf_counter()
         etcd.put(keys.health(node), value)
+        put_done = time.perf_counter()
         gen += 1
-        samples.append((arrivals.wait(gen) - t0) * 1000)
+        seen = arrivals.wait(gen)
+        samples.append((seen - t0) * 1000)
+        marks[gen] = {"t0": t0, "put_returned": put_done, "bench_saw_plan": seen}
     return samples
+
+
+def _print_stages(path: str, marks: dict[int, dict[str, float]]) -> None:
+    """Median ms from just before the health put to each stage (bench/controller_stages.py)."""
+    import controller_stages
+
+    rows = controller_stages.load(path)
+    at: dict[str, list[float]] = {}
+    for gen, m in marks.items():
+        row = {**rows.get(gen, {}), **m}
+        for name, t in row.items():
+            at.setdefault(name, []).append((t - m["t0"]) * 1000)
+    order = sorted(at, key=lambda n: statistics.median(at[n]))
+    print("# stages_ms_p50 " + " ".join(f"{n}={statistics.median(at[n]):.2f}" for n in order),
+          file=sys.stderr)
 
 
 def _put_p50_ms(etcd: Etcd) -> float:
@@ -177,8 +203,77 @@ def _put_p50_ms(etcd: Etcd) -> float:
     return statistics.median(times)
 
 
-def main() -> int:
+def _controller(endpoints: list[str], stages: str | None) -> int:
+    """The controller process: the reconcile loop and the elector until stdin closes."""
+    if stages:
+        import controller_stages
+
+        controller_stages.install()
+    etcd = Etcd(endpoints, timeout=10.0)
+    reconciler = Reconciler(etcd, ControllerMetrics(CollectorRegistry()), history_size=8)
+    elector = Elector(etcd, "bench", ttl=5, on_elected=reconciler.on_elected,
+                      on_deposed=reconciler.on_deposed)
+    reconciler.start()
+    elector.start()
+    try:
+        sys.stdin.read()  # the bench closes it (or exits) when done
+    finally:
+        elector.stop()
+        reconciler.stop()
+        etcd.close()
+        if stages:
+            controller_stages.dump(stages)
+    return 0
+
+
+def _start_controller(endpoints: list[str], stages: str | None) -> subprocess.Popen:
+    extra = ["--stages", stages] if stages else []
+    return subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--controller", ",".join(endpoints), *extra],
+        stdin=subprocess.PIPE, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+
+
+def _wait_initial_plan(arrivals: _PlanArrivals, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            arrivals.wait(1, timeout=1.0)
+            return
+        except TimeoutError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the controller process exited with {proc.returncode}") from None
+            if time.monotonic() > deadline:
+                raise
+
+
+def _stop_controller(proc: subprocess.Popen) -> None:
+    proc.stdin.close()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+
+
+def _profile(pid: int, path: str) -> subprocess.Popen:
+    """py-spy on the controller process (every thread) while the failures are injected."""
+    spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "1000", "--format",
+                             "raw", "--output", path, "--threads"], stdout=subprocess.DEVNULL)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--controller", metavar="ENDPOINTS", help=argparse.SUPPRESS)
+    ap.add_argument("--stages", metavar="FILE",
+                    help="per-stage timestamps of each failure's path (bench/controller_stages.py)")
+    ap.add_argument("--profile", metavar="FILE",
+                    help="py-spy the controller process during the failures (raw stacks to FILE)")
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    if args.controller:
+        return _controller(args.controller.split(","), args.stages)
     rng = random.Random(7)
     with EtcdCluster(1) as cluster:
         etcd = Etcd(cluster.endpoints, timeout=10.0)
@@ -188,24 +283,29 @@ def main() -> int:
         replan_ms, replan_warm_ms, replan_failed = _full_replan_ms(etcd, racks, rng)
         arrivals = _PlanArrivals(etcd)
         sizes = _TxnSizes(etcd)
-        reconciler = Reconciler(etcd, ControllerMetrics(CollectorRegistry()), history_size=8)
-        elector = Elector(etcd, "bench", ttl=5, on_elected=reconciler.on_elected,
-                          on_deposed=reconciler.on_deposed)
-        reconciler.start()
-        elector.start()
+        controller = _start_controller(cluster.endpoints, args.stages and args.stages + ".controller")
+        spy = None
         try:
-            arrivals.wait(1, timeout=600)
+            _wait_initial_plan(arrivals, controller, timeout=600)
             print("# initial plan committed", file=sys.stderr)
             put_p50 = _put_p50_ms(etcd)
-            samples = _failure_to_commit(etcd, racks, rng, arrivals)
+            if args.profile:
+                spy = _profile(controller.pid, args.profile)
+                time.sleep(1.0)  # py-spy attaches
+            marks: dict[int, dict[str, float]] = {}
+            samples = _failure_to_commit(etcd, racks, rng, arrivals, marks)
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(30)
             put_p50 = statistics.median([put_p50, _put_p50_ms(etcd)])
         finally:
-            elector.stop()
-            reconciler.stop()
+            _stop_controller(controller)
             arrivals.close()
             sizes.close()
             etcd.close()
     print("# samples_ms " + " ".join(f"{s:.0f}" for s in samples), file=sys.stderr)
+    if args.stages:
+        _print_stages(args.stages + ".controller", marks)
     p50 = statistics.median(samples)
     print(json.dumps({
         "racks": RACKS,

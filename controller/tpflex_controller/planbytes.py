@@ -52,6 +52,19 @@ def cap_wire(gpu: GpuKey, watts: float) -> bytes:
     return b"\x2a" + _varint(len(cap)) + cap
 
 
+def cap_prefix(gpu: GpuKey) -> bytes | None:
+    """``cap_wire(gpu, w)`` is ``cap_prefix(gpu) + struct.pack("<d", w)`` for every
+    ``w > 0`` (the cap's length does not depend on its watts); None where it cannot be
+    written out (``cap_wire`` goes through protobuf there)."""
+    node, index = gpu
+    if not (node and 0 <= index < 1 << 32):
+        return None
+    name = node.encode()
+    ref = b"\x0a" + _varint(len(name)) + name + (b"\x10" + _varint(index) if index else b"")
+    head = b"\x0a" + _varint(len(ref)) + ref + b"\x11"
+    return b"\x2a" + _varint(len(head) + 8) + head
+
+
 def _varint(n: int) -> bytes:
     if n < 0x80:
         return bytes((n,))
@@ -114,7 +127,9 @@ class PlanEncoder:
         # value; each identity entry keeps its key alive so that an id is never reused
         self._by_id = Lru(max_replicas)  # id -> (ReplicaAssignment, bytes)
         self._replicas = Lru(max_replicas)  # ReplicaAssignment -> bytes
-        self._caps = Lru(max_caps)  # (GPU, watts) -> bytes
+        # GPU -> cap_prefix (a boost's watts change with every failure; the GPU's part of
+        # the cap's bytes does not)
+        self._caps = Lru(max_caps)
         # job -> (replicas of its last split, GPU -> position): see _positions
         self._layout: dict[str, tuple[tuple[ReplicaAssignment, ...], dict[GpuKey, int]]] = {}
         # jobs where a GPU was claimed by two positions (then caps go by the table)
@@ -199,8 +214,7 @@ class PlanEncoder:
             mine = cap_parts.get(i)
             data = self._replica_bytes(result.replicas[i])
             if type(mine) is UniformCaps:  # one watts for all: no per-GPU look-up
-                watts = mine.watts
-                data = data + b"".join([self._cap_bytes(g, watts) for g in sorted(mine.gpus)])
+                data = data + self._uniform_caps(sorted(mine.gpus), mine.watts)
             elif mine:
                 data = data + b"".join(self._cap_bytes(g, mine[g]) for g in sorted(mine))
             parts[i] = data
@@ -249,11 +263,25 @@ class PlanEncoder:
         return table
 
     def _cap_bytes(self, gpu: GpuKey, watts: float) -> bytes:
-        key = (gpu, watts)
-        data = self._caps.get(key)
+        prefix = self._prefix(gpu) if watts > 0 else None
+        return cap_wire(gpu, watts) if prefix is None else prefix + _DOUBLE.pack(watts)
+
+    def _uniform_caps(self, gpus: list[GpuKey], watts: float) -> bytes:
+        """The caps of ``gpus`` (in this order), all at ``watts``."""
+        if not watts > 0:
+            return b"".join([cap_wire(g, watts) for g in gpus])
+        w = _DOUBLE.pack(watts)
+        prefixes = [self._prefix(g) for g in gpus]
+        if None in prefixes:
+            return b"".join([cap_wire(g, watts) for g in gpus])
+        return w.join(prefixes) + w
+
+    def _prefix(self, gpu: GpuKey) -> bytes | None:
+        data = self._caps.get(gpu)
         if data is None:
-            data = cap_wire(gpu, watts)
-            self._caps.put(key, data)
+            data = cap_prefix(gpu)
+            if data is not None:
+                self._caps.put(gpu, data)
         return data
 
     def _replica_bytes(self, replica: ReplicaAssignment) -> bytes:

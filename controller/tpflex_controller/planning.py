@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import chain, compress, count
+from itertools import chain, compress, count, islice
 from operator import attrgetter, is_not
 
 from tpflex_proto import codec, keys, types_pb2
@@ -103,7 +103,7 @@ def build_commit(
         job=p.job,
         generation=generation,
         cause=p.cause,
-        reasons=list(p.result.reasons[:MAX_EVENT_REASONS]),
+        reasons=event_reasons(old.reasons if old is not None else None, p.result.reasons),
         phases=[
             types_pb2.PhaseTiming(phase="detected", at=p.detected_at),
             types_pb2.PhaseTiming(phase="committed", at=p.planned_at),
@@ -127,6 +127,22 @@ def build_commit(
         power_groups=_by_rack(view, power),
     )
     return commit, power, event
+
+
+def event_reasons(old: tuple[str, ...] | None, new: tuple[str, ...]) -> list[str]:
+    """What a decision's event says: the new plan's reasons that the previous plan did not
+    have, then ``resolved: <reason>`` for each of the previous plan's that it no longer
+    has (every reason of a job's first plan), at most ``MAX_EVENT_REASONS``. The plan
+    itself lists every reason; an event that copied them all would grow with the failed
+    GPUs of the whole job (64 lines, ~10 KB, in every commit at 262,144 GPUs)."""
+    if old is None:
+        return list(new[:MAX_EVENT_REASONS])
+    had, has = set(old), set(new)
+    out = [r for r in new if r not in had][:MAX_EVENT_REASONS]
+    if len(out) < MAX_EVENT_REASONS:
+        gone = (f"resolved: {r}" for r in old if r not in has)
+        out.extend(islice(gone, MAX_EVENT_REASONS - len(out)))
+    return out
 
 
 def _by_rack(view: ClusterView, power) -> list[list[str]]:

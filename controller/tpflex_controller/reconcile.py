@@ -445,7 +445,9 @@ class Reconciler:
         rollout = Rollout(p.job, commit.generation, event, {n: np.generation for n, np in power.items()}, ranks)
         for phase in self._rollouts.start(rollout, p.detected_at, committed_at):
             if phase is not Phase.DETECTED:
-                self._phase_reached(rollout, phase)
+                # the commit stored its event with "committed" (at the decision's time):
+                # rewritten only when a later phase is reached, not once more per commit
+                self._phase_reached(rollout, phase, store=phase is not Phase.COMMITTED)
         for node, np in power.items():
             self._push(node, np)
         self._note_pins(p, commit.generation)
@@ -518,10 +520,11 @@ class Reconciler:
         for node, (power, _) in self.view.power.items():
             self._push(node, power.to_proto(node))
 
-    def _phase_reached(self, r: Rollout, phase: Phase) -> None:
+    def _phase_reached(self, r: Rollout, phase: Phase, store: bool = True) -> None:
         self.metrics.phase(phase.value, r.reached[phase] - r.reached[Phase.DETECTED])
         log.info("reconfiguration phase reached job=%s generation=%d phase=%s", r.job, r.generation, phase.value)
-        self._unwritten[r.event.seq] = r  # stored when the loop is idle (off the hot path)
+        if store:
+            self._unwritten[r.event.seq] = r  # stored when the loop is idle (off the hot path)
 
     def _flush_events(self) -> None:
         store_phases(self._session, self.view, self._unwritten)

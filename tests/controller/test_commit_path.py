@@ -4,11 +4,13 @@ gives), and the rank count of a plan is carried from the previous plan."""
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from tpflex_controller.cache import ClusterView
-from tpflex_controller.planbytes import cap_wire
+from tpflex_controller.planbytes import cap_prefix, cap_wire
 from tpflex_controller.planner import PlanningError, plan
 from tpflex_controller.planner.incremental import Changes, plan_job, replan
 from tpflex_controller.planning import rank_count, rank_count_since
@@ -70,6 +72,15 @@ def test_cap_bytes_written_out_equal_protobufs_encoding(node, index, watts):
     assert cap_wire((node, index), watts) == codec.encode(holder)
 
 
+@given(st.text(max_size=140), st.integers(0, (1 << 32) - 1),
+       st.floats(min_value=1e-300, allow_infinity=True) | st.sampled_from([700.0, 1e-300, 5e-324]))
+def test_cap_prefix_and_the_watts_are_the_caps_bytes(node, index, watts):
+    prefix = cap_prefix((node, index))
+    assert (prefix is None) == (not node)
+    if prefix is not None:
+        assert prefix + struct.pack("<d", watts) == cap_wire((node, index), watts)
+
+
 def test_a_rack_that_left_named_in_the_changes_is_not_planned_on():
     racks = make_racks(3, size=4)
     job = planner_job(racks, 4)
@@ -79,3 +90,19 @@ def test_a_rack_that_left_named_in_the_changes_is_not_planned_on():
         plan(state(gone), job)
     with pytest.raises(PlanningError, match="unknown rack"):
         replan(prev, state(gone), job, Changes(racks=frozenset({"r1"})))
+
+
+def test_event_reasons_are_the_added_then_the_resolved_ones_bounded():
+    from tpflex_controller.planning import MAX_EVENT_REASONS, event_reasons
+
+    first = tuple(f"replica {i}: TP 3" for i in range(100))
+    assert event_reasons(None, first) == list(first[:MAX_EVENT_REASONS])
+    old = ("replica 0: TP 3", "replica 1: TP 3", "replica 2: TP 2")
+    new = ("replica 0: TP 3", "replica 2: TP 3", "replica 5: TP 1")
+    assert event_reasons(old, new) == [
+        "replica 2: TP 3", "replica 5: TP 1", "resolved: replica 1: TP 3", "resolved: replica 2: TP 2",
+    ]
+    assert event_reasons(new, new) == []
+    many = tuple(f"replica {i}: TP 2" for i in range(100))
+    got = event_reasons(first, many)
+    assert len(got) == MAX_EVENT_REASONS and got == list(many[:MAX_EVENT_REASONS])

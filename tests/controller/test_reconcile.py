@@ -48,3 +48,27 @@ def test_failed_gpu_gets_new_generation_and_recovery_restores(etcd_server, etcd)
         committed = [e for e in _events(etcd) if e.kind == "plan_committed"]
         assert [(e.generation, e.cause) for e in committed][-2:] == [(2, "gpu_failed"), (3, "gpu_recovered")]
         assert {"detected", "committed"} <= {p.phase for p in committed[-1].phases}
+
+
+def test_a_decisions_event_is_written_with_the_commit_and_names_only_what_changed(etcd_server, etcd):
+    """The commit stores the event with its detected and committed phases; the loop does
+    not write it again for "committed" alone (no agent here: power is never applied), and
+    the event lists the reasons the decision added or resolved, not the whole plan's."""
+    with controller_on_job(etcd_server, etcd) as (_racks, watcher, _ctl):
+        watcher.wait_generation(1)
+        fail_gpu(etcd, "rack1-n00", 2, {1})
+        second = watcher.wait_generation(2)
+        fail_gpu(etcd, "rack1-n00", 2, set(), seq=2)
+        third = watcher.wait_generation(3)
+        kvs, _ = etcd.get_prefix(keys.EVENTS)
+        by_gen = {}
+        for kv in kvs:
+            e = codec.decode(types_pb2.Event, kv.value, kv.key)
+            if e.kind == "plan_committed":
+                by_gen[e.generation] = (e, kv)
+        event2, kv2 = by_gen[2]
+        assert kv2.version == 1, "the event of generation 2 was rewritten with no new phase"
+        assert {p.phase for p in event2.phases} == {"detected", "committed"}
+        assert list(event2.reasons) == list(second.reasons) and second.reasons
+        assert not third.reasons
+        assert list(by_gen[3][0].reasons) == [f"resolved: {r}" for r in second.reasons]
