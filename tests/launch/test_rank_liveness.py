@@ -83,9 +83,20 @@ def _run_uninterrupted(tmp: Path, spec: types_pb2.JobSpec, plan: types_pb2.Plan)
     runtime through all the steps in one round of ``plan`` (bench/soak_replay.py, the
     soak's same-layout reference: each step on the global batch split by replica as the
     hooks do, so the same reduction order as the job's workers). Its final state."""
-    final = tmp / "uninterrupted"
-    replay(spec, [Round(step=0, end=STEPS, generation=plan.generation, plan=plan.SerializeToString(),
-                        fresh=tuple(range(8)))], {}, final, timeout_s=180)
+    rounds = [Round(step=0, end=STEPS, generation=plan.generation, plan=plan.SerializeToString(),
+                    fresh=tuple(range(8)))]
+    for attempt in (1, 2):
+        final = tmp / f"uninterrupted-{attempt}"
+        try:
+            replay(spec, rounds, {}, final, timeout_s=180)
+            break
+        except AssertionError as exc:
+            # the reference's own gloo rendezvous (8 local processes) failed to connect: seen
+            # twice in loaded whole-suite runs, never reproduced alone. The reference is a
+            # computation, not what this test checks: run it once more from scratch; any
+            # other failure, or a second one, fails the test
+            if attempt == 2 or "connectFullMesh failed" not in str(exc):
+                raise
     step, state = read_full_state(final, as_adapter(DEMO_MODEL, spec.base_tp))
     assert step == STEPS
     return state
