@@ -38,7 +38,14 @@ from tpflex_trainer.launch.policy import (
     describe_exit,
     launcher_status,
 )
-from tpflex_trainer.launch.zygote import Entry, Zygote, ZygoteError, ZygoteProc, entry_of
+from tpflex_trainer.launch.zygote import (
+    Entry,
+    Zygote,
+    ZygoteError,
+    ZygoteProc,
+    entry_of,
+    exited_children,
+)
 
 log = logging.getLogger("tpflex_run")
 
@@ -247,17 +254,10 @@ class Supervisor:
                 _signal_group(rank.proc.pid, signal.SIGKILL)
                 self._on_exit(rank, rank.proc.returncode)
         by_pid = {r.proc.pid: r for r in self.ranks if r.running}
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
+        for pid, code in exited_children():
             rank = by_pid.get(pid)
             if rank is None:
                 continue  # an orphan reparented to us (PID 1 in a pod): reaped, nothing else
-            code = os.waitstatus_to_exitcode(status)
             rank.proc.returncode = code
             _signal_group(pid, signal.SIGKILL)  # what the rank left behind dies with it
             self._on_exit(rank, code)

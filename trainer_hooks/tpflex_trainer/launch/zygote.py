@@ -41,7 +41,7 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 _MAX_MSG = 1 << 20
@@ -239,7 +239,9 @@ def _serve(ctl: socket.socket) -> None:
             ctl.send(json.dumps(reply).encode())
 
 
-def _reap(statuses: dict[int, socket.socket]) -> None:
+def exited_children() -> Iterator[tuple[int, int]]:
+    """(pid, exit code as Popen reports it) of each child that has exited, without
+    waiting for the others (they are reaped: call it where ``SIGCHLD`` woke you)."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -247,10 +249,15 @@ def _reap(statuses: dict[int, socket.socket]) -> None:
             return
         if pid == 0:
             return
+        yield pid, os.waitstatus_to_exitcode(status)
+
+
+def _reap(statuses: dict[int, socket.socket]) -> None:
+    for pid, code in exited_children():
         sock = statuses.pop(pid, None)
         if sock is not None:
             try:
-                sock.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
+                sock.send(json.dumps({"exit": code}).encode())
             except OSError:
                 pass  # the launcher stopped listening
             sock.close()
