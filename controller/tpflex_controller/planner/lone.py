@@ -93,7 +93,8 @@ def plan_lone(
             if live is not None and not live.issuperset(nodes):
                 rest.append(i)
                 continue
-            at = _lost_positions(gpus, nodes, touched_nodes, by_node, unusable)
+            held = [g for node in touched_nodes.intersection(nodes) for g in by_node[node]]
+            at = _lost_among(gpus, nodes, held, unusable)
         if not at:  # touched but nothing lost (or not found by position)
             rest.append(i)
             continue
@@ -153,28 +154,10 @@ def _give_back(done: dict, owner: dict[str, int], clash: set[str], rest: list[in
     rest.sort()
 
 
-def _lost_positions(gpus, nodes, touched_nodes, by_node, unusable) -> list[int] | None:
-    """The sorted positions in ``gpus`` (the whole rack) of its unusable GPUs; None when
-    a touched GPU of the rack's nodes is not where its node's position puts it (the
-    general path finds it then)."""
-    per, extra = divmod(len(gpus), len(nodes))
-    if extra:
-        return None
-    at: list[int] = []
-    for node in touched_nodes.intersection(nodes):
-        base = nodes.index(node) * per
-        for g in by_node[node]:
-            index = g[1]
-            if not 0 <= index < per or gpus[base + index] != g:
-                return None
-            if g in unusable:
-                at.append(base + index)
-    at.sort()
-    return at
-
-
 def _lost_among(gpus, nodes, held, unusable) -> list[int] | None:
-    """``_lost_positions`` from the touched GPUs of the rack (``Survey.by_rack``)."""
+    """The sorted positions in ``gpus`` (the whole rack) of its unusable GPUs among
+    ``held``, the touched GPUs of the rack's nodes; None when one of them is not where its
+    node's position puts it (the general path finds it then)."""
     per, extra = divmod(len(gpus), len(nodes))
     if extra:
         return None
