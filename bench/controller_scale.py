@@ -17,8 +17,9 @@ Prints one JSON line:
   out of the garbage collector's scans first, as the controller freezes its view (median;
   ``full_replan_warm_ms``: the same with the objects reused, as in the running loop).
 - ``max_txn_bytes``: the most bytes (keys + values put, keys deleted) one etcd revision
-  carried, as an independent watcher on ``/tpflex/v1/`` sees it, from the job's first plan
-  (staged: its parts in several transactions) through every failure; a lower bound of the
+  carried, as an independent watcher on ``/tpflex/v1/`` sees it when it replays etcd's
+  history after the timed runs, from the job's first plan (staged: its parts in several
+  transactions) through every failure; a lower bound of the
   request size, which etcd itself caps at 1,572,864 (a larger one fails the commit).
 - ``etcd_put_p50_ms``: a bare etcd put round trip of a health-sized value, same run.
 - ``commit_vs_etcd_put_ratio``: failure_to_commit_p50_ms / etcd_put_p50_ms.
@@ -71,6 +72,7 @@ class _PlanArrivals:
         self._cv = threading.Condition()
         self.latest = 0
         self.arrived: dict[int, float] = {}
+        self.revision = 0  # etcd revision of the latest generation's commit
         self._watch = etcd.watch_prefix(keys.job_plan(JOB), self._on_events)
         self._watch.established.wait(10)
 
@@ -81,6 +83,7 @@ class _PlanArrivals:
                 gen = types_pb2.Plan.FromString(ev.value).generation
                 with self._cv:
                     self.arrived[gen] = now
+                    self.revision = max(self.revision, ev.mod_revision)
                     self.latest = max(self.latest, gen)
                     self._cv.notify_all()
 
@@ -95,20 +98,29 @@ class _PlanArrivals:
 
 
 class _TxnSizes:
-    """Bytes per etcd revision under /tpflex/v1/, from an independent watch."""
+    """Bytes per etcd revision under /tpflex/v1/, from an independent watch that replays
+    etcd's history after the measured runs (``start_revision``), so that no watcher of
+    the bench's own competes with the controller and etcd while failure->commit is timed
+    (on this 2-core machine a live whole-prefix watcher took CPU from both)."""
 
-    def __init__(self, etcd: Etcd) -> None:
+    def __init__(self, etcd: Etcd, after_revision: int, through_revision: int) -> None:
         self.by_rev: dict[int, int] = {}
-        self._watch = etcd.watch_prefix(keys.PREFIX, self._on_events)
-        self._watch.established.wait(10)
+        self._through = through_revision
+        self._done = threading.Event()
+        self._watch = etcd.watch_prefix(keys.PREFIX, self._on_events, start_revision=after_revision + 1)
+        if not self._done.wait(120):
+            raise TimeoutError(f"etcd's history through revision {through_revision} not replayed")
+        self._watch.cancel()
 
     def _on_events(self, events) -> None:
         for ev in events:
+            if ev.mod_revision > self._through:
+                self._done.set()
+                continue
             size = len(ev.key.encode()) + (len(ev.value) if ev.kind == "put" else 0)
             self.by_rev[ev.mod_revision] = self.by_rev.get(ev.mod_revision, 0) + size
-
-    def close(self) -> None:
-        self._watch.cancel()
+            if ev.mod_revision == self._through:
+                self._done.set()
 
 
 def _seed(etcd: Etcd) -> list[types_pb2.Rack]:
@@ -282,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# seeded {RACKS} racks in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         replan_ms, replan_warm_ms, replan_failed = _full_replan_ms(etcd, racks, rng)
         arrivals = _PlanArrivals(etcd)
-        sizes = _TxnSizes(etcd)
+        seeded_revision = etcd.status().header.revision
         controller = _start_controller(cluster.endpoints, args.stages and args.stages + ".controller")
         spy = None
         try:
@@ -298,10 +310,10 @@ def main(argv: list[str] | None = None) -> int:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(30)
             put_p50 = statistics.median([put_p50, _put_p50_ms(etcd)])
+            sizes = _TxnSizes(etcd, seeded_revision, arrivals.revision)
         finally:
             _stop_controller(controller)
             arrivals.close()
-            sizes.close()
             etcd.close()
     print("# samples_ms " + " ".join(f"{s:.0f}" for s in samples), file=sys.stderr)
     if args.stages:

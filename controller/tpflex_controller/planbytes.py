@@ -21,8 +21,8 @@ import struct
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from itertools import compress, count
-from operator import is_not
+from itertools import chain, compress, count
+from operator import is_, is_not
 
 from tpflex_proto import codec, types_pb2
 
@@ -119,6 +119,36 @@ class _Split:
     replicas: tuple[ReplicaAssignment, ...]
     cap_parts: Mapping[int, Mapping[GpuKey, float]]
     parts: list[bytes]
+    reasons: Mapping[int, tuple[str, ...]]
+
+
+def reasons_wire(lines: Iterable[str]) -> bytes:
+    """The encoding of ``Plan(reasons=lines)`` (field 7, one length-delimited entry per
+    line) written out."""
+    out = []
+    for line in lines:
+        data = line.encode()
+        out.append(b"\x3a" + _varint(len(data)) + data)
+    return b"".join(out)
+
+
+def _reason_parts(result: PlanResult) -> Mapping[int, tuple[str, ...]] | None:
+    """The result's reasons by replica when they can go with the replicas' parts: every
+    key a position of the plan and the lines, in key order, the first of ``reasons``
+    (a PlanResult built elsewhere than the planner may not keep that; its reasons then
+    all go in the header). O(replicas with reasons), compared in C."""
+    said = result.reason_parts
+    if said is None:
+        return None
+    if not said:
+        return said
+    order = sorted(said)
+    if order[0] < 0 or order[-1] >= len(result.replicas):
+        return None
+    lines = list(chain.from_iterable(map(said.__getitem__, order)))
+    if len(lines) > len(result.reasons) or not all(map(is_, lines, result.reasons)):
+        return None
+    return said
 
 
 class PlanEncoder:
@@ -168,14 +198,16 @@ class PlanEncoder:
         self, result: PlanResult, generation: int, *, cause: str = "", now: float = 0.0
     ) -> tuple[bytes, list[bytes]]:
         """The stored form of a plan (tpflex_proto.planstore): the header and one part per
-        replica (its ReplicaPlan and the caps of its GPUs). Unchanged replicas give the
-        same bytes objects as last time; O(replicas changed since the job's last split +
-        caps)."""
+        replica (its ReplicaPlan, the caps of its GPUs and its reasons). Unchanged replicas
+        give the same bytes objects as last time; O(replicas changed since the job's last
+        split + caps + the plan's own reasons)."""
         positions = self._positions(result)
         caps = result.power_caps
+        said = _reason_parts(result)
+        own = result.reasons[sum(map(len, said.values())):] if said is not None else result.reasons
         if result.cap_parts is not None and result.job not in self._shared:
-            parts = self._parts_by_replica(result)
-            return self._header(result, {}, len(parts), generation, cause, now), parts
+            parts = self._parts_by_replica(result, said or {})
+            return self._header(result, {}, own, len(parts), generation, cause, now), parts
         self._last.pop(result.job, None)
         by_pos: dict[int, list[GpuKey]] = {}
         outside: list[GpuKey] = []
@@ -191,23 +223,29 @@ class PlanEncoder:
             mine = by_pos.get(i)
             if mine:
                 data = data + b"".join(self._cap_bytes(g, caps[g]) for g in sorted(mine))
+            lines = said.get(i) if said is not None else None
+            if lines:
+                data = data + reasons_wire(lines)
             parts.append(data)
-        return self._header(result, {g: caps[g] for g in outside}, len(parts), generation, cause, now), parts
+        header = self._header(result, {g: caps[g] for g in outside}, own, len(parts), generation, cause, now)
+        return header, parts
 
-    def _parts_by_replica(self, result: PlanResult) -> list[bytes]:
-        """The parts from the planner's cap parts: with no GPU held by two replicas, the
-        caps stored with a replica are exactly its cap part (the GPUs it uses), so a part
-        is rebuilt only where the replica or its cap part is not the last split's."""
+    def _parts_by_replica(self, result: PlanResult, said: Mapping[int, tuple[str, ...]]) -> list[bytes]:
+        """The parts from the planner's cap and reason parts: with no GPU held by two
+        replicas, the caps stored with a replica are exactly its cap part (the GPUs it
+        uses), so a part is rebuilt only where the replica, its cap part or its reasons
+        are not the last split's."""
         cap_parts = result.cap_parts or {}
         last = self._last.get(result.job)
         if last is None or len(last.replicas) != len(result.replicas):
             todo: Iterable[int] = range(len(result.replicas))
             parts: list[bytes] = [b""] * len(result.replicas)
         else:
-            old = last.cap_parts
+            old, was = last.cap_parts, last.reasons
             todo = sorted(
                 {*_moved(last.replicas, result.replicas),
-                 *(i for i in old.keys() | cap_parts.keys() if old.get(i) is not cap_parts.get(i))}
+                 *(i for i in old.keys() | cap_parts.keys() if old.get(i) is not cap_parts.get(i)),
+                 *(i for i in was.keys() | said.keys() if was.get(i) is not said.get(i))}
             )
             parts = list(last.parts)
         for i in todo:
@@ -217,12 +255,16 @@ class PlanEncoder:
                 data = data + self._uniform_caps(sorted(mine.gpus), mine.watts)
             elif mine:
                 data = data + b"".join(self._cap_bytes(g, mine[g]) for g in sorted(mine))
+            lines = said.get(i)
+            if lines:
+                data = data + reasons_wire(lines)
             parts[i] = data
-        self._last[result.job] = _Split(result.replicas, cap_parts, parts)
+        self._last[result.job] = _Split(result.replicas, cap_parts, parts, said)
         return parts
 
     def _header(
-        self, result: PlanResult, caps: dict[GpuKey, float], count: int, generation: int, cause: str, now: float
+        self, result: PlanResult, caps: dict[GpuKey, float], reasons: tuple[str, ...], count: int,
+        generation: int, cause: str, now: float
     ) -> bytes:
         bare = PlanResult(
             job=result.job,
@@ -230,7 +272,7 @@ class PlanEncoder:
             replicas=(),
             power_caps=caps,
             expected_throughput_ratio=result.expected_throughput_ratio,
-            reasons=result.reasons,
+            reasons=reasons,
             suspended_pins=result.suspended_pins,
         )
         header = convert.plan_to_proto(bare, generation, cause=cause, now=now)

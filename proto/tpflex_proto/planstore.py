@@ -5,15 +5,20 @@ Generation ``g`` of job ``J``'s plan is stored as
 - ``jobs/J/plan``: the header, a ``Plan`` with everything but the replicas and their GPUs'
   power caps, ``split`` set and ``stored_replicas`` = the number of replicas;
 - ``jobs/J/assign/<gen>/<i>``: the replica at position ``i`` (a ``Plan`` holding that one
-  ``ReplicaPlan`` and the caps of its GPUs), written only by the generations that change
-  it: generation ``g``'s replica ``i`` is the part of the largest ``gen <= g``;
+  ``ReplicaPlan``, the caps of its GPUs and the reasons that concern it), written only by
+  the generations that change it: generation ``g``'s replica ``i`` is the part of the
+  largest ``gen <= g``;
 - ``jobs/J/history/<g>``: the header of generation ``g``; the parts the kept generations
   need are kept with them (:class:`PartIndex` says which ones may go).
 
-So a generation writes O(what changed). Assembled, the bytes are exactly the
-deterministic encoding of the whole ``Plan`` (fields 1-3, the replicas in order, the caps
-sorted by GPU, fields 6-10), so every reader sees the plans it saw when one key held the
-whole plan. A header without ``split`` is a whole plan (tests and tools may write one).
+So a generation writes O(what changed): the header keeps only the plan's own reasons
+(suspended pins), not one line per degraded replica, which at 1% failed GPUs of 262,144
+made it ~400 KB, written twice (plan and history) by every commit. Assembled, the bytes
+are exactly the deterministic encoding of the whole ``Plan`` (fields 1-3, the replicas
+in order, the caps sorted by GPU, field 6, the parts' reasons in part order then the
+header's, fields 8-10), so every reader sees the plans it saw when one key held the whole
+plan. A header without ``split`` is a whole plan (tests and tools may write one); a part
+without reasons (as written before parts held them) leaves them all to its header.
 
 Parts sort before the header (``assign`` < ``plan``) and a generation's parts are written
 before its header (earlier in the same transaction, or in earlier ones), so a reader that
@@ -29,7 +34,7 @@ from dataclasses import dataclass, field
 from tpflex_proto import codec, keys, types_pb2
 
 _HEAD = (1, 2, 3)
-_REPLICAS, _CAPS = 4, 5
+_REPLICAS, _CAPS, _REASONS = 4, 5, 7
 _SPLIT_FIELDS = (11, 12)
 
 
@@ -141,16 +146,20 @@ class Assembler:
         same bytes, is not split into fields again. A generation changes a few parts, so
         a reader of every generation (the REST process) splits those few, not the 30-odd
         of the whole plan with their caps (most of its CPU while idle under GPU churn)."""
-        head, caps, tail = [], [], []
+        head, caps, low, high = [], [], [], []
         gpu = self._gpu
         for num, raw in fields(header):
             if num in _HEAD:
                 head.append(raw)
             elif num == _CAPS:
                 caps.append((gpu(raw), raw))
-            elif num not in _SPLIT_FIELDS and num != _REPLICAS:
-                tail.append(raw)
-        replicas = []
+            elif num in _SPLIT_FIELDS or num == _REPLICAS:
+                continue
+            elif num < _REASONS:
+                low.append(raw)
+            else:
+                high.append(raw)
+        replicas, reasons = [], []
         now = {} if kept is not None else None
         for part in parts:
             pieces = kept.get(part) if kept is not None else None
@@ -160,21 +169,26 @@ class Assembler:
                 now[part] = pieces
             replicas.extend(pieces[0])
             caps.extend(pieces[1])
+            reasons.extend(pieces[2])
         if kept is not None:
             kept.clear()
             kept.update(now)
         caps.sort(key=_first)  # stable: caps of one GPU stay in header, then part order
-        return b"".join([*head, *replicas, *(raw for _, raw in caps), *tail])
+        # the replicas' reasons (in part order) come before the header's own
+        return b"".join([*head, *replicas, *(raw for _, raw in caps), *low, *reasons, *high])
 
-    def _pieces(self, part: bytes) -> tuple[tuple[bytes, ...], tuple[tuple[tuple[str, int], bytes], ...]]:
-        """A part's replica fields and its caps with their GPUs."""
-        replicas, caps = [], []
+    def _pieces(self, part: bytes) -> tuple[tuple[bytes, ...], tuple[tuple[tuple[str, int], bytes], ...],
+                                             tuple[bytes, ...]]:
+        """A part's replica fields, its caps with their GPUs and its reasons."""
+        replicas, caps, reasons = [], [], []
         for num, raw in fields(part):
             if num == _REPLICAS:
                 replicas.append(raw)
             elif num == _CAPS:
                 caps.append((self._gpu(raw), raw))
-        return tuple(replicas), tuple(caps)
+            elif num == _REASONS:
+                reasons.append(raw)
+        return tuple(replicas), tuple(caps), tuple(reasons)
 
     def _gpu(self, raw: bytes) -> tuple[str, int]:
         gpu = self._gpu_of_cap.get(raw)

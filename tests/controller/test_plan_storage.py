@@ -142,3 +142,36 @@ def test_a_generation_that_changes_many_nodes_power_commits_within_etcds_op_limi
     for nodes in racks.values():  # a rack's caps change in one transaction
         assert len({stored[n].mod_revision for n in nodes}) == 1
     assert all(r <= rev for r in c.power_revs.values()) and len(set(c.power_revs.values())) > 1
+
+
+def test_reasons_ride_in_their_replicas_parts_and_the_header_stays_small():
+    """A degraded replica's reasons are stored with its part, so the header (written
+    twice by every commit: the plan and its history) does not grow with the failed GPUs;
+    the plan's own reasons (a suspended pin) stay in the header; the assembly equals the
+    whole plan's encoding either way."""
+    import dataclasses
+
+    from tpflex_controller.planner.model import JobOverrides
+
+    racks = make_racks(12, size=8)
+    job = make_job(racks, tp=8, units={"heads": 64, "ffn": 128, "vocab": 64})
+    gpus = [g for r in racks.values() for g in r.gpus]
+    sizes = []
+    for n in (1, 4, 9):
+        down = [gpus[8 * k + 1] for k in range(n)]  # one GPU in each of n racks
+        result = plan(state(racks, gpu_status=failed(*down)), job, overrides=JobOverrides(pins={0: 8}))
+        header, parts = PlanEncoder().split(result, 3, cause="t", now=5.0)
+        reference = codec.encode(convert.plan_to_proto(result, 3, cause="t", now=5.0))
+        assert planstore.Assembler().whole(header, parts) == reference
+        own = list(planstore.decode_plan(header, "h").reasons)
+        assert own == [r for r in result.reasons if "operator pin suspended" in r] and own
+        for i, lines in result.reason_parts.items():
+            assert list(planstore.decode_plan(parts[i], "p").reasons) == list(lines)
+        assert sum(len(lines) for lines in result.reason_parts.values()) >= n
+        sizes.append(len(header))
+        # reasons by replica that do not make up the reasons: all go in the header
+        odd = dataclasses.replace(result, reason_parts={0: ("replica 0: not this plan's",)})
+        header, parts = PlanEncoder().split(odd, 3, cause="t", now=5.0)
+        assert planstore.Assembler().whole(header, parts) == reference
+        assert list(planstore.decode_plan(header, "h").reasons) == list(result.reasons)
+    assert len(set(sizes)) == 1, sizes  # 1, 4 or 9 degraded replicas: the same header

@@ -139,7 +139,14 @@ def test_incremental_equals_whole_job_plan(world_job, data):
         state, over = world.state(), world.overrides()
         job_policy = policy if world.policy is None and policy is not job.policy else None
         prev = replan(prev, state, job, changes, policy=job_policy, overrides=over)
-        assert prev.result == plan(state, job, policy=job_policy, overrides=over)
+        whole = plan(state, job, policy=job_policy, overrides=over)
+        assert prev.result == whole
+        # the reasons by replica (stored with each replica's part) too, and they make up
+        # the reasons in replica order, before the plan's own
+        assert dict(prev.result.reason_parts) == dict(whole.reason_parts)
+        said = [line for i in sorted(whole.reason_parts) for line in whole.reason_parts[i]]
+        assert list(whole.reasons[:len(said)]) == said
+        assert all(line.startswith(f"replica {i}:") for i, lines in whole.reason_parts.items() for line in lines)
 
 
 def test_one_failure_replans_one_replica():

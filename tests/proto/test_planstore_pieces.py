@@ -49,3 +49,38 @@ def test_kept_parts_assemble_the_same_bytes_as_from_scratch(first, steps):
         reference = types_pb2.Plan.FromString(got)
         caps = [(c.gpu.node, c.gpu.index) for c in reference.power_caps]
         assert caps == sorted(caps)
+
+
+_lines = st.lists(st.sampled_from(["replica 1: rack r0 lost a GPU", "é ünïcode", "", "x" * 200]), max_size=3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts_=st.lists(st.tuples(parts(), _lines), min_size=1, max_size=5), header=headers(), own=_lines,
+       cached=st.booleans())
+def test_the_parts_reasons_assemble_before_the_headers_own(parts_, header, own, cached):
+    """Reasons stored with the parts (each replica's lines) and in the header (the plan's
+    own): the assembly equals the plan protobuf itself builds with the replicas in part
+    order, the caps sorted by GPU and the reasons in part order then the header's."""
+    stored = []
+    reference = types_pb2.Plan.FromString(header)
+    reference.split, reference.stored_replicas = False, 0
+    caps = list(reference.power_caps)
+    for raw, lines in parts_:
+        part = types_pb2.Plan.FromString(raw)
+        part.reasons.extend(lines)
+        stored.append(part.SerializeToString())
+        reference.replicas.extend(part.replicas)
+        caps.extend(part.power_caps)
+        reference.reasons.extend(lines)
+    reference.reasons.extend(own)
+    reference.ClearField("power_caps")
+    reference.power_caps.extend(sorted(caps, key=lambda c: (c.gpu.node, c.gpu.index)))
+    h = types_pb2.Plan.FromString(header)
+    h.reasons.extend(own)
+    assembler = planstore.Assembler()
+    kept: dict | None = {} if cached else None
+    got = assembler.whole(h.SerializeToString(deterministic=True), stored, kept)
+    if cached:  # the second call takes the parts as the first one parsed them
+        got = assembler.whole(h.SerializeToString(deterministic=True), stored, kept)
+    assert types_pb2.Plan.FromString(got) == reference
+    assert got == reference.SerializeToString(deterministic=True)

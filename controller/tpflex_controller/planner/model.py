@@ -181,6 +181,12 @@ class PlanResult:
     # it did not plan again, so two plans' caps differ only in the parts that are not the
     # same objects (``changed_cap_parts``). None when unknown (a plan read from etcd).
     cap_parts: Mapping[int, Mapping[GpuKey, float]] | None = field(default=None, compare=False, repr=False)
+    # ``reasons`` by replica (index -> its lines; a replica without any is absent), shared
+    # between plans as ``cap_parts`` is: ``reasons`` is these in index order, then the
+    # plan's own (suspended pins). The plan is stored with each replica's lines in that
+    # replica's part (tpflex_proto.planstore), so that a generation writes the lines of
+    # the replicas it changes, not every degraded replica's. None when unknown.
+    reason_parts: Mapping[int, tuple[str, ...]] | None = field(default=None, compare=False, repr=False)
 
     def same_decision(self, other: PlanResult | None) -> bool:
         """Whether two results decide the same thing (reasons and wording aside)."""

@@ -242,24 +242,31 @@ def assemble(
         replicas = _with_identities(outcomes, job)
         parts = _parts_of(outcomes)
         caps = MergedCaps(parts)
+        said = {i: o.reasons for i, o in outcomes.items() if o.reasons}
     else:
         replaced = replaced or {}
         replicas = list(base.replicas)
         parts = dict(base.cap_parts) if base.cap_parts is not None else _parts_of(outcomes)
+        said = (dict(base.reason_parts) if base.reason_parts is not None
+                else {i: o.reasons for i, o in outcomes.items() if o.reasons})
         for i in replaced:
             replicas[i] = _outcome_or_identity(outcomes, job, i)
             parts.pop(i, None)
-            if i in outcomes and outcomes[i].caps:
-                parts[i] = outcomes[i].caps
+            said.pop(i, None)
+            if i in outcomes:
+                if outcomes[i].caps:
+                    parts[i] = outcomes[i].caps
+                if outcomes[i].reasons:
+                    said[i] = outcomes[i].reasons
         old_caps = base.power_caps
         caps = old_caps.derive(parts, replaced) if isinstance(old_caps, MergedCaps) else MergedCaps(parts)
-    reasons = tuple(chain.from_iterable(outcomes[i].reasons for i in sorted(outcomes)))
+    reasons = tuple(chain.from_iterable(said[i] for i in sorted(said)))
     unheld = [outcomes[r].unheld for r in ctx.pins if r in outcomes and outcomes[r].unheld is not None]
     suspended = [*ctx.invalid_pins, *unheld]
     ratio = sum(map(_throughput_of, replicas)) / len(replicas)  # in order, in C
     reasons += tuple(f"replica {p.replica}: operator pin suspended: {p.reason}" for p in suspended)
     return PlanResult(
-        job.name, ctx.policy, tuple(replicas), caps, ratio, reasons, tuple(sorted(suspended)), parts
+        job.name, ctx.policy, tuple(replicas), caps, ratio, reasons, tuple(sorted(suspended)), parts, said
     )
 
 
