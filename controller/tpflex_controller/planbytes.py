@@ -65,6 +65,64 @@ def cap_prefix(gpu: GpuKey) -> bytes | None:
     return b"\x2a" + _varint(len(head) + 8) + head
 
 
+def replica_wire(r: ReplicaAssignment) -> bytes | None:
+    """The encoding of ``Plan(replicas=[convert's ReplicaPlan of r])`` written out (field
+    4, in it ReplicaPlan fields 1-7, each StagePlan's fields 1-4 and GpuRef 1-2), as the
+    deterministic protobuf encoding lays it out: fields in number order, zero values and
+    empty strings left out. None where a value is out of a field's range, or a zero
+    throughput (its sign), so the caller goes through protobuf: a commit encodes the
+    71-odd GPU refs of every replica it changes, ~10x slower through message objects."""
+    state = _STATE_NUMBER.get(r.state)
+    if state is None or not _u32(r.index, r.tp_degree, r.local_batch) or not r.relative_throughput:
+        return None
+    out = [b"\x08" + _varint(r.index)] if r.index else []
+    if state:
+        out.append(b"\x10" + _varint(state))
+    refs: dict[str, bytes] = {}
+    for st in r.stages:
+        if not _u32(st.tp_degree, st.spec_stage):
+            return None
+        body = []
+        if st.rack:
+            name = st.rack.encode()
+            body.append(b"\x0a" + _varint(len(name)) + name)
+        if st.tp_degree:
+            body.append(b"\x10" + _varint(st.tp_degree))
+        for node, index in st.gpus:
+            head = refs.get(node)
+            if head is None:
+                name = node.encode()
+                head = refs[node] = b"\x0a" + _varint(len(name)) + name if name else b""
+            if not index:
+                body.append(b"\x1a" + _varint(len(head)) + head)
+            elif 0 < index < 1 << 32:
+                ref = head + b"\x10" + _varint(index)
+                body.append(b"\x1a" + _varint(len(ref)) + ref)
+            else:
+                return None
+        if st.spec_stage:
+            body.append(b"\x20" + _varint(st.spec_stage))
+        stage = b"".join(body)
+        out.append(b"\x1a" + _varint(len(stage)) + stage)
+    if r.tp_degree:
+        out.append(b"\x20" + _varint(r.tp_degree))
+    if r.local_batch:
+        out.append(b"\x28" + _varint(r.local_batch))
+    out.append(b"\x31" + _DOUBLE.pack(r.relative_throughput))
+    if r.reason:
+        reason = r.reason.encode()
+        out.append(b"\x3a" + _varint(len(reason)) + reason)
+    replica = b"".join(out)
+    return b"\x22" + _varint(len(replica)) + replica
+
+
+def _u32(*values: int) -> bool:
+    return all(type(v) is int and 0 <= v < 1 << 32 for v in values)
+
+
+_STATE_NUMBER = {state: int(number) for state, number in convert._REPLICA_STATE.items()}
+
+
 def _varint(n: int) -> bytes:
     if n < 0x80:
         return bytes((n,))
@@ -337,6 +395,10 @@ class PlanEncoder:
         return data
 
     def _build(self, replica: ReplicaAssignment) -> bytes:
+        data = replica_wire(replica)
+        if data is not None:
+            self._replicas.put(replica, data)
+            return data
         one = PlanResult(
             job="",
             policy=Policy.NTP_PW,
