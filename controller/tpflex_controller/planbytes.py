@@ -18,11 +18,11 @@ costs building those bytes again.
 from __future__ import annotations
 
 import struct
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from itertools import chain, compress, count
-from operator import is_, is_not
+from itertools import chain, repeat
+from operator import is_
 
 from tpflex_proto import codec, types_pb2
 
@@ -33,6 +33,8 @@ from tpflex_controller.planner.model import (
     PlanResult,
     Policy,
     ReplicaAssignment,
+    moved,
+    remember_moved,
 )
 
 
@@ -135,12 +137,6 @@ def _varint(n: int) -> bytes:
 
 
 _DOUBLE = struct.Struct("<d")
-
-
-def _moved(old: tuple, new: tuple) -> Iterable[int]:
-    """Positions whose object is not the same in two tuples of equal length (compared in
-    C: a generation changes a few of 4,000 replicas)."""
-    return compress(count(), map(is_not, old, new))
 
 
 class Lru:
@@ -301,7 +297,7 @@ class PlanEncoder:
         else:
             old, was = last.cap_parts, last.reasons
             todo = sorted(
-                {*_moved(last.replicas, result.replicas),
+                {*moved(last.replicas, result.replicas),
                  *(i for i in old.keys() | cap_parts.keys() if old.get(i) is not cap_parts.get(i)),
                  *(i for i in was.keys() | said.keys() if was.get(i) is not said.get(i))}
             )
@@ -317,6 +313,8 @@ class PlanEncoder:
             if lines:
                 data = data + reasons_wire(lines)
             parts[i] = data
+        if last is not None and len(last.parts) == len(parts):
+            remember_moved(last.parts, parts, todo)  # the others are the last split's objects
         self._last[result.job] = _Split(result.replicas, cap_parts, parts, said)
         return parts
 
@@ -346,15 +344,23 @@ class PlanEncoder:
         if len(last) != len(new):
             last, table = (), {}
             self._shared.discard(result.job)
-        moved = list(_moved(last, new)) if last else range(len(new))
-        for i in moved if last else ():  # first let go of what the changed ones held
+        changed = moved(last, new) if last else range(len(new))
+        for i in changed if last else ():  # first let go of what the changed ones held
             for st in last[i].stages:
-                for g in st.gpus:
+                gs = st.gpus
+                if set(map(table.get, gs)) == {i}:  # all its own (the usual case): in C
+                    deque(map(table.pop, gs, repeat(None)), 0)
+                    continue
+                for g in gs:
                     if table.get(g) == i:
                         del table[g]
-        for i in moved:
+        for i in changed:
             for st in new[i].stages:
-                for g in st.gpus:
+                gs = st.gpus
+                if table.keys().isdisjoint(gs) and len(set(gs)) == len(gs):  # in C
+                    table.update(zip(gs, repeat(i)))
+                    continue
+                for g in gs:
                     if table.setdefault(g, i) != i:
                         # held by another position too: caps go by this table from now on
                         self._shared.add(result.job)

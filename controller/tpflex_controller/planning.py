@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import chain, compress, count, islice
-from operator import attrgetter, is_not
+from itertools import chain, islice
+from operator import attrgetter
 
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import Cmp, Op
@@ -20,6 +20,7 @@ from tpflex_controller.planner.model import (
     PlanResult,
     SuspendedPin,
     changed_cap_parts,
+    moved,
 )
 
 # plan(cluster, job, *, policy=None, power_model=None, overrides=None, now=0.0) -> PlanResult
@@ -80,8 +81,8 @@ def build_commit(
     generation = p.prev.generation + 1 if p.prev is not None else 1
     header, parts = encoder.split(p.result, generation, cause=p.cause, now=p.planned_at)
     old = p.prev.parts if p.prev is not None else []
-    # the encoder gives unchanged parts as the same objects: compare those in C first
-    maybe = range(len(parts)) if len(old) != len(parts) else compress(count(), map(is_not, parts, old))
+    # the encoder gives unchanged parts as the same objects (and says which it rebuilt)
+    maybe = range(len(parts)) if len(old) != len(parts) else moved(old, parts)
     changed = {i: parts[i] for i in maybe if i >= len(old) or parts[i] != old[i]}
     index = view.plan_parts.get(p.job)
     oldest_kept = max(1, generation - history_size + 1)
@@ -309,7 +310,7 @@ def changed_degrees(p: Planned) -> list[tuple[int, int]]:
         return [(r.index, r.tp_degree) for r in new]
     return [
         (r.index, r.tp_degree)
-        for r, o in ((new[i], old[i]) for i in compress(count(), map(is_not, new, old)))
+        for r, o in ((new[i], old[i]) for i in moved(old, new))
         if r.tp_degree != o.tp_degree
     ]
 
@@ -326,7 +327,7 @@ def rank_count_since(old: PlanResult, old_count: int, new: PlanResult) -> int:
     a, b = old.replicas, new.replicas
     if len(a) != len(b):
         return rank_count(new)
-    for i in compress(count(), map(is_not, a, b)):
+    for i in moved(a, b):
         old_count += _ranks_of(b[i]) - _ranks_of(a[i])
     return old_count
 

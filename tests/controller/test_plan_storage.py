@@ -9,6 +9,7 @@ import pytest
 from tpflex_controller import convert
 from tpflex_controller.planbytes import PlanEncoder
 from tpflex_controller.planner import Policy, plan
+from tpflex_controller.planner.model import moved
 from tpflex_controller.planning import PlanCommit, commit_plan
 from tpflex_proto import codec, keys, planstore
 
@@ -89,6 +90,7 @@ def test_parts_from_cap_parts_equal_parts_placed_per_gpu_through_replans(policy)
     gpus = [g for r in racks.values() for g in r.gpus]
     rng = random.Random(5)
     fast, slow = PlanEncoder(), PlanEncoder()
+    last_parts: list = []
     down: set = set()
     jp = None
     for gen in range(1, 25):
@@ -99,6 +101,10 @@ def test_parts_from_cap_parts_equal_parts_placed_per_gpu_through_replans(policy)
         result = jp.result
         assert result.cap_parts is not None
         header, parts = fast.split(result, gen, cause="t", now=5.0)
+        if gen > 1 and len(parts) == len(last_parts):  # what the encoder tells ``moved``
+            differ = {i for i in range(len(parts)) if parts[i] is not last_parts[i]}
+            assert differ <= set(moved(last_parts, parts))
+        last_parts = parts
         per_gpu = slow.split(dataclasses.replace(result, cap_parts=None), gen, cause="t", now=5.0)
         assert (header, parts) == per_gpu
         reference = codec.encode(convert.plan_to_proto(result, gen, cause="t", now=5.0))

@@ -18,7 +18,7 @@ from tpflex_controller.planner import (
     plan,
 )
 from tpflex_controller.planner.incremental import Changes, plan_job, replan
-from tpflex_controller.planner.model import JobOverrides
+from tpflex_controller.planner.model import JobOverrides, moved
 
 from tests.controller.planner_fixtures import make_job, make_rack, make_racks
 
@@ -138,7 +138,12 @@ def test_incremental_equals_whole_job_plan(world_job, data):
             changes = Changes(changes.nodes | more.nodes, changes.racks | more.racks)
         state, over = world.state(), world.overrides()
         job_policy = policy if world.policy is None and policy is not job.policy else None
+        before = prev.result.replicas
         prev = replan(prev, state, job, changes, policy=job_policy, overrides=over)
+        after = prev.result.replicas
+        if len(before) == len(after):  # what the planner tells ``moved`` covers every change
+            differ = {i for i in range(len(after)) if before[i] is not after[i]}
+            assert differ <= set(moved(before, after))
         whole = plan(state, job, policy=job_policy, overrides=over)
         assert prev.result == whole
         # the reasons by replica (stored with each replica's part) too, and they make up

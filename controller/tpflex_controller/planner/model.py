@@ -7,9 +7,11 @@ protobufs into these at the edge) and the simulator (``tpflex-sim``) all speak t
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from itertools import compress, count
+from operator import is_not
 
 # A GPU is addressed by (node name, NVML index on that node).
 GpuKey = tuple[str, int]
@@ -197,6 +199,34 @@ class PlanResult:
             and _same_caps(self, other)
             and _pin_keys(self.suspended_pins) == _pin_keys(other.suspended_pins)
         )
+
+
+# the last two pairs of sequences compared by ``moved`` and their answers: a commit asks
+# the same question of the job's previous and new replicas four times (the encoder twice,
+# the degrees and the rank count) and of the previous and new parts once; the planner and
+# the encoder tell it what they changed
+_moved_memo: tuple = ((None, None, ()), (None, None, ()))
+
+
+def moved(old: Sequence, new: Sequence) -> Sequence[int]:
+    """The positions where two sequences of equal length hold different objects, or a
+    superset of them (never a position past either's end): O(positions) compared in C,
+    once per pair, or what ``remember_moved`` was told of this pair."""
+    for memo in _moved_memo:
+        if memo[0] is old and memo[1] is new:
+            return memo[2]
+    return remember_moved(old, new, compress(count(), map(is_not, old, new)))
+
+
+def remember_moved(old: Sequence, new: Sequence, positions: Iterable[int]) -> Sequence[int]:
+    """Remember ``positions`` as ``moved(old, new)``: every position where the two hold
+    different objects must be among them (the planner's re-planned replicas, the parts
+    the encoder rebuilt). Holds the last two pairs only (so it keeps four sequences alive
+    at most)."""
+    global _moved_memo
+    positions = tuple(positions)
+    _moved_memo = ((old, new, positions), _moved_memo[0])
+    return positions
 
 
 def changed_cap_parts(old: PlanResult, new: PlanResult) -> list[int] | None:

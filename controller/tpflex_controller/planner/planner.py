@@ -56,6 +56,7 @@ from tpflex_controller.planner.model import (
     StageAssignment,
     SuspendedPin,
     full_tp,
+    remember_moved,
 )
 from tpflex_controller.planner.reasons import replica_reasons
 from tpflex_controller.planner.stages import (
@@ -265,8 +266,11 @@ def assemble(
     suspended = [*ctx.invalid_pins, *unheld]
     ratio = sum(map(_throughput_of, replicas)) / len(replicas)  # in order, in C
     reasons += tuple(f"replica {p.replica}: operator pin suspended: {p.reason}" for p in suspended)
+    replicas = tuple(replicas)
+    if base is not None and len(base.replicas) == len(replicas):
+        remember_moved(base.replicas, replicas, sorted(replaced))  # the others are base's objects
     return PlanResult(
-        job.name, ctx.policy, tuple(replicas), caps, ratio, reasons, tuple(sorted(suspended)), parts, said
+        job.name, ctx.policy, replicas, caps, ratio, reasons, tuple(sorted(suspended)), parts, said
     )
 
 
