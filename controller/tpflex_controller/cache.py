@@ -75,6 +75,13 @@ class NodePower:
         return types_pb2.NodePowerPlan(node=node, generation=self.generation, caps=[
             types_pb2.PowerCap(gpu=types_pb2.GpuRef(node=node, index=i), cap_w=w) for i, w in self.caps])
 
+    def wire(self, node: str) -> bytes:
+        """``codec.encode(self.to_proto(node))``, written out (planbytes.power_plan_wire):
+        a commit writes the plans of a boosted rack's 18 nodes."""
+        from tpflex_controller.planbytes import power_plan_wire
+
+        return power_plan_wire(node, self.generation, self.caps)
+
 
 @dataclass
 class PlanRecord:
@@ -187,7 +194,7 @@ class ClusterView:
 
     # ---- our own writes ----
 
-    def record_commit(self, p, commit, power: dict[str, types_pb2.NodePowerPlan], rev: int) -> None:
+    def record_commit(self, p, commit, power: dict[str, NodePower], rev: int) -> None:
         """Fold a plan generation this process committed at etcd revision ``rev``. The keys
         it wrote are marked as folded at ``rev``, so that the watch's late delivery of an
         earlier commit cannot move the view back (a stale plan revision would make the
@@ -206,14 +213,14 @@ class ClusterView:
         self.snap.plans.pop(p.job, None)  # decoded lazily by readers that need the proto
         for node, np in power.items():
             at = commit.power_revs.get(node, rev)  # written ahead of the header (commit_plan)
-            self.power[node] = (NodePower.of(np), at)
+            self.power[node] = (np, at)
             self._key_revs[keys.power(node)] = at
         if commit.trim_event_seq and self.event_seqs and self.event_seqs[0] == commit.trim_event_seq:
             self.event_seqs.popleft()
         if commit.event_seq:
             self.event_seqs.append(commit.event_seq)
 
-    def forget_plan(self, job: str, power: dict[str, types_pb2.NodePowerPlan], rev: int,
+    def forget_plan(self, job: str, power: dict[str, NodePower], rev: int,
                     power_revs: dict[str, int] | None = None) -> None:
         """Fold the removal of a deleted job's plan this process made at ``rev`` (its power
         writes at ``power_revs``, node -> revision, where given)."""
@@ -224,7 +231,7 @@ class ClusterView:
         self._key_revs[keys.job_plan(job)] = rev
         for node, np in power.items():
             at = (power_revs or {}).get(node, rev)
-            self.power[node] = (NodePower.of(np), at)
+            self.power[node] = (np, at)
             self._key_revs[keys.power(node)] = at
 
     # ---- folding ----

@@ -158,10 +158,6 @@ class ControllerMetrics:
         self.plan_observed(job, plan.generation, plan.expected_throughput_ratio, degrees,
                            len(plan.suspended_pins))
 
-    def node_power_observed(self, node: str, plan) -> None:
-        """A stored ``types_pb2.NodePowerPlan``."""
-        self.power_observed(node, [(c.gpu.index, c.cap_w) for c in plan.caps])
-
     def power_observed(self, node: str, caps: Iterable[tuple[int, float]]) -> None:
         self.gpu_power_cap_watts.set(node, caps)
 

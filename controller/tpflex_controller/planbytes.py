@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import is_
 
-from tpflex_proto import codec, types_pb2
+from tpflex_proto import agent_pb2, codec, types_pb2
 
 from tpflex_controller import convert
 from tpflex_controller.planner.caps import UniformCaps
@@ -116,6 +116,48 @@ def replica_wire(r: ReplicaAssignment) -> bytes | None:
         out.append(b"\x3a" + _varint(len(reason)) + reason)
     replica = b"".join(out)
     return b"\x22" + _varint(len(replica)) + replica
+
+
+def power_plan_wire(node: str, generation: int, caps: Iterable[tuple[int, float]]) -> bytes:
+    """``codec.encode(NodePowerPlan(node, generation, caps=[PowerCap(GpuRef(node, i), w)]))``
+    written out (fields 1-3; each cap's GpuRef fields 1-2 and cap_w), through protobuf
+    where a value is out of range or a cap is zero watts."""
+    bodies = _cap_bodies(node, caps)
+    if bodies is None or not 0 <= generation < 1 << 64:
+        return codec.encode(types_pb2.NodePowerPlan(node=node, generation=generation, caps=[
+            types_pb2.PowerCap(gpu=types_pb2.GpuRef(node=node, index=i), cap_w=w) for i, w in caps]))
+    name = node.encode()
+    out = [b"\x0a" + _varint(len(name)) + name] if name else []
+    if generation:
+        out.append(b"\x10" + _varint(generation))
+    out.extend(b"\x1a" + _varint(len(body)) + body for body in bodies)
+    return b"".join(out)
+
+
+def apply_request_wire(node: str, generation: int, caps: Iterable[tuple[int, float]]) -> bytes:
+    """``ApplyPowerPlanRequest(generation, caps=[PowerCap(GpuRef(node, i), w)])`` encoded
+    (fields 1-2), written out as ``power_plan_wire``: the agent's copy of the same plan."""
+    bodies = _cap_bodies(node, caps)
+    if bodies is None or not 0 <= generation < 1 << 64:
+        return agent_pb2.ApplyPowerPlanRequest(generation=generation, caps=[
+            types_pb2.PowerCap(gpu=types_pb2.GpuRef(node=node, index=i), cap_w=w) for i, w in caps
+        ]).SerializeToString(deterministic=True)
+    out = [b"\x08" + _varint(generation)] if generation else []
+    out.extend(b"\x12" + _varint(len(body)) + body for body in bodies)
+    return b"".join(out)
+
+
+def _cap_bodies(node: str, caps: Iterable[tuple[int, float]]) -> list[bytes] | None:
+    """Each cap's PowerCap fields (GpuRef, cap_w); None where protobuf must build them."""
+    name = node.encode()
+    head = b"\x0a" + _varint(len(name)) + name if name else b""
+    out = []
+    for index, watts in caps:
+        if not (type(index) is int and 0 <= index < 1 << 32) or watts == 0 or type(watts) not in (float, int):
+            return None
+        ref = head + b"\x10" + _varint(index) if index else head
+        out.append(b"\x0a" + _varint(len(ref)) + ref + b"\x11" + _DOUBLE.pack(watts))
+    return out
 
 
 def _u32(*values: int) -> bool:

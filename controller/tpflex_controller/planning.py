@@ -12,7 +12,7 @@ from operator import attrgetter
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import Cmp, Op
 
-from tpflex_controller.cache import ClusterView, PlanRecord
+from tpflex_controller.cache import ClusterView, NodePower, PlanRecord
 from tpflex_controller.election import Conflict, LeaderSession
 from tpflex_controller.planbytes import PlanEncoder
 from tpflex_controller.planner.model import (
@@ -77,7 +77,7 @@ class Planned:
 
 def build_commit(
     view: ClusterView, p: Planned, *, history_size: int, encoder: PlanEncoder
-) -> tuple[PlanCommit, dict[str, types_pb2.NodePowerPlan], types_pb2.Event]:
+) -> tuple[PlanCommit, dict[str, NodePower], types_pb2.Event]:
     generation = p.prev.generation + 1 if p.prev is not None else 1
     header, parts = encoder.split(p.result, generation, cause=p.cause, now=p.planned_at)
     old = p.prev.parts if p.prev is not None else []
@@ -118,7 +118,7 @@ def build_commit(
         prev_plan_mod_revision=p.prev.mod_revision if p.prev is not None else 0,
         parts=changed,
         all_parts=parts,
-        power={n: (codec.encode(np), view.power.get(n, (None, 0))[1]) for n, np in power.items()},
+        power={n: (np.wire(n), view.power.get(n, (None, 0))[1]) for n, np in power.items()},
         event_seq=seq,
         event_bytes=codec.encode(event),
         trim_event_seq=trim,
@@ -260,7 +260,7 @@ def _cap_candidates(old: PlanResult | None, new: PlanResult) -> set[GpuKey] | No
 
 def desired_power(
     view: ClusterView, old_caps, new_caps, candidates: set[GpuKey] | None = None
-) -> dict[str, types_pb2.NodePowerPlan]:
+) -> dict[str, NodePower]:
     """The new desired power plan of every node whose caps change.
 
     Candidates are the nodes of GPUs whose cap differs between the old and the new plan
@@ -269,7 +269,7 @@ def desired_power(
     rack's TDP) are compared with what ``power/<node>`` holds now (all TDP when absent),
     so a repeated pass writes nothing. O(changed GPUs) with ``candidates``.
     """
-    out: dict[str, types_pb2.NodePowerPlan] = {}
+    out: dict[str, NodePower] = {}
     if candidates is not None:
         changed = {g for g in candidates if old_caps.get(g) != new_caps.get(g)}
     else:
@@ -279,25 +279,15 @@ def desired_power(
         rack = view.rack_of(node)
         if rack is None:
             continue
-        indices = view.node_gpu_indices(node)
-        want = {i: float(new_caps.get((node, i), rack.tdp_w)) for i in indices}
+        tdp = float(rack.tdp_w)
+        want = tuple((i, float(new_caps.get((node, i), tdp))) for i in view.node_gpu_indices(node))
         current = view.power.get(node)
-        have = (
-            dict(current[0].caps)
-            if current is not None
-            else {i: float(rack.tdp_w) for i in indices}
-        )
-        if want == have:
+        if current is not None:
+            if dict(current[0].caps) == dict(want):
+                continue
+        elif all(w == tdp for _, w in want):
             continue
-        generation = current[0].generation + 1 if current is not None else 1
-        out[node] = types_pb2.NodePowerPlan(
-            node=node,
-            generation=generation,
-            caps=[
-                types_pb2.PowerCap(gpu=types_pb2.GpuRef(node=node, index=i), cap_w=want[i])
-                for i in indices
-            ],
-        )
+        out[node] = NodePower(current[0].generation + 1 if current is not None else 1, want)
     return out
 
 
@@ -378,14 +368,14 @@ class RetireCommit:
     power_revs: dict[str, int] = field(default_factory=dict)  # set by commit_retire
 
 
-def build_retire(view: ClusterView, job: str) -> tuple[RetireCommit, dict[str, types_pb2.NodePowerPlan]] | None:
+def build_retire(view: ClusterView, job: str) -> tuple[RetireCommit, dict[str, NodePower]] | None:
     """The retirement of a deleted job's plan (None when it has none) and the nodes' new
     desired power."""
     rec = view.plans.get(job)
     if rec is None:
         return None
     power = desired_power(view, rec.decision().power_caps, {})
-    encoded = {n: (codec.encode(np), view.power.get(n, (None, 0))[1]) for n, np in power.items()}
+    encoded = {n: (np.wire(n), view.power.get(n, (None, 0))[1]) for n, np in power.items()}
     return RetireCommit(job, rec.mod_revision, encoded, _by_rack(view, power)), power
 
 

@@ -26,7 +26,7 @@ from tpflex_proto.keys import Kind
 
 from tpflex_controller import convert
 from tpflex_controller.agent_client import AgentPusher, PushResult
-from tpflex_controller.cache import ClusterView
+from tpflex_controller.cache import ClusterView, NodePower
 from tpflex_controller.damping import FlapDamper
 from tpflex_controller.election import Conflict, LeaderSession, NotLeader
 from tpflex_controller.events import append_event, store_phases
@@ -105,7 +105,7 @@ class Reconciler:
         # etcd revisions of this process's plan commits: their echo through the watch is
         # folded already (ClusterView.record_commit) and skipped
         self._own_revs: set[int] = set()
-        self._power_seen: dict[str, types_pb2.NodePowerPlan] = {}  # gauges set when idle
+        self._power_seen: dict[str, NodePower] = {}  # gauges set when idle
         self._ranks: dict[str, tuple[PlanResult, int]] = {}  # job -> its last plan's ranks
         self._thread = threading.Thread(target=self._run, name="reconcile", daemon=True)
 
@@ -448,8 +448,7 @@ class Reconciler:
                 # the commit stored its event with "committed" (at the decision's time):
                 # rewritten only when a later phase is reached, not once more per commit
                 self._phase_reached(rollout, phase, store=phase is not Phase.COMMITTED)
-        for node, np in power.items():
-            self._push(node, np)
+        self._push(power)
         self._note_pins(p, commit.generation)
 
     def _rank_count(self, job: str, result: PlanResult) -> int:
@@ -464,7 +463,7 @@ class Reconciler:
         decision's path: a node's first gauges cost ~20 us per GPU to create)."""
         seen, self._power_seen = self._power_seen, {}
         for node, np in seen.items():
-            self.metrics.node_power_observed(node, np)
+            self.metrics.power_observed(node, np.caps)
 
     def _note_pins(self, p: Planned, generation: int) -> None:
         """An event for every pin the new plan suspends or gives back; the plan itself
@@ -498,8 +497,8 @@ class Reconciler:
         self.metrics.unplannable_jobs.set(len(self._unplannable))
         self.metrics.job_gone(job, replicas)
         for node, np in power.items():
-            self.metrics.node_power_observed(node, np)
-            self._push(node, np)
+            self.metrics.power_observed(node, np.caps)
+        self._push(power)
         log.info("deleted job retired job=%s nodes_reset=%d", job, len(power))
         append_event(session, self.view, types_pb2.Event(
             at=self._clock(), kind="job_deleted", job=job, cause="job_spec",
@@ -512,13 +511,15 @@ class Reconciler:
         self._conflict_nodes.pop(job, None)
         self._encoder.forget(job)
 
-    def _push(self, node: str, plan: types_pb2.NodePowerPlan) -> None:
-        reg = self.view.snap.nodes.get(node)
-        self.pusher.push(node, reg.agent_address if reg is not None else "", plan)
+    def _push(self, power: dict[str, NodePower]) -> None:
+        nodes = self.view.snap.nodes
+        self.pusher.push_many(
+            (node, reg.agent_address if (reg := nodes.get(node)) is not None else "", plan)
+            for node, plan in power.items()
+        )
 
     def _repush_all(self) -> None:
-        for node, (power, _) in self.view.power.items():
-            self._push(node, power.to_proto(node))
+        self._push({node: power for node, (power, _) in self.view.power.items()})
 
     def _phase_reached(self, r: Rollout, phase: Phase, store: bool = True) -> None:
         self.metrics.phase(phase.value, r.reached[phase] - r.reached[Phase.DETECTED])

@@ -8,17 +8,16 @@ import queue
 
 import pytest
 from tpflex_controller.agent_client import AgentPusher
+from tpflex_controller.cache import NodePower
 from tpflex_controller.settings import ControllerSettings
-from tpflex_proto import types_pb2
 
 from tests.controller.controller_harness import eventually
 from tests.controller.test_agent_client import _start_agent
 from tests.support.ports import free_ports
 
 
-def _plan(node: str, generation: int) -> types_pb2.NodePowerPlan:
-    return types_pb2.NodePowerPlan(node=node, generation=generation, caps=[
-        types_pb2.PowerCap(gpu=types_pb2.GpuRef(node=node, index=i), cap_w=600.0) for i in range(2)])
+def _plan(node: str, generation: int) -> NodePower:
+    return NodePower(generation, tuple((i, 600.0) for i in range(2)))
 
 
 def test_channels_are_bounded_and_closed_when_idle():

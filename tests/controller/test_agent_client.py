@@ -12,6 +12,7 @@ from tpflex_agent.settings import AgentSection, AgentSettings, GrpcSection
 from tpflex_agent.sim import SimGpuSpec, SimulatedBackend
 from tpflex_controller import synthetic
 from tpflex_controller.agent_client import AgentPusher
+from tpflex_controller.cache import NodePower
 from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, types_pb2
 
 from tests.controller.controller_harness import PlanWatcher, fail_gpu, put_job, start_controller
@@ -103,9 +104,9 @@ def test_pusher_sends_only_the_newest_plan_and_reports_refusals(etcd):
     pusher = AgentPusher(on_result, timeout=1.0, backoff_initial=0.05, backoff_max=0.2)
     agent = None
     try:
-        caps = lambda w: [types_pb2.PowerCap(gpu=types_pb2.GpuRef(node="n0", index=i), cap_w=w) for i in range(2)]  # noqa: E731
-        pusher.push("n0", f"127.0.0.1:{port}", types_pb2.NodePowerPlan(node="n0", generation=1, caps=caps(750)))
-        pusher.push("n0", f"127.0.0.1:{port}", types_pb2.NodePowerPlan(node="n0", generation=2, caps=caps(800)))
+        caps = lambda w: tuple((i, float(w)) for i in range(2))  # noqa: E731
+        pusher.push("n0", f"127.0.0.1:{port}", NodePower(1, caps(750)))
+        pusher.push("n0", f"127.0.0.1:{port}", NodePower(2, caps(800)))
         time.sleep(0.3)  # let a few attempts fail against the closed port
         agent = _start_agent("n0", "r", port)
         assert done.wait(10)
@@ -114,7 +115,7 @@ def test_pusher_sends_only_the_newest_plan_and_reports_refusals(etcd):
         assert _limits(port) == {0: 800.0, 1: 800.0}
 
         done.clear()
-        pusher.push("n0", f"127.0.0.1:{port}", types_pb2.NodePowerPlan(node="n0", generation=1, caps=caps(750)))
+        pusher.push("n0", f"127.0.0.1:{port}", NodePower(1, caps(750)))
         assert done.wait(10)
         stale = results[-1]
         assert not stale.ok and stale.outcome == "FAILED_PRECONDITION" and "stale" in stale.detail

@@ -144,7 +144,7 @@ def test_a_nodes_power_plan_is_kept_compact_by_the_view_and_the_pusher():
         before = _malloc_used_mb()
         for rev, n in enumerate(nodes, start=10):
             view.fold("put", keys.power(n), wire[n], rev)
-            pusher.push(n, "", codec.decode(types_pb2.NodePowerPlan, wire[n]))
+            pusher.push(n, "", NodePower.of(codec.decode(types_pb2.NodePowerPlan, wire[n])))
         grown = _malloc_used_mb() - before
         assert view.power[nodes[7]] == (NodePower(3, ((0, 600.0), (1, 601.0), (2, 602.0), (3, 603.0))), 17)
         assert pusher.pending() == dict.fromkeys(nodes, 3)

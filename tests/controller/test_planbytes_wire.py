@@ -5,6 +5,7 @@ uint32, out-of-range numbers (then the writer declines and protobuf builds it)."
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tpflex_controller import convert
@@ -64,3 +65,31 @@ def test_the_written_out_replica_is_protobufs_encoding(r):
     else:  # declined: only for a zero throughput
         assert r.relative_throughput == 0.0
     assert PlanEncoder()._replica_bytes(r) == _reference(r)  # either way, the encoder's bytes
+
+
+_watts = st.one_of(st.sampled_from([0.0, -0.0, 700.0, 1300.5, -5.0, 1e-300]), st.floats(allow_nan=False), st.integers(-5, 2000))
+_caps = st.lists(st.tuples(st.one_of(_u32, st.sampled_from([-1, 1 << 32])), _watts), max_size=6)
+_gens = st.one_of(st.sampled_from([0, 1, 127, 128, (1 << 64) - 1]), st.integers(0, 1 << 40))
+
+
+@settings(max_examples=400, deadline=None)
+@given(node=_names, generation=_gens, caps=_caps)
+def test_the_written_out_power_plans_are_protobufs_encoding(node, generation, caps):
+    """A node's desired power as stored (``power/<node>``, NodePowerPlan) and as pushed
+    to its agent (ApplyPowerPlanRequest), written out, against protobuf's own encoding."""
+    from tpflex_controller.planbytes import apply_request_wire, power_plan_wire
+    from tpflex_proto import agent_pb2
+
+    try:
+        pcs = [types_pb2.PowerCap(gpu=types_pb2.GpuRef(node=node, index=i), cap_w=w) for i, w in caps]
+    except ValueError:  # protobuf refuses an index out of range: so must the writers
+        pcs = None
+    if pcs is None:
+        for write in (power_plan_wire, apply_request_wire):
+            with pytest.raises(ValueError):
+                write(node, generation, caps)
+        return
+    plan = types_pb2.NodePowerPlan(node=node, generation=generation, caps=pcs)
+    assert power_plan_wire(node, generation, caps) == codec.encode(plan)
+    request = agent_pb2.ApplyPowerPlanRequest(generation=generation, caps=pcs)
+    assert apply_request_wire(node, generation, caps) == request.SerializeToString(deterministic=True)
