@@ -131,10 +131,11 @@ class AgentPusher:
             for node, address, generation, data in ready:
                 t = self._targets.get(node)
                 if t is None:
-                    self._targets[node] = _Target(address, generation, data)
+                    t = self._targets[node] = _Target(address, generation, data)
                 else:
                     t.address, t.generation, t.request, t.attempts = address or t.address, generation, data, 0
-                self._schedule(node, 0.0)
+                if t.address:  # else set_address sends it (the dispatcher would drop the entry)
+                    self._schedule(node, 0.0)
 
     def set_address(self, node: str, address: str) -> None:
         """A node (re-)registered: send its pending plan now."""

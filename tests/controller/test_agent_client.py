@@ -124,3 +124,30 @@ def test_pusher_sends_only_the_newest_plan_and_reports_refusals(etcd):
         pusher.close()
         if agent is not None:
             agent.stop(grace=0).wait()
+
+
+def test_a_plan_for_an_agent_not_yet_known_is_sent_when_it_registers():
+    """A node whose agent address is not known yet ("") keeps its newest plan; the
+    address, once known (the node registers), sends that plan, and only that one."""
+    (port,) = free_ports(1)
+    results = []
+    done = threading.Event()
+
+    def on_result(r):
+        results.append(r)
+        done.set()
+
+    pusher = AgentPusher(on_result, timeout=1.0, backoff_initial=0.05, backoff_max=0.2)
+    agent = _start_agent("n0", "r", port)
+    try:
+        pusher.push("n0", "", NodePower(1, ((0, 700.0), (1, 700.0))))
+        pusher.push("n0", "", NodePower(2, ((0, 850.0), (1, 900.0))))
+        assert pusher.pending() == {"n0": 2}
+        assert _limits(port) == {0: TDP, 1: TDP}  # nothing sent: no address
+        pusher.set_address("n0", f"127.0.0.1:{port}")
+        assert done.wait(10)
+        assert [(r.generation, r.ok, r.outcome) for r in results] == [(2, True, "APPLIED")]
+        assert _limits(port) == {0: 850.0, 1: 900.0}
+    finally:
+        pusher.close()
+        agent.stop(grace=0).wait()
