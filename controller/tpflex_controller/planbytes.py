@@ -73,7 +73,7 @@ def replica_wire(r: ReplicaAssignment) -> bytes | None:
     deterministic protobuf encoding lays it out: fields in number order, zero values and
     empty strings left out. None where a value is out of a field's range, or a zero
     throughput (its sign), so the caller goes through protobuf: a commit encodes the
-    71-odd GPU refs of every replica it changes, ~10x slower through message objects."""
+    71-odd GPU refs of every replica it changes (68 against 113 us through message objects)."""
     state = _STATE_NUMBER.get(r.state)
     if state is None or not _u32(r.index, r.tp_degree, r.local_batch) or not r.relative_throughput:
         return None
