@@ -36,7 +36,7 @@ from tpflex_controller import synthetic
 from tpflex_proto import codec
 from tpflex_proto.etcd import Cmp, Etcd, Op
 
-PUTS = 200
+from bench.controller_scale import _put_p50_ms  # the same bare-put probe
 
 
 def _standin(endpoint: str, ops: int, size: int, compares: int) -> int:
@@ -67,16 +67,6 @@ def _standin(endpoint: str, ops: int, size: int, compares: int) -> int:
     print(json.dumps(stamps), flush=True)
     etcd.close()
     return 0
-
-
-def _put_p50_ms(etcd: Etcd) -> float:
-    value = codec.encode(synthetic.failed_health("probe", 4, set()))
-    times = []
-    for _ in range(PUTS):
-        t0 = time.perf_counter()
-        etcd.put("/bench/put-probe", value)
-        times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -145,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "floor_failure_to_commit_p99_ms": round(_pct(samples, 0.99), 2),
         "etcd_put_p50_ms": round(put_p50, 3),
         "floor_vs_etcd_put_ratio": round(p50 / put_p50, 1),
-        "watch_delivery_p50_ms": round(statistics.median((s - t) * 1000 for (s, _), t in zip(stamps, started)), 2),
+        "watch_delivery_p50_ms": round(statistics.median((s - t) * 1000 for (s, _), t in zip(stamps, started, strict=True)), 2),
         "txn_p50_ms": round(statistics.median((b - a) * 1000 for a, b in stamps), 2),
         "failures": len(samples),
         "ops": args.ops,

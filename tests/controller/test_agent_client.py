@@ -92,8 +92,8 @@ def test_power_caps_retried_until_the_agent_applies_them(etcd_server, etcd):
             a.stop(grace=0).wait()
 
 
-def test_pusher_sends_only_the_newest_plan_and_reports_refusals(etcd):
-    (port,) = free_ports(1)
+def _recording_pusher():
+    """A pusher with fast retries, the results it reports, and an event set on each."""
     results = []
     done = threading.Event()
 
@@ -101,7 +101,12 @@ def test_pusher_sends_only_the_newest_plan_and_reports_refusals(etcd):
         results.append(r)
         done.set()
 
-    pusher = AgentPusher(on_result, timeout=1.0, backoff_initial=0.05, backoff_max=0.2)
+    return AgentPusher(on_result, timeout=1.0, backoff_initial=0.05, backoff_max=0.2), results, done
+
+
+def test_pusher_sends_only_the_newest_plan_and_reports_refusals(etcd):
+    (port,) = free_ports(1)
+    pusher, results, done = _recording_pusher()
     agent = None
     try:
         caps = lambda w: tuple((i, float(w)) for i in range(2))  # noqa: E731
@@ -130,14 +135,7 @@ def test_a_plan_for_an_agent_not_yet_known_is_sent_when_it_registers():
     """A node whose agent address is not known yet ("") keeps its newest plan; the
     address, once known (the node registers), sends that plan, and only that one."""
     (port,) = free_ports(1)
-    results = []
-    done = threading.Event()
-
-    def on_result(r):
-        results.append(r)
-        done.set()
-
-    pusher = AgentPusher(on_result, timeout=1.0, backoff_initial=0.05, backoff_max=0.2)
+    pusher, results, done = _recording_pusher()
     agent = _start_agent("n0", "r", port)
     try:
         pusher.push("n0", "", NodePower(1, ((0, 700.0), (1, 700.0))))
