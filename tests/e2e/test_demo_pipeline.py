@@ -25,6 +25,10 @@ SURVIVOR = 6 + 1 - TOPO.failed_gpu[1]  # the other GPU of the failed stage
 PEER_STAGE = {2, 3}  # the same stage (1) of the other replica
 
 
+def _rank(replica: int, slot: int, stage: int) -> int:
+    return 4 * replica + 2 * stage + slot
+
+
 def _stage_degrees(plan: types_pb2.Plan) -> list[list[int]]:
     return [[st.tp_degree for st in sorted(r.stages, key=lambda st: st.spec_stage)]
             for r in sorted(plan.replicas, key=lambda r: r.index)]
@@ -58,10 +62,17 @@ def test_demo_pp2_one_stage_fails_and_is_repaired(tmp_path):
     assert ran[2] == {**{rank: {2} for rank in range(6)}, SURVIVOR: {1}}
     assert ran[3] == {rank: {2} for rank in range(8)}
 
-    # the failure moves units only into the failed stage, from the same stage of replica 0
+    # the failure moves units only into the failed stage, from the same stage of replica 0.
+    # Rarely, the kill lands between members' optimizer updates (a torn step): a member left
+    # a step behind holds nothing and is sent its units again, only from its own stage
     applied = [r for r in run.records if r["kind"] == "applied" and r["generation"] == 2]
+    behind = {tuple(m) for m in applied[0]["behind"]}
+    assert all({tuple(m) for m in r["behind"]} == behind for r in applied), applied  # every rank agrees
+    behind_ranks = {_rank(*m) for m in behind}
+    allowed = PEER_STAGE | {_rank(replica, slot, stage) for _, _, stage in behind
+                            for replica in (0, 1) for slot in (0, 1)}
     senders = {r["rank"] for r in applied if r["bytes_sent"] > 0}
-    assert senders and senders <= PEER_STAGE, senders
+    assert senders and senders <= allowed - behind_ranks - {RANK_OF_FAILED}, (senders, behind)
     assert all(r["peer_units"] > 0 and r["source"] == "live" for r in applied)
 
     # NTP-PW boosts only the degraded stage's rack (its surviving GPU)

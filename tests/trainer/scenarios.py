@@ -76,6 +76,7 @@ def _summary(report) -> dict:
         "bytes_moved": report.bytes_moved,
         "lower_bound_bytes": report.lower_bound_bytes,
         "bytes_sent": report.bytes_sent,
+        "behind": [tuple(m) for m in report.behind],
     }
 
 

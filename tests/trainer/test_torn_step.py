@@ -54,6 +54,7 @@ def test_torn_step_is_replayed_without_a_checkpoint():
     for res in results.values():
         replay = res["reports"][2]
         assert replay["source"] == "live" and replay["step"] == TORN_AT, replay
+        assert replay["behind"] == [], replay  # the members ahead undid their update instead
         assert res["step"] == STEPS
     assert_parity(results, reference(STEPS, lambda s: 4), STEPS)
 
@@ -87,6 +88,8 @@ def test_a_member_behind_a_torn_step_holds_nothing_when_every_newest_copy_surviv
     assert outcomes == {m: "InjectedFault" if m == tuple(behind) else "updated"
                         for m in members_of(*start) if m != dead}
     assert {res["reports"][2]["step"] for res in runs["torn"].values()} == {TORN_AT + 1}  # forward
+    assert all(res["reports"][2]["behind"] == [tuple(behind)] for res in runs["torn"].values())
+    assert all(res["reports"][1]["behind"] == [] for res in runs["holder"].values())  # no torn step
     states = {name: _final_states(results) for name, results in runs.items()}
     for kind in ("param", "exp_avg", "exp_avg_sq"):
         assert _rel_l2(states["torn"], states["fresh"], kind) == 0.0, kind

@@ -63,7 +63,7 @@ def main() -> int:
             record("applied", generation=a.generation, tp=a.tp_degree, world=a.world_size,
                    source=a.source, step=a.step, reshard_s=a.reshard_s, bytes_moved=a.bytes_moved,
                    peer_units=a.peer_units, after_failure=a.after_failure, at=a.applied_at,
-                   bytes_sent=a.bytes_sent, epoch=a.epoch)
+                   bytes_sent=a.bytes_sent, epoch=a.epoch, behind=[list(m) for m in a.behind])
         seen = len(hooks.history)
 
     hooks.start()

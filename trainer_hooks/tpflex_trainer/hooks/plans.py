@@ -34,6 +34,8 @@ class AppliedPlan:
     applied_at: float
     bytes_sent: int = 0  # by this rank in the reshard (0: it was not a source)
     epoch: int = 0  # the plan's restart epoch (the round is (generation, epoch))
+    # members (replica, slot, stage) a torn step left behind, sent their units again
+    behind: tuple[tuple[int, int, int], ...] = ()
 
 
 def spec_stages(spec: types_pb2.JobSpec) -> int:

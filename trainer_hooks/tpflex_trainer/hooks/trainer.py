@@ -377,7 +377,7 @@ class TpflexHooks:
             generation=plan.generation, tp_degree=self.tp_degree, world_size=len(self.world),
             source=report.source, step=report.step, reshard_s=seconds, bytes_moved=report.bytes_moved,
             peer_units=report.peer_units, after_failure=mode == "failure", applied_at=time.time(),
-            bytes_sent=report.bytes_sent, epoch=plan.restart.epoch,
+            bytes_sent=report.bytes_sent, epoch=plan.restart.epoch, behind=tuple(map(tuple, report.behind)),
         )
         self.history.append(applied)
         self.client.ack(plan.generation, seconds)

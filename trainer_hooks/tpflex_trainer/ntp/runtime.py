@@ -68,6 +68,10 @@ class ReshardReport:
     seconds: float  # the whole apply_plan
     phases: dict[str, float]  # agree_s, groups_s, transfer_s (P2P or checkpoint load), rebuild_s
     layout: JobLayout
+    # members a torn step left a step behind: they counted as holding nothing and were sent
+    # their units at ``step`` (empty when every member was at the same step, or when the
+    # members ahead undid their update instead)
+    behind: tuple[Member, ...] = ()
 
 
 @contextmanager
@@ -189,12 +193,13 @@ class NtpRuntime:
         check_world(placements, world, self.me, dist.get_world_size(), dist.get_rank())
         reader = ckpt.CheckpointReader(checkpoint, self.adapter.fingerprint()) if checkpoint is not None else None
         with _phase(phases, "agree_s"):
-            (previous, holders, step), rollback = self._agree()
+            (previous, holders, step), rollback, behind = self._agree()
         new, plans, missing = self._plan_layouts(placements, previous, holders)
         if missing and rollback is not None:  # a torn step whose newest copy of some unit is gone
             older = self._plan_layouts(placements, *rollback[:2])
             if not older[2]:  # every unit at the older step: the members ahead undo their update
                 (previous, holders, step), (new, plans, missing) = rollback, older
+                behind = ()
                 self._undo_update(step)
         all_units = {_stage_key(k, self.n_stages, f): n for k, a in enumerate(self.stage_adapters)
                      for f, n in a.all_unit_counts().items()}
@@ -209,7 +214,7 @@ class NtpRuntime:
             self.layout, self.stage_layouts, self.world = new[self.me.stage], new, world
             if self.state is not None:
                 self._build_training()
-        report = self._report(source, step, sent, previous, new, plans, holders, t0, phases)
+        report = self._report(source, step, sent, previous, new, plans, holders, t0, phases, behind)
         log.info(
             "ntp plan applied member=%s source=%s step=%d units_moved=%d peer_units=%d bytes_moved=%d seconds=%.3f",
             tuple(self.me), source, step, report.units_moved, report.peer_units, report.bytes_moved, report.seconds,
@@ -238,7 +243,7 @@ class NtpRuntime:
         for k, ps in enumerate(split_stages(placements, self.n_stages)):
             validate_request(self.stage_adapters[k].unit_counts, ps, self.base_tp)
 
-    def _report(self, source, step, sent, previous, new, plans, holders, t0, phases) -> ReshardReport:
+    def _report(self, source, step, sent, previous, new, plans, holders, t0, phases, behind) -> ReshardReport:
         """Whole job, every stage: what moved against the lower bound."""
         live = source == "live"
         lower = 0
@@ -256,6 +261,7 @@ class NtpRuntime:
             seconds=time.perf_counter() - t0,
             phases=phases,
             layout=new[self.me.stage],
+            behind=behind if live else (),
         )
 
     def _load_state(self, source, plan, new: JobLayout, world, step: int, reader) -> tuple[int, int]:
@@ -286,7 +292,7 @@ class NtpRuntime:
         optimizer updates) count as holding nothing: their units are re-sent from
         up-to-date holders. Second: the same at the torn step's older step when the
         members ahead can undo their update (``torn.rollback_step``), else None; the
-        caller uses it when some unit's newest copy is gone."""
+        caller uses it when some unit's newest copy is gone. Third: the members left behind."""
         gathered: list = [None] * dist.get_world_size()
         settings = (self.model_adapter.fingerprint(), self.n_stages, self.base_tp, self.bucket_bytes)
         mine = self.layout.member(self.me) if self.layout is not None and self.state is not None else None
@@ -303,17 +309,18 @@ class NtpRuntime:
             self.group_cache.abandon()  # someone lost its groups: everyone builds anew
         steps = {step for _, held, step, *_ in gathered if held is not None}
         if not steps:
-            return (None, [], 0), None
+            return (None, [], 0), None, ()
         newest = max(steps)
         if len(steps) > 1:
             log.warning("ntp torn step member=%s steps=%s newest_step=%d", tuple(self.me), sorted(steps), newest)
         reports = {Member(*m): held for m, held, step, *_ in gathered if held is not None and step == newest}
+        behind = tuple(sorted(Member(*m) for m, held, step, *_ in gathered if held is not None and step != newest))
         older = torn.rollback_step({Member(*g[0]): (g[2], g[3]) for g in gathered if g[1] is not None})
         rollback = None
         if older is not None:
             everyone = {Member(*m): held for m, held, *_ in gathered if held is not None}
             rollback = (self._held_layout(everyone), list(everyone), older)
-        return (self._held_layout(reports), list(reports), newest), rollback
+        return (self._held_layout(reports), list(reports), newest), rollback, behind
 
     def _held_layout(self, reports: Mapping[Member, tuple[int, dict]]) -> tuple[JobLayout, ...]:
         """Per stage, a layout describing what its holders hold (only members and units
