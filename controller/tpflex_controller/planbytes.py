@@ -148,16 +148,36 @@ def apply_request_wire(node: str, generation: int, caps: Iterable[tuple[int, flo
 
 
 def _cap_bodies(node: str, caps: Iterable[tuple[int, float]]) -> list[bytes] | None:
-    """Each cap's PowerCap fields (GpuRef, cap_w); None where protobuf must build them."""
+    """Each cap's PowerCap fields (GpuRef, cap_w); None where protobuf must build them.
+    The last few nodes' are kept (``_BODIES``): a commit writes a node's plan to etcd and
+    then sends the same caps to its agent."""
+    key = (node, caps) if type(caps) is tuple else None
+    if key is not None:
+        hit = _BODIES.get(key)
+        if hit is not None:
+            return hit
     name = node.encode()
     head = b"\x0a" + _varint(len(name)) + name if name else b""
     out = []
+    packed: dict[float, bytes] = {}
     for index, watts in caps:
         if not (type(index) is int and 0 <= index < 1 << 32) or watts == 0 or type(watts) not in (float, int):
             return None
         ref = head + b"\x10" + _varint(index) if index else head
-        out.append(b"\x0a" + _varint(len(ref)) + ref + b"\x11" + _DOUBLE.pack(watts))
+        w = packed.get(watts)
+        if w is None:
+            w = packed[watts] = _DOUBLE.pack(watts)
+        out.append(b"\x0a" + _varint(len(ref)) + ref + b"\x11" + w)
+    if key is not None:
+        if len(_BODIES) >= _MAX_BODIES:
+            _BODIES.clear()
+        _BODIES[key] = out
     return out
+
+
+# (node, caps) -> _cap_bodies: a plain dict, safe to share between threads under the GIL
+_BODIES: dict[tuple[str, tuple], list[bytes]] = {}
+_MAX_BODIES = 256
 
 
 def _u32(*values: int) -> bool:
@@ -168,8 +188,8 @@ _STATE_NUMBER = {state: int(number) for state, number in convert._REPLICA_STATE.
 
 
 def _varint(n: int) -> bytes:
-    if n < 0x80:
-        return bytes((n,))
+    if 0 <= n < 0x80:
+        return _ONE_BYTE[n]
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -179,6 +199,7 @@ def _varint(n: int) -> bytes:
 
 
 _DOUBLE = struct.Struct("<d")
+_ONE_BYTE = tuple(bytes((n,)) for n in range(0x80))
 
 
 class Lru:
@@ -253,9 +274,9 @@ class PlanEncoder:
         # value; each identity entry keeps its key alive so that an id is never reused
         self._by_id = Lru(max_replicas)  # id -> (ReplicaAssignment, bytes)
         self._replicas = Lru(max_replicas)  # ReplicaAssignment -> bytes
-        # GPU -> cap_prefix (a boost's watts change with every failure; the GPU's part of
-        # the cap's bytes does not)
-        self._caps = Lru(max_caps)
+        # node -> {GPU index: cap_prefix} (a boost's watts change with every failure; the
+        # GPU's part of the cap's bytes does not), for about ``max_caps`` GPUs (4 a node)
+        self._caps = Lru(max(1, max_caps // 4))
         # job -> (replicas of its last split, GPU -> position): see _positions
         self._layout: dict[str, tuple[tuple[ReplicaAssignment, ...], dict[GpuKey, int]]] = {}
         # jobs where a GPU was claimed by two positions (then caps go by the table)
@@ -419,18 +440,36 @@ class PlanEncoder:
         if not watts > 0:
             return b"".join([cap_wire(g, watts) for g in gpus])
         w = _DOUBLE.pack(watts)
-        prefixes = [self._prefix(g) for g in gpus]
-        if None in prefixes:
-            return b"".join([cap_wire(g, watts) for g in gpus])
+        prefixes = []
+        last, table = None, {}
+        for gpu in gpus:  # a rack's GPUs, node by node: one look-up per node
+            node, index = gpu
+            if node != last:
+                last, table = node, self._node_prefixes(node)
+            p = table.get(index)
+            if p is None:
+                p = cap_prefix(gpu)
+                if p is None:
+                    return b"".join([cap_wire(g, watts) for g in gpus])
+                table[index] = p
+            prefixes.append(p)
         return w.join(prefixes) + w
 
     def _prefix(self, gpu: GpuKey) -> bytes | None:
-        data = self._caps.get(gpu)
+        table = self._node_prefixes(gpu[0])
+        data = table.get(gpu[1])
         if data is None:
             data = cap_prefix(gpu)
             if data is not None:
-                self._caps.put(gpu, data)
+                table[gpu[1]] = data
         return data
+
+    def _node_prefixes(self, node: str) -> dict[int, bytes]:
+        table = self._caps.get(node)
+        if table is None:
+            table = {}
+            self._caps.put(node, table)
+        return table
 
     def _replica_bytes(self, replica: ReplicaAssignment) -> bytes:
         hit = self._by_id.get(id(replica))

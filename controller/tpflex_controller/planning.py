@@ -271,8 +271,11 @@ def desired_power(
     """
     out: dict[str, NodePower] = {}
     if candidates is not None:
-        changed = {g for g in candidates if old_caps.get(g) != new_caps.get(g)}
+        gpus = list(candidates)
+        now = dict(zip(gpus, _caps_of(new_caps, gpus)))
+        changed = {g for g, was in zip(gpus, _caps_of(old_caps, gpus)) if was != now[g]}
     else:
+        now = {}
         changed = {g for g, w in new_caps.items() if old_caps.get(g) != w}
         changed.update(g for g in old_caps if g not in new_caps)
     for node in sorted({g[0] for g in changed}):
@@ -280,7 +283,14 @@ def desired_power(
         if rack is None:
             continue
         tdp = float(rack.tdp_w)
-        want = tuple((i, float(new_caps.get((node, i), tdp))) for i in view.node_gpu_indices(node))
+        want = []
+        for i in view.node_gpu_indices(node):
+            g = (node, i)
+            w = now.get(g, _UNKNOWN)
+            if w is _UNKNOWN:  # not a candidate: its cap did not change
+                w = new_caps.get(g)
+            want.append((i, float(tdp if w is None else w)))
+        want = tuple(want)
         current = view.power.get(node)
         if current is not None:
             if dict(current[0].caps) == dict(want):
@@ -289,6 +299,16 @@ def desired_power(
             continue
         out[node] = NodePower(current[0].generation + 1 if current is not None else 1, want)
     return out
+
+
+_UNKNOWN = object()
+
+
+def _caps_of(caps, gpus: list[GpuKey]) -> list[float | None]:
+    """Each GPU's cap in ``caps`` (None: none), in one call (planner.caps.MergedCaps
+    inlines the look-up; a dict's is in C)."""
+    many = getattr(caps, "get_many", None)
+    return many(gpus) if many is not None else list(map(caps.get, gpus))
 
 
 def changed_degrees(p: Planned) -> list[tuple[int, int]]:

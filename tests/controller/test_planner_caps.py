@@ -38,6 +38,9 @@ def _reference(parts: dict) -> dict:
 
 
 def _assert_same(caps, want: dict) -> None:
+    many = getattr(caps, "get_many", None)
+    if many is not None:  # before anything else has indexed the map
+        assert many(list(GPUS)) == [want.get(g) for g in GPUS]
     for g in GPUS:  # point look-ups first: through the index, before any whole-map walk
         assert (g in caps) == (g in want)
         assert caps.get(g) == want.get(g)
@@ -47,6 +50,8 @@ def _assert_same(caps, want: dict) -> None:
     assert sorted(caps) == sorted(want)
     for g in GPUS:  # and from the walked dict
         assert caps.get(g) == want.get(g) and (g in caps) == (g in want)
+    if many is not None:
+        assert many(list(reversed(GPUS))) == [want.get(g) for g in reversed(GPUS)]
 
 
 @settings(max_examples=150, deadline=None, derandomize=True, database=None)
