@@ -57,13 +57,16 @@ def _assert_same(caps, want: dict) -> None:
 @settings(max_examples=150, deadline=None, derandomize=True, database=None)
 @given(st.lists(a_part(), max_size=6), st.data())
 def test_merged_caps_equal_dict_updates_also_when_derived(parts, data):
-    """Also when derived maps index afresh (a small limit of differing replicas)."""
+    """Also when derived maps index afresh (a small limit of differing replicas) and when
+    they fold their own overlay entries into a new shared one (a small limit of those)."""
     limit = data.draw(st.sampled_from([2, caps_module._MAX_DIRTY]))
-    saved, caps_module._MAX_DIRTY = caps_module._MAX_DIRTY, limit
+    recent = data.draw(st.sampled_from([0, 3, caps_module._MAX_RECENT]))
+    saved = caps_module._MAX_DIRTY, caps_module._MAX_RECENT
+    caps_module._MAX_DIRTY, caps_module._MAX_RECENT = limit, recent
     try:
         _derive_and_compare(parts, data)
     finally:
-        caps_module._MAX_DIRTY = saved
+        caps_module._MAX_DIRTY, caps_module._MAX_RECENT = saved
 
 
 def _derive_and_compare(parts, data) -> None:

@@ -25,6 +25,8 @@ from tpflex_controller.planner.model import GpuKey
 
 # replicas re-planned since the root before a derived map indexes afresh
 _MAX_DIRTY = 256
+# overlay entries a derived map keeps apart from the shared ones (about 14 racks' GPUs)
+_MAX_RECENT = 1024
 
 
 class UniformCaps(Mapping):
@@ -74,14 +76,17 @@ class UniformCaps(Mapping):
 class MergedCaps(Mapping):
     """The union of per-replica cap parts (``index -> caps``), indexed lazily."""
 
-    __slots__ = ("_dict", "_dirty", "_overlay", "_owner", "_root", "parts")
+    __slots__ = ("_dict", "_dirty", "_overlay", "_owner", "_recent", "_root", "parts")
 
     def __init__(self, parts: Mapping[int, Mapping[GpuKey, float]]) -> None:
         self.parts = parts
         self._root: MergedCaps = self
         self._dirty: frozenset[int] = frozenset()  # replicas whose part may differ from root's
-        # GPU -> the dirty replicas whose (current) part holds it, ascending
+        # GPU -> the dirty replicas whose (current) part holds it, ascending: ``_recent``
+        # (this map's own, small; () where none does) over ``_overlay`` (shared with the
+        # maps it was derived from, never changed), so that a derive copies O(recent)
         self._overlay: dict[GpuKey, tuple[int, ...]] = {}
+        self._recent: dict[GpuKey, tuple[int, ...]] = {}
         self._owner: dict[GpuKey, int | tuple[int, ...]] | None = None  # root only (_index)
         self._dict: dict[GpuKey, float] | None = None  # as_dict(), once asked for
 
@@ -93,20 +98,24 @@ class MergedCaps(Mapping):
         dirty = self._dirty.union(replanned)
         if len(dirty) > _MAX_DIRTY:
             return out  # its own root, indexed afresh when first looked up
-        overlay = dict(self._overlay)
+        base, recent = self._overlay, dict(self._recent)
         for i in replanned:
             for g in self.parts.get(i, ()):
-                held = tuple(x for x in overlay.get(g, ()) if x != i)
-                if held:
-                    overlay[g] = held
-                else:
-                    overlay.pop(g, None)
+                held = recent.get(g)
+                if held is None:
+                    held = base.get(g, ())
+                recent[g] = tuple(x for x in held if x != i)
         for i in replanned:
             for g in parts.get(i, ()):
-                held = overlay.get(g, ())
+                held = recent.get(g)
+                if held is None:
+                    held = base.get(g, ())
                 if i not in held:
-                    overlay[g] = tuple(sorted((*held, i)))
-        out._root, out._dirty, out._overlay = self._root, dirty, overlay
+                    recent[g] = tuple(sorted((*held, i)))
+        if len(recent) > _MAX_RECENT:  # fold the recent entries into a new shared base
+            base = {**base, **recent}
+            recent = {}
+        out._root, out._dirty, out._overlay, out._recent = self._root, dirty, base, recent
         return out
 
     def _index(self) -> dict[GpuKey, int | tuple[int, ...]]:
@@ -135,7 +144,9 @@ class MergedCaps(Mapping):
             best = max((i for i in held if i not in dirty), default=None)
         else:
             best = held if held not in dirty else None
-        over = self._overlay.get(gpu)  # type: ignore[call-overload]
+        over = self._recent.get(gpu)  # type: ignore[call-overload]
+        if over is None:
+            over = self._overlay.get(gpu)  # type: ignore[call-overload]
         if over and (best is None or over[-1] > best):
             best = over[-1]
         return best
@@ -161,7 +172,9 @@ class MergedCaps(Mapping):
             i = self._holder(gpu)
         else:
             i = held if held not in self._dirty else None
-            over = self._overlay.get(gpu)
+            over = self._recent.get(gpu)
+            if over is None:
+                over = self._overlay.get(gpu)
             if over and (i is None or over[-1] > i):
                 i = over[-1]
         if i is None:
@@ -176,7 +189,7 @@ class MergedCaps(Mapping):
             return list(map(self._dict.get, gpus))
         owner = self._root._owner
         held_of = (owner if owner is not None else self._index()).get
-        dirty, over_of, parts = self._dirty, self._overlay.get, self.parts
+        dirty, recent_of, over_of, parts = self._dirty, self._recent.get, self._overlay.get, self.parts
         out: list[float | None] = []
         for gpu in gpus:
             held = held_of(gpu)
@@ -184,7 +197,9 @@ class MergedCaps(Mapping):
                 i = self._holder(gpu)
             else:
                 i = held if held not in dirty else None
-                over = over_of(gpu)
+                over = recent_of(gpu)
+                if over is None:
+                    over = over_of(gpu)
                 if over and (i is None or over[-1] > i):
                     i = over[-1]
             if i is None:

@@ -264,14 +264,55 @@ def assemble(
     reasons = tuple(chain.from_iterable(said[i] for i in sorted(said)))
     unheld = [outcomes[r].unheld for r in ctx.pins if r in outcomes and outcomes[r].unheld is not None]
     suspended = [*ctx.invalid_pins, *unheld]
-    ratio = sum(map(_throughput_of, replicas)) / len(replicas)  # in order, in C
     reasons += tuple(f"replica {p.replica}: operator pin suspended: {p.reason}" for p in suspended)
     replicas = tuple(replicas)
+    ratio = _throughput_sum(replicas, base, replaced) / len(replicas)
     if base is not None and len(base.replicas) == len(replicas):
         remember_moved(base.replicas, replicas, sorted(replaced))  # the others are base's objects
     return PlanResult(
         job.name, ctx.policy, replicas, caps, ratio, reasons, tuple(sorted(suspended)), parts, said
     )
+
+
+def _throughput_sum(
+    replicas: tuple[ReplicaAssignment, ...], base: PlanResult | None, replaced: Mapping[int, object] | None
+) -> float:
+    """The replicas' relative throughputs summed exactly, then rounded once (``math.fsum``:
+    the same float in any order). A re-plan updates its base's exact sum with the replicas
+    it replaced (O(replaced), not a walk of the job's thousands of replicas)."""
+    if base is not None and replaced is not None and len(base.replicas) == len(replicas):
+        kept = _SUMS.get(id(base.replicas))
+        try:
+            # else the base's sum once (a plan read back from etcd, a whole-job plan)
+            exact = kept[1] if kept is not None and kept[0] is base.replicas else _exact_sum(base.replicas)
+            for i in replaced:
+                exact += _exact(replicas[i].relative_throughput) - _exact(base.replicas[i].relative_throughput)
+        except (OverflowError, ValueError):  # an infinite or NaN throughput
+            return math.fsum(map(_throughput_of, replicas))
+        _remember_sum(replicas, exact)
+        return exact / _ONE  # correctly rounded, as fsum's
+    return math.fsum(map(_throughput_of, replicas))  # in C
+
+
+# an exact sum of doubles as an integer count of 2**-1074 (the smallest subnormal)
+_ONE = 1 << 1074
+_SUMS: dict[int, tuple[tuple[ReplicaAssignment, ...], int]] = {}  # id(replicas) -> (them, exact sum)
+_MAX_SUMS = 16
+
+
+def _exact(x: float) -> int:
+    n, d = x.as_integer_ratio()  # d = 2**k, k <= 1074 for a finite double
+    return n << (1075 - d.bit_length())
+
+
+def _exact_sum(replicas: tuple[ReplicaAssignment, ...]) -> int:
+    return sum(map(_exact, map(_throughput_of, replicas)))
+
+
+def _remember_sum(replicas: tuple[ReplicaAssignment, ...], exact: int) -> None:
+    if len(_SUMS) >= _MAX_SUMS:
+        _SUMS.clear()  # atomic: a dry-run may plan in another thread
+    _SUMS[id(replicas)] = (replicas, exact)
 
 
 def _parts_of(outcomes: Mapping[int, ReplicaOutcome]) -> dict[int, Mapping[GpuKey, float]]:
