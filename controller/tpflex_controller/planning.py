@@ -272,8 +272,8 @@ def desired_power(
     out: dict[str, NodePower] = {}
     if candidates is not None:
         gpus = list(candidates)
-        now = dict(zip(gpus, _caps_of(new_caps, gpus)))
-        changed = {g for g, was in zip(gpus, _caps_of(old_caps, gpus)) if was != now[g]}
+        now = dict(zip(gpus, _caps_of(new_caps, gpus), strict=True))
+        changed = {g for g, was in zip(gpus, _caps_of(old_caps, gpus), strict=True) if was != now[g]}
     else:
         now = {}
         changed = {g for g, w in new_caps.items() if old_caps.get(g) != w}
