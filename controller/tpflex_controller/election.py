@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.backoff import Backoff
-from tpflex_proto.etcd import Cmp, Etcd, EtcdError, Op, TxnResult
+from tpflex_proto.etcd import Cmp, Etcd, EtcdError, Op, TxnBuilder, TxnResult
 from tpflex_proto.informer import Batch, Informer
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,20 @@ class LeaderSession:
         if not self.active:
             raise NotLeader("leader session is not active")
         fence = Cmp.create_revision(keys.LEADER, "==", self.create_revision)
-        res = self.etcd.txn([fence, *compare], success, [Op.get(keys.LEADER), *failure])
+        return self._fenced_result(self.etcd.txn([fence, *compare], success, [Op.get(keys.LEADER), *failure]))
+
+    def txn_request(self, txn: TxnBuilder) -> TxnResult:
+        """``txn`` of a transaction the caller built, with no failure operations of its
+        own: the fence's compare and read are added to it."""
+        if not self.active:
+            raise NotLeader("leader session is not active")
+        if txn.request.failure:
+            raise ValueError("txn_request: the fence owns the failure branch")
+        txn.compare(Cmp.create_revision(keys.LEADER, "==", self.create_revision))
+        txn.on_failure(Op.get(keys.LEADER))
+        return self._fenced_result(self.etcd.txn_request(txn))
+
+    def _fenced_result(self, res: TxnResult) -> TxnResult:
         if res.succeeded:
             return res
         leader = res.reads[0] if res.reads else ()

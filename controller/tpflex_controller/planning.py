@@ -8,9 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain, islice
 from operator import attrgetter
+from typing import NamedTuple
 
 from tpflex_proto import codec, keys, types_pb2
-from tpflex_proto.etcd import Cmp, Op
+from tpflex_proto.etcd import Cmp, Op, TxnBuilder
 
 from tpflex_controller.cache import ClusterView, NodePower, PlanRecord
 from tpflex_controller.election import Conflict, LeaderSession
@@ -165,37 +166,41 @@ def commit_plan(session: LeaderSession, c: PlanCommit) -> int:
     (racks), each compared with what it replaces; ``c.power_revs`` gets the revision of
     every node's write. Raises Conflict when the plan or a power key moved since it was
     read."""
-    plan_key = keys.job_plan(c.job)
-    unchanged = Cmp.mod_revision(plan_key, "==", c.prev_plan_mod_revision)
-    tail = [Op.put(plan_key, c.header), Op.put(keys.job_plan_history(c.job, c.generation), c.header)]
+    plan_key = keys.job_plan(c.job).encode()
+    unchanged = _ModRev(plan_key, c.prev_plan_mod_revision)
+    tail = [_Put(plan_key, c.header), _Put(keys.job_plan_history(c.job, c.generation).encode(), c.header)]
     compare = [unchanged]
     # next to the header: its two puts, the event's put and two trims, the dead parts
     final, early = _power_batches(c.power, c.power_groups, room=MAX_TXN_OPS - len(tail) - 3 - len(c.trim_parts))
     for batch in early:
         rev = _fenced(session, [unchanged, *_power_compares(c, batch)],
-                      [Op.put(keys.power(n), c.power[n][0]) for n in batch], c.job)
+                      [_Put(keys.power(n).encode(), c.power[n][0]) for n in batch], c.job)
         c.power_revs.update(dict.fromkeys(batch, rev))
-    compare += _power_compares(c, final)
-    tail += [Op.put(keys.power(n), c.power[n][0]) for n in final]
+    for n in final:
+        key, (value, revision) = keys.power(n).encode(), c.power[n]
+        compare.append(_ModRev(key, revision))
+        tail.append(_Put(key, value))
     if c.event_seq:
-        tail.append(Op.put(keys.event(c.event_seq), c.event_bytes))
+        tail.append(_Put(keys.event(c.event_seq).encode(), c.event_bytes))
     if c.trim_event_seq:
         tail.append(Op.delete(keys.event(c.trim_event_seq)))
     if c.trim_history_generation:
         tail.append(Op.delete(keys.job_plan_history(c.job, c.trim_history_generation)))
     tail.extend(Op.delete(keys.job_assign(c.job, g, i)) for g, i in c.trim_parts)
-    parts = [Op.put(keys.job_assign(c.job, c.generation, i), v) for i, v in sorted(c.parts.items())]
+    parts = [_Put(keys.job_assign(c.job, c.generation, i).encode(), v) for i, v in sorted(c.parts.items())]
     clear = [*c.clear_generations]
-    if not fits([*parts, *tail]):
+    fit = fits([*parts, *tail])
+    if not fit:
         clear.append(c.generation)
     for gen in sorted(set(clear)):
         _fenced(session, [unchanged], [Op.delete_prefix(keys.job_assigns_of(c.job, gen))], c.job)
     if c.generation not in clear:
         compare.append(Cmp.prefix_absent(keys.job_assigns_of(c.job, c.generation)))
-    while parts and not fits([*parts, *tail]):
+    while parts and not fit:
         chunk = _chunk(parts)
         _fenced(session, [unchanged], chunk, c.job)
         parts = parts[len(chunk):]
+        fit = fits([*parts, *tail])
     rev = _fenced(session, compare, [*parts, *tail], c.job)
     c.power_revs.update(dict.fromkeys(final, rev))
     return rev
@@ -221,7 +226,7 @@ def _power_batches(power, power_groups: list[list[str]], room: int) -> tuple[lis
 
 
 def _power_compares(c, nodes: list[str]) -> list:
-    return [Cmp.mod_revision(keys.power(n), "==", c.power[n][1]) for n in nodes]
+    return [_ModRev(keys.power(n).encode(), c.power[n][1]) for n in nodes]
 
 
 def fits(ops: list) -> bool:
@@ -238,8 +243,42 @@ def _chunk(ops: list) -> list:
     return ops[:max(n, 1)]
 
 
+class _Put(NamedTuple):
+    """``Op.put(key, value)``, written into its transaction in place (``_fenced``)."""
+
+    key: bytes
+    value: bytes
+
+    def ByteSize(self) -> int:  # noqa: N802 (as the RequestOp's, for fits and _chunk)
+        k, v = len(self.key), len(self.value)
+        body = (1 + _varint_len(k) + k if k else 0) + (1 + _varint_len(v) + v if v else 0)
+        return 1 + _varint_len(body) + body
+
+
+class _ModRev(NamedTuple):
+    """``Cmp.mod_revision(key, "==", revision)``, written in place."""
+
+    key: bytes
+    revision: int
+
+
+def _varint_len(n: int) -> int:
+    return max(1, (n.bit_length() + 6) // 7)
+
+
 def _fenced(session: LeaderSession, compare: list, ops: list, job: str) -> int:
-    res = session.txn(compare, ops)
+    txn = TxnBuilder()
+    for cmp in compare:
+        if type(cmp) is _ModRev:
+            txn.mod_revision_is(cmp.key, cmp.revision)
+        else:
+            txn.compare(cmp)
+    for op in ops:
+        if type(op) is _Put:
+            txn.put(op.key, op.value)
+        else:
+            txn.op(op)
+    res = session.txn_request(txn)
     if not res.succeeded:
         raise Conflict(f"plan of job {job} or its power keys changed since read")
     return res.revision
@@ -403,15 +442,15 @@ def commit_retire(session: LeaderSession, c: RetireCommit) -> int:
     """Delete the plan by compare-and-swap, its nodes' caps back to TDP; power that would
     not fit next to the deletes goes first, in fenced transactions of whole racks (as in
     ``commit_plan``). Returns the deletes' revision; raises Conflict."""
-    unchanged = Cmp.mod_revision(keys.job_plan(c.job), "==", c.plan_mod_revision)
+    unchanged = _ModRev(keys.job_plan(c.job).encode(), c.plan_mod_revision)
     ops = [Op.delete(keys.job_plan(c.job)), Op.delete_prefix(keys.job_plan_histories(c.job)),
            Op.delete_prefix(keys.job_assigns(c.job))]
     final, early = _power_batches(c.power, c.power_groups, room=MAX_TXN_OPS - len(ops))
     for batch in early:
         rev = _fenced(session, [unchanged, *_power_compares(c, batch)],
-                      [Op.put(keys.power(n), c.power[n][0]) for n in batch], c.job)
+                      [_Put(keys.power(n).encode(), c.power[n][0]) for n in batch], c.job)
         c.power_revs.update(dict.fromkeys(batch, rev))
     rev = _fenced(session, [unchanged, *_power_compares(c, final)],
-                  [*ops, *(Op.put(keys.power(n), c.power[n][0]) for n in final)], c.job)
+                  [*ops, *(_Put(keys.power(n).encode(), c.power[n][0]) for n in final)], c.job)
     c.power_revs.update(dict.fromkeys(final, rev))
     return rev

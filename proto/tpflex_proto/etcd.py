@@ -157,6 +157,37 @@ class Op:
         return etcdrpc.RequestOp(request_range=etcdrpc.RangeRequest(key=_b(key), keys_only=keys_only))
 
 
+class TxnBuilder:
+    """One transaction's compares and operations, written into its request in place."""
+
+    __slots__ = ("request",)
+
+    def __init__(self) -> None:
+        self.request = etcdrpc.TxnRequest()
+
+    def mod_revision_is(self, key: bytes, revision: int) -> None:
+        """``Cmp.mod_revision(key, "==", revision)``."""
+        c = self.request.compare.add()
+        c.key = key
+        c.target = etcdrpc.Compare.MOD
+        c.mod_revision = revision  # result EQUAL is the zero value
+
+    def compare(self, cmp: etcdrpc.Compare) -> None:
+        self.request.compare.append(cmp)
+
+    def put(self, key: bytes, value: bytes) -> None:
+        """``Op.put(key, value)``."""
+        p = self.request.success.add().request_put
+        p.key = key
+        p.value = value
+
+    def op(self, op: etcdrpc.RequestOp) -> None:
+        self.request.success.append(op)
+
+    def on_failure(self, op: etcdrpc.RequestOp) -> None:
+        self.request.failure.append(op)
+
+
 def _kv(kv) -> KeyValue:
     return KeyValue(
         key=kv.key.decode(),
@@ -355,7 +386,14 @@ class Etcd:
         success: Sequence[etcdrpc.RequestOp],
         failure: Sequence[etcdrpc.RequestOp] = (),
     ) -> TxnResult:
-        req = etcdrpc.TxnRequest(compare=list(compare), success=list(success), failure=list(failure))
+        return self.txn_request(
+            etcdrpc.TxnRequest(compare=list(compare), success=list(success), failure=list(failure)))
+
+    def txn_request(self, txn: TxnBuilder | etcdrpc.TxnRequest) -> TxnResult:
+        """``txn`` of a request the caller built (``TxnBuilder``: in place, so that a
+        commit of dozens of operations does not build each as a message of its own and
+        copy it in)."""
+        req = txn.request if isinstance(txn, TxnBuilder) else txn
         resp = self._call(self._kv.Txn, req)
         reads = tuple(
             tuple(_kv(kv) for kv in r.response_range.kvs)

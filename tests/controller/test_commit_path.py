@@ -7,7 +7,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from tpflex_controller.cache import ClusterView
 from tpflex_controller.planbytes import cap_prefix, cap_wire
@@ -106,3 +106,13 @@ def test_event_reasons_are_the_added_then_the_resolved_ones_bounded():
     many = tuple(f"replica {i}: TP 2" for i in range(100))
     got = event_reasons(first, many)
     assert len(got) == MAX_EVENT_REASONS and got == list(many[:MAX_EVENT_REASONS])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300), st.binary(max_size=20_000))
+def test_a_put_written_in_place_counts_the_bytes_of_its_message(key, value):
+    """commit_plan sizes its transactions (fits, _chunk) by these counts."""
+    from tpflex_controller.planning import _Put
+    from tpflex_proto.etcd import Op
+
+    assert _Put(key, value).ByteSize() == Op.put(key, value).ByteSize()
