@@ -153,7 +153,10 @@ def _cap_bodies(node: str, caps: Iterable[tuple[int, float]]) -> list[bytes] | N
     then sends the same caps to its agent."""
     key = (node, caps) if type(caps) is tuple else None
     if key is not None:
-        hit = _BODIES.get(key)
+        try:
+            hit = _BODIES.get(key)
+        except TypeError:  # an unhashable item: not kept, written out (or refused) below
+            hit = key = None
         if hit is not None:
             return hit
     name = node.encode()
