@@ -81,6 +81,11 @@ class RestSection(_Listener):
     body_timeout_s: float = Field(
         10.0, gt=0, le=600, description="a request body must arrive within this (408 otherwise)"
     )
+    read_your_writes_s: float = Field(
+        5.0, ge=0, le=600,
+        description="a mutating request answers once the REST process's view holds its write"
+        " (so that a GET after it reads it), waiting at most this long (0 = do not wait)",
+    )
     row_cache_nodes: int = Field(
         20_000, ge=1, le=1_000_000,
         description="nodes whose rendered GPU rows the REST process keeps for the list endpoints"

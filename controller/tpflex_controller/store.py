@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 from google.protobuf.message import Message
 from tpflex_proto import codec, keys, planstore, types_pb2
@@ -28,6 +28,16 @@ def decode_or_skip(cls: type[M], kv: KeyValue) -> M | None:
     except codec.MalformedValue as exc:
         log.warning("skipping malformed etcd value key=%s error=%s", kv.key, exc)
         return None
+
+
+class Updated(NamedTuple, Generic[M]):
+    """What :meth:`Store.update` did: the value before and after, and the etcd revision
+    that holds ``new`` (the write's; the key's mod revision when nothing was written; 0 for
+    a key that stays absent). A reader waits for ``revision`` to read its own write."""
+
+    old: M | None
+    new: M | None
+    revision: int
 
 
 class UpdateConflict(Exception):
@@ -127,10 +137,11 @@ class Store:
         return kv.mod_revision if kv is not None else 0
 
     def write_spec(self, job: str, spec: types_pb2.JobSpec | None, *, spec_revision: int,
-                   guard_revision: int) -> bool:
+                   guard_revision: int) -> int:
         """Store (or with None delete, with its override and acks) a job spec, only if
         neither the spec key nor the spec guard moved since they were read at the given
-        mod revisions (0 = absent). False when one did (nothing written)."""
+        mod revisions (0 = absent). The write's revision; 0 when a key moved (nothing
+        written)."""
         key = keys.job_spec(job)
         compare = [_unchanged(key, spec_revision), _unchanged(keys.SPEC_GUARD, guard_revision)]
         if spec is not None:
@@ -138,7 +149,8 @@ class Store:
         else:
             ops = [Op.delete(key), Op.delete_prefix(keys.job_acks(job)), Op.delete(keys.job_override(job))]
         ops.append(Op.put(keys.SPEC_GUARD, job.encode()))
-        return self.etcd.txn(compare, ops).succeeded
+        done = self.etcd.txn(compare, ops)
+        return done.revision if done.succeeded else 0
 
     def plan(self, job: str) -> types_pb2.Plan | None:
         return self._plans(job)[0]
@@ -190,22 +202,24 @@ class Store:
 
     def update(
         self, key: str, cls: type[M], change: Callable[[M | None], M | None], attempts: int = 8
-    ) -> tuple[M | None, M | None]:
+    ) -> Updated[M]:
         """Read-modify-write of one key, atomic: ``change`` gets the stored value (None
         when absent or unreadable) and returns the one to store (None = delete; the very
         object it was given = leave the key as it is). The write compares the key's mod
-        revision with the one read, and is retried on a lost race. Returns (old, new) of
-        the write that won; :class:`UpdateConflict` after ``attempts`` lost races."""
+        revision with the one read, and is retried on a lost race. Returns (old, new,
+        revision) of the write that won (:class:`Updated`); :class:`UpdateConflict` after
+        ``attempts`` lost races."""
         for _ in range(attempts):
             kv = self.etcd.get(key)
             old = decode_or_skip(cls, kv) if kv is not None else None
             new = change(old)
             if new is old:
-                return old, old
+                return Updated(old, old, kv.mod_revision if kv is not None else 0)
             guard = _unchanged(key, kv.mod_revision if kv is not None else 0)
             op = Op.put(key, codec.encode(new)) if new is not None else Op.delete(key)
-            if self.etcd.txn([guard], [op]).succeeded:
-                return old, new
+            done = self.etcd.txn([guard], [op])
+            if done.succeeded:
+                return Updated(old, new, done.revision)
         raise UpdateConflict(f"{key} was changed concurrently {attempts} times in a row; retry")
 
     def put_rack(self, rack: types_pb2.Rack) -> int:

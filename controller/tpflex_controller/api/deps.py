@@ -9,6 +9,7 @@ set, in which case they accept either scope.
 from __future__ import annotations
 
 import hmac
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from tpflex_controller.steps import StepStats
 from tpflex_controller.store import Store
 
 Clock = Callable[[], float]
+log = logging.getLogger(__name__)
 
 
 class TokenFileError(ValueError):
@@ -103,6 +105,7 @@ class ApiDeps:
     max_body_bytes: int = 1 << 20  # a longer request body is refused (413) unread
     max_bodies: int = 8  # request bodies read at once (memory bound: max_bodies x max_body_bytes)
     body_timeout_s: float = 10.0  # a body must arrive within this (408 otherwise)
+    read_your_writes_s: float = 5.0  # a write answers once ``state`` holds it (api/deps.settle)
     response_cache_entries: int = 1024  # rendered GET responses kept (api/respcache.py); 0 = off
     response_cache_bytes: int = 64 << 20  # and at most this many bytes of their bodies
     response_stats: dict[str, int] = field(default_factory=dict)  # the cache's counts (tests)
@@ -116,6 +119,18 @@ class ApiDeps:
         if self.state is None:
             self.state = EtcdState(self.store)
         return self.state
+
+    def settle(self, revision: int) -> None:
+        """Read-your-writes: return once the read view holds etcd ``revision`` (a write
+        this request made), so that a client's next GET sees it; at most
+        ``read_your_writes_s``. A view still behind then is logged, not an error: the
+        write is in etcd and the view follows. Blocks: call from a sync route (a worker
+        thread), never on the event loop."""
+        if revision <= 0 or self.read_your_writes_s <= 0:
+            return
+        if not self.reads.wait_revision(revision, self.read_your_writes_s):
+            log.warning("the API's view did not reach a write's revision in time revision=%d "
+                        "waited_s=%.1f", revision, self.read_your_writes_s)
 
 
 async def get_deps(request: Request) -> ApiDeps:

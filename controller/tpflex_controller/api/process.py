@@ -134,7 +134,7 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
         state=cache, max_in_flight=r.max_in_flight, busy_wait_s=r.busy_wait_s,
         max_body_bytes=r.max_body_bytes, max_bodies=r.max_concurrent_bodies,
         body_timeout_s=r.body_timeout_s, response_cache_entries=r.response_cache_entries,
-        response_cache_bytes=r.response_cache_mb << 20,
+        response_cache_bytes=r.response_cache_mb << 20, read_your_writes_s=r.read_your_writes_s,
         metrics_prefix=link.metrics_text,  # the controller's metrics, read at scrape time
     )
     registry.register(ResponseCacheCollector(deps.response_stats))

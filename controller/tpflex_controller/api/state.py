@@ -24,6 +24,7 @@ from tpflex_controller.store import Snapshot, Store
 
 class ApiState(Protocol):
     def revision(self) -> int: ...
+    def wait_revision(self, revision: int, timeout: float) -> bool: ...
     def leader(self) -> types_pb2.LeaderRecord | None: ...
     def cluster(self) -> Snapshot: ...
     def node_cluster(self, node: str) -> tuple[Snapshot, str] | None: ...
@@ -61,6 +62,9 @@ class EtcdState:
 
     def revision(self) -> int:
         return self.store.etcd.status().header.revision
+
+    def wait_revision(self, revision: int, timeout: float) -> bool:
+        return True  # every read goes to etcd: it already holds any write that answered
 
     def leader(self) -> types_pb2.LeaderRecord | None:
         """None when no leader key exists; an unreadable one still means a leader."""

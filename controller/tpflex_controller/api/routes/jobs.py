@@ -85,9 +85,11 @@ def change_spec(job: JobName, body: s.JobSpecRequest, deps: Deps, _: Admin) -> s
             raise not_found(f"job {job!r} not found (a new job is registered by its trainers)")
         spec = spec_from_request(job, body, old.created_at)
         if not spec_difference(old, spec):
+            deps.settle(kv.mod_revision)  # what the client reads next is the stored spec
             return s.SpecChangeResult(job=job, changed=False)
         _checked(spec, deps)
-        if deps.store.write_spec(job, spec, spec_revision=kv.mod_revision, guard_revision=guard):
+        if revision := deps.store.write_spec(job, spec, spec_revision=kv.mod_revision, guard_revision=guard):
+            deps.settle(revision)
             return s.SpecChangeResult(job=job, changed=True)
     raise ApiError(ErrorCode.CONFLICT, f"job specs kept changing while job {job!r} was checked; retry")
 
@@ -102,7 +104,8 @@ def delete_job(job: JobName, deps: Deps, _: Admin) -> s.JobDeleted:
         kv = deps.etcd.get(keys.job_spec(job))
         if kv is None:
             raise not_found(f"job {job!r} not found")
-        if deps.store.write_spec(job, None, spec_revision=kv.mod_revision, guard_revision=guard):
+        if revision := deps.store.write_spec(job, None, spec_revision=kv.mod_revision, guard_revision=guard):
+            deps.settle(revision)
             return s.JobDeleted(job=job)
     raise ApiError(ErrorCode.CONFLICT, f"job specs kept changing while job {job!r} was deleted; retry")
 
@@ -143,10 +146,11 @@ def reconfigure(job: JobName, body: s.ReconfigureRequest, deps: Deps, _: Admin) 
     snap = deps.reads.cluster()
     model = planner_job(spec, snap)
     pins = check_pins(model, ((p.replica, p.tp_degree) for p in body.pins), convert.cluster_state(snap))
-    _, new = deps.store.update(
+    _, new, revision = deps.store.update(
         keys.job_override(job), types_pb2.JobOverride,
         lambda old: merged_override(job, None if body.clear else old, pins, body, deps.clock()),
     )
+    deps.settle(revision)
     return s.ReconfigureResult(override=views.override_view(new))
 
 

@@ -113,7 +113,8 @@ def drain_gpu(node: NodeName, index: GpuIndex, body: s.DrainRequest, deps: Deps,
             power_cap_w=old.power_cap_w if old else 0.0, at=at,
         )
 
-    old, _ = deps.store.update(keys.gpu_override(node, index), types_pb2.GpuOverride, drained)
+    old, _, revision = deps.store.update(keys.gpu_override(node, index), types_pb2.GpuOverride, drained)
+    deps.settle(revision)
     changed = not (old and old.drained)  # only the request that moved the GPU says so
     return s.DrainResult(node=node, index=index, drained=True, changed=changed, reason=body.reason)
 
@@ -133,7 +134,8 @@ def undrain_gpu(node: NodeName, index: GpuIndex, deps: Deps, _: Admin) -> s.Drai
             return types_pb2.GpuOverride(gpu=old.gpu, power_cap_w=old.power_cap_w, at=at)
         return None
 
-    old, _ = deps.store.update(keys.gpu_override(node, index), types_pb2.GpuOverride, undrained)
+    old, _, revision = deps.store.update(keys.gpu_override(node, index), types_pb2.GpuOverride, undrained)
+    deps.settle(revision)
     changed = bool(old and old.drained)
     return s.DrainResult(node=node, index=index, drained=False, changed=changed)
 
