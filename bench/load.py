@@ -233,7 +233,13 @@ def _seed(etcd: Etcd, nodes: int) -> tuple[list[types_pb2.Rack], dict[str, types
     return racks, jobs
 
 
-def _start_controller(endpoints: list[str], workdir: Path, rest_nice: int = 0) -> tuple[subprocess.Popen, str]:
+def _default_rest_nice() -> int:
+    from tpflex_controller.settings import RestSection
+
+    return RestSection.model_fields["nice"].default
+
+
+def _start_controller(endpoints: list[str], workdir: Path, rest_nice: int | None = None) -> tuple[subprocess.Popen, str]:
     rest_port, trainer_port = free_ports(2)
     # the controller's settings are the bench's; debug switches pass (TPFLEX_DEBUG_*, and
     # TPFLEX_MEMTRACE_FRAMES: tracemalloc in the controller, a way to make it lag)
@@ -241,7 +247,8 @@ def _start_controller(endpoints: list[str], workdir: Path, rest_nice: int = 0) -
            if not k.startswith("TPFLEX_") or k.startswith("TPFLEX_DEBUG_") or k == "TPFLEX_MEMTRACE_FRAMES"}
     env["TPFLEX_CONTROLLER__FLAP_HOLD_DOWN_S"] = "0"  # every change is a decision to check
     env["TPFLEX_CONTROLLER__LOG_LEVEL"] = "WARNING"
-    env["TPFLEX_REST__NICE"] = str(rest_nice)
+    if rest_nice is not None:  # else the controller's default (rest.nice)
+        env["TPFLEX_REST__NICE"] = str(rest_nice)
     log = open(workdir / "controller.log", "wb")
     proc = subprocess.Popen(
         [str(Path(sys.executable).parent / "tpflex-controller"), "--name", "load",
@@ -604,7 +611,7 @@ def _run(args, workdir: Path) -> dict:
             "rest_healthz_saturated_rps": healthz.get("achieved_rps", -1.0),
             "controller_cpu_s_during_rest_load": round(rest.get("cpu_s", -1.0), 1),
             "rest_process_cpu_s_during_rest_load": round(rest.get("rest_cpu_s", -1.0), 1),
-            "rest_process": rest_pid is not None, "rest_nice": args.rest_nice,
+            "rest_process": rest_pid is not None, "rest_nice": args.rest_nice if args.rest_nice is not None else _default_rest_nice(),
             "rest_cache_hit_ratio": _hit_ratio(rest.get("cache", {})),
             "rest_rss_start_mb": rest_rss["start"], "rest_rss_after_warmup_mb": rest_rss.get("warm", -1.0),
             "rest_rss_end_mb": rest_rss["end"],
@@ -642,8 +649,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="how long the paced REST load runs (default: 40%% of the injection, at most 120 s)")
     p.add_argument("--rest-processes", type=int, default=1, help="processes of the REST load generator")
     p.add_argument("--rest-requests", type=int, default=5, help="saturation run: GETs per REST client")
-    p.add_argument("--rest-nice", type=int, default=0, choices=range(20), metavar="0..19",
-                   help="the controller's rest.nice (niceness of its REST process)")
+    p.add_argument("--rest-nice", type=int, default=None, choices=range(20), metavar="0..19",
+                   help="the controller's rest.nice (niceness of its REST process; default: the"
+                   " controller's default)")
     p.add_argument("--seed", type=int, default=8)
     args = p.parse_args(argv)
     if args.rest_seconds is None:

@@ -107,6 +107,7 @@ class Reconciler:
         # folded already (ClusterView.record_commit) and skipped
         self._own_revs: set[int] = set()
         self._power_seen: dict[str, NodePower] = {}  # gauges set when idle
+        self._racks_seen: set[str] = set()  # racks whose healthy-GPU gauge is due (when idle)
         self._ranks: dict[str, tuple[PlanResult, int]] = {}  # job -> its last plan's ranks
         self._thread = threading.Thread(target=self._run, name="reconcile", daemon=True)
 
@@ -152,6 +153,8 @@ class Reconciler:
                     self._flush_events()
             if self._power_seen and self._inbox.empty():
                 self._flush_power_metrics()
+            if self._racks_seen and self._inbox.empty():
+                self._flush_rack_metrics()
             if self._freeze_after_pass and not len(self._queue):
                 self._freeze_after_pass = False
                 gc.freeze()  # the long-lived state (view, memoised plans) leaves the GC's scans
@@ -282,11 +285,7 @@ class Reconciler:
             for job, cause in self.view.fold_change(ev):
                 self._mark(job, cause, at, ev.mod_revision)
             self._after_fold(ev, racks, acked)
-        for rack in racks:
-            if rack in self.view.racks:
-                self.metrics.rack_healthy_gpus.labels(rack=rack).set(self.view.healthy_gpus(rack))
-            else:  # a deleted rack's series goes with it
-                self.metrics.rack_gone(rack)
+        self._racks_seen.update(racks)  # gauges set when idle, off the decision's path
         for job, ranks in acked.items():
             r = self._rollouts.acks_seen(job, self.view.acks.get(job, {}), ranks, at)
             if r is not None:
@@ -468,6 +467,16 @@ class Reconciler:
         count = rank_count(result) if prev is None else rank_count_since(prev[0], prev[1], result)
         self._ranks[job] = (result, count)
         return count
+
+    def _flush_rack_metrics(self) -> None:
+        """The healthy-GPU gauges of the racks whose GPUs or nodes changed (off the
+        decision's path: a rack's count walks its GPUs, 72 in an NVL72)."""
+        seen, self._racks_seen = self._racks_seen, set()
+        for rack in seen:
+            if rack in self.view.racks:
+                self.metrics.rack_healthy_gpus.labels(rack=rack).set(self.view.healthy_gpus(rack))
+            else:  # a deleted rack's series goes with it
+                self.metrics.rack_gone(rack)
 
     def _flush_power_metrics(self) -> None:
         """The cap gauges of the nodes whose power plans this process wrote (off the

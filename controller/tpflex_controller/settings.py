@@ -100,9 +100,9 @@ class RestSection(_Listener):
         64, ge=1, le=65_536, description="at most this many MiB of cached response bodies",
     )
     nice: int = Field(
-        0, ge=0, le=19,
+        10, ge=0, le=19,
         description="niceness added to the REST process (os.nice): under CPU contention the"
-        " decision loop's process is scheduled first",
+        " decision loop's process is scheduled first (0 = the controller's own priority)",
     )
 
     @model_validator(mode="after")
