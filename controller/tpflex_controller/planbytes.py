@@ -148,17 +148,7 @@ def apply_request_wire(node: str, generation: int, caps: Iterable[tuple[int, flo
 
 
 def _cap_bodies(node: str, caps: Iterable[tuple[int, float]]) -> list[bytes] | None:
-    """Each cap's PowerCap fields (GpuRef, cap_w); None where protobuf must build them.
-    The last few nodes' are kept (``_BODIES``): a commit writes a node's plan to etcd and
-    then sends the same caps to its agent."""
-    key = (node, caps) if type(caps) is tuple else None
-    if key is not None:
-        try:
-            hit = _BODIES.get(key)
-        except TypeError:  # an unhashable item: not kept, written out (or refused) below
-            hit = key = None
-        if hit is not None:
-            return hit
+    """Each cap's PowerCap fields (GpuRef, cap_w); None where protobuf must build them."""
     name = node.encode()
     head = b"\x0a" + _varint(len(name)) + name if name else b""
     out = []
@@ -171,16 +161,7 @@ def _cap_bodies(node: str, caps: Iterable[tuple[int, float]]) -> list[bytes] | N
         if w is None:
             w = packed[watts] = _DOUBLE.pack(watts)
         out.append(b"\x0a" + _varint(len(ref)) + ref + b"\x11" + w)
-    if key is not None:
-        if len(_BODIES) >= _MAX_BODIES:
-            _BODIES.clear()
-        _BODIES[key] = out
     return out
-
-
-# (node, caps) -> _cap_bodies: a plain dict, safe to share between threads under the GIL
-_BODIES: dict[tuple[str, tuple], list[bytes]] = {}
-_MAX_BODIES = 256
 
 
 def _u32(*values: int) -> bool:
@@ -466,6 +447,34 @@ class PlanEncoder:
             if data is not None:
                 table[gpu[1]] = data
         return data
+
+    def power_wire(self, node: str, generation: int, caps: tuple[tuple[int, float], ...]) -> bytes:
+        """``power_plan_wire(node, generation, caps)`` (a node's ``power/<node>`` value),
+        each cap's GPU part taken from the cap prefixes kept here: the commit that boosts a
+        rack has just written the same GPUs' caps into the replica's part (a cap's
+        ``PowerCap`` bytes are the same in a Plan and a NodePowerPlan, under another tag)."""
+        if not (node and 0 <= generation < 1 << 64):
+            return power_plan_wire(node, generation, caps)
+        table = self._node_prefixes(node)
+        heads = []
+        for index, watts in caps:
+            if not (type(index) is int and 0 <= index < 1 << 32) or watts == 0 or type(watts) not in (float, int):
+                return power_plan_wire(node, generation, caps)
+            p = table.get(index)
+            if p is None:
+                p = table[index] = cap_prefix((node, index))
+            heads.append(p)
+        name = node.encode()
+        out = b"\x0a" + _varint(len(name)) + name
+        if generation:
+            out += b"\x10" + _varint(generation)
+        if not heads:
+            return out
+        first = caps[0][1]
+        if all(w == first for _, w in caps):  # a boosted node: one watts for all its GPUs
+            w = _DOUBLE.pack(first)
+            return out + (w + b"\x1a").join([p[1:] for p in heads]).join((b"\x1a", w))
+        return out + b"".join([b"\x1a" + p[1:] + _DOUBLE.pack(c[1]) for p, c in zip(heads, caps, strict=True)])
 
     def _node_prefixes(self, node: str) -> dict[int, bytes]:
         table = self._caps.get(node)

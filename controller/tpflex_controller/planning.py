@@ -119,7 +119,8 @@ def build_commit(
         prev_plan_mod_revision=p.prev.mod_revision if p.prev is not None else 0,
         parts=changed,
         all_parts=parts,
-        power={n: (np.wire(n), view.power.get(n, (None, 0))[1]) for n, np in power.items()},
+        power={n: (encoder.power_wire(n, np.generation, np.caps), view.power.get(n, (None, 0))[1])
+               for n, np in power.items()},
         event_seq=seq,
         event_bytes=codec.encode(event),
         trim_event_seq=trim,

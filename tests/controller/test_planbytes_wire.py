@@ -84,12 +84,13 @@ def test_the_written_out_power_plans_are_protobufs_encoding(node, generation, ca
         pcs = [types_pb2.PowerCap(gpu=types_pb2.GpuRef(node=node, index=i), cap_w=w) for i, w in caps]
     except ValueError:  # protobuf refuses an index out of range: so must the writers
         pcs = None
-    # a list, then a tuple twice (a node's caps as the view keeps them: the second call
-    # and the other writer take the bodies kept from the first)
+    # a list, then a tuple twice (a node's caps as the view keeps them); the encoder's
+    # writer keeps the GPUs' cap prefixes from its first call
     forms = (caps, tuple(caps), tuple(caps))
+    encoder = PlanEncoder()  # the commit's writer: from the cap prefixes it keeps (twice: kept)
     if pcs is None:
         for form in forms:
-            for write in (power_plan_wire, apply_request_wire):
+            for write in (power_plan_wire, apply_request_wire, encoder.power_wire):
                 with pytest.raises(ValueError):
                     write(node, generation, form)
         return
@@ -97,6 +98,7 @@ def test_the_written_out_power_plans_are_protobufs_encoding(node, generation, ca
     request = agent_pb2.ApplyPowerPlanRequest(generation=generation, caps=pcs)
     for form in forms:
         assert power_plan_wire(node, generation, form) == codec.encode(plan)
+        assert encoder.power_wire(node, generation, tuple(form)) == codec.encode(plan)
         assert apply_request_wire(node, generation, form) == request.SerializeToString(deterministic=True)
         if generation + 1 < 1 << 64:  # the same caps at the next generation: the kept bodies
             later = types_pb2.NodePowerPlan(node=node, generation=generation + 1, caps=pcs)
