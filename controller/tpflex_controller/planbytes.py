@@ -126,12 +126,15 @@ def power_plan_wire(node: str, generation: int, caps: Iterable[tuple[int, float]
     if bodies is None or not 0 <= generation < 1 << 64:
         return codec.encode(types_pb2.NodePowerPlan(node=node, generation=generation, caps=[
             types_pb2.PowerCap(gpu=types_pb2.GpuRef(node=node, index=i), cap_w=w) for i, w in caps]))
+    return _power_plan_head(node, generation) + b"".join(
+        [b"\x1a" + _varint(len(body)) + body for body in bodies])
+
+
+def _power_plan_head(node: str, generation: int) -> bytes:
+    """A NodePowerPlan's fields 1-2 (node, generation), written out."""
     name = node.encode()
-    out = [b"\x0a" + _varint(len(name)) + name] if name else []
-    if generation:
-        out.append(b"\x10" + _varint(generation))
-    out.extend(b"\x1a" + _varint(len(body)) + body for body in bodies)
-    return b"".join(out)
+    out = b"\x0a" + _varint(len(name)) + name if name else b""
+    return out + b"\x10" + _varint(generation) if generation else out
 
 
 def apply_request_wire(node: str, generation: int, caps: Iterable[tuple[int, float]]) -> bytes:
@@ -464,10 +467,7 @@ class PlanEncoder:
             if p is None:
                 p = table[index] = cap_prefix((node, index))
             heads.append(p)
-        name = node.encode()
-        out = b"\x0a" + _varint(len(name)) + name
-        if generation:
-            out += b"\x10" + _varint(generation)
+        out = _power_plan_head(node, generation)
         if not heads:
             return out
         first = caps[0][1]

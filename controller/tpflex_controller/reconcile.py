@@ -272,7 +272,6 @@ class Reconciler:
         if batch.resync:  # the differences a re-list found after a compaction
             log.warning("controller folds the re-listed differences revision=%d changes=%d",
                         batch.revision, len(batch.changes))
-        racks: set[str] = set()
         acked: dict[str, set[int]] = {}
         own = self._own_revs if not batch.resync else ()
         if own:
@@ -284,8 +283,8 @@ class Reconciler:
                 self._forget_handled(ev)
             for job, cause in self.view.fold_change(ev):
                 self._mark(job, cause, at, ev.mod_revision)
-            self._after_fold(ev, racks, acked)
-        self._racks_seen.update(racks)  # gauges set when idle, off the decision's path
+            # the changed racks' gauges are set when idle, off the decision's path
+            self._after_fold(ev, self._racks_seen, acked)
         for job, ranks in acked.items():
             r = self._rollouts.acks_seen(job, self.view.acks.get(job, {}), ranks, at)
             if r is not None:
