@@ -1,8 +1,9 @@
 """Per-stage timestamps of the controller's failure->commit path (bench/controller_scale.py
 ``--stages``): wraps, in the controller process, the informer's watch callback, the loop's
-batch handler, the re-plan, the commit's build and its transaction, and the loop's work
-after the commit, and writes one JSON line per committed generation (``time.perf_counter``:
-CLOCK_MONOTONIC, comparable with the bench process's clock). Measurement only."""
+batch handler, the re-plan, the commit's build and its transaction (and the etcd client's
+call in it), and the loop's work after the commit, and writes one JSON line per committed
+generation (``time.perf_counter``: CLOCK_MONOTONIC, comparable with the bench process's
+clock). Measurement only."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 
 from tpflex_controller import planning, reconcile
 from tpflex_controller.reconcile import Reconciler
+from tpflex_proto.etcd import Etcd
 from tpflex_proto.informer import Informer
 
 _lock = threading.Lock()
@@ -81,10 +83,12 @@ def install() -> None:
         with _lock:
             _pending.setdefault("txns", []).append(
                 [round((time.perf_counter() - t0) * 1000, 2), len(compare), len(ops),
-                 sum(op.ByteSize() for op in ops)])
+                 sum(map(planning._op_size, ops))])
         return rev
 
     planning._fenced = timed_fenced
+    # the commit's transaction as the etcd client sends it (its request built)
+    _wrap(Etcd, "txn_request", "grpc", "grpc_done")
     commit = Reconciler._commit
 
     def after_commit(self, p):

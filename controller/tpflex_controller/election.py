@@ -57,6 +57,9 @@ class LeaderSession:
         self.record = record
         self.lease_id = lease_id
         self.create_revision = create_revision
+        # the fence's compare and its failure branch's read, built once (every commit has them)
+        self._fence = Cmp.create_revision(keys.LEADER, "==", create_revision)
+        self._read_leader = Op.get(keys.LEADER)
         self._on_lost = on_lost
         self._active = threading.Event()
         self._active.set()
@@ -97,8 +100,8 @@ class LeaderSession:
             raise NotLeader("leader session is not active")
         if txn.request.failure:
             raise ValueError("txn_request: the fence owns the failure branch")
-        txn.compare(Cmp.create_revision(keys.LEADER, "==", self.create_revision))
-        txn.on_failure(Op.get(keys.LEADER))
+        txn.compare(self._fence)
+        txn.on_failure(self._read_leader)
         return self._fenced_result(self.etcd.txn_request(txn))
 
     def _fenced_result(self, res: TxnResult) -> TxnResult:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from itertools import chain, repeat
 from operator import is_
@@ -61,9 +61,22 @@ def cap_prefix(gpu: GpuKey) -> bytes | None:
     node, index = gpu
     if not (node and 0 <= index < 1 << 32):
         return None
+    return _cap_prefix(_name_field(node), index)
+
+
+def _name_field(node: str) -> bytes:
+    """A GpuRef's field 1 (the node's name), written out."""
     name = node.encode()
-    ref = b"\x0a" + _varint(len(name)) + name + (b"\x10" + _varint(index) if index else b"")
-    head = b"\x0a" + _varint(len(ref)) + ref + b"\x11"
+    return b"\x0a" + _varint(len(name)) + name
+
+
+def _cap_prefix(name_field: bytes, index: int) -> bytes:
+    """``cap_prefix((node, index))`` from the node's ``_name_field`` (0 <= index < 2**32)."""
+    ref = name_field + _INDEX_FIELD[index] if index < 128 else name_field + b"\x10" + _varint(index)
+    n = len(ref)
+    if n < 0x7F - 11:  # the ref's and the cap's lengths are one byte each
+        return b"\x2a" + _ONE_BYTE[n + 11] + b"\x0a" + _ONE_BYTE[n] + ref + b"\x11"
+    head = b"\x0a" + _varint(n) + ref + b"\x11"
     return b"\x2a" + _varint(len(head) + 8) + head
 
 
@@ -187,6 +200,8 @@ def _varint(n: int) -> bytes:
 
 _DOUBLE = struct.Struct("<d")
 _ONE_BYTE = tuple(bytes((n,)) for n in range(0x80))
+# a GpuRef's field 2 (its index) for the small indices, left out for 0 (proto3's default)
+_INDEX_FIELD = (b"", *(b"\x10" + _ONE_BYTE[n] for n in range(1, 0x80)))
 
 
 class Lru:
@@ -205,6 +220,18 @@ class Lru:
         value = self._d.get(key)
         if value is not None:
             self._d.move_to_end(key)
+        return value
+
+    def setdefault(self, key: Hashable, make: Callable[[], object]):
+        """``get(key)``, or a new entry of ``make()`` (put) where there is none."""
+        d = self._d
+        value = d.get(key)
+        if value is not None:
+            d.move_to_end(key)
+            return value
+        value = d[key] = make()
+        if len(d) > self.limit:
+            d.popitem(last=False)
         return value
 
     def put(self, key: Hashable, value) -> None:
@@ -429,16 +456,17 @@ class PlanEncoder:
         w = _DOUBLE.pack(watts)
         prefixes = []
         last, table = None, {}
+        name = b""
         for gpu in gpus:  # a rack's GPUs, node by node: one look-up per node
             node, index = gpu
             if node != last:
-                last, table = node, self._node_prefixes(node)
+                last, table, name = node, self._node_prefixes(node), b""
             p = table.get(index)
             if p is None:
-                p = cap_prefix(gpu)
-                if p is None:
+                if not (node and type(index) is int and 0 <= index < 1 << 32):
                     return b"".join([cap_wire(g, watts) for g in gpus])
-                table[index] = p
+                name = name or _name_field(node)
+                p = table[index] = _cap_prefix(name, index)
             prefixes.append(p)
         return w.join(prefixes) + w
 
@@ -477,11 +505,7 @@ class PlanEncoder:
         return out + b"".join([b"\x1a" + p[1:] + _DOUBLE.pack(c[1]) for p, c in zip(heads, caps, strict=True)])
 
     def _node_prefixes(self, node: str) -> dict[int, bytes]:
-        table = self._caps.get(node)
-        if table is None:
-            table = {}
-            self._caps.put(node, table)
-        return table
+        return self._caps.setdefault(node, dict)
 
     def _replica_bytes(self, replica: ReplicaAssignment) -> bytes:
         hit = self._by_id.get(id(replica))

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain, islice
 from operator import attrgetter
-from typing import NamedTuple
 
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import Cmp, Op, TxnBuilder
@@ -168,27 +167,27 @@ def commit_plan(session: LeaderSession, c: PlanCommit) -> int:
     every node's write. Raises Conflict when the plan or a power key moved since it was
     read."""
     plan_key = keys.job_plan(c.job).encode()
-    unchanged = _ModRev(plan_key, c.prev_plan_mod_revision)
-    tail = [_Put(plan_key, c.header), _Put(keys.job_plan_history(c.job, c.generation).encode(), c.header)]
-    compare = [unchanged]
+    unchanged = (plan_key, c.prev_plan_mod_revision)
+    tail: list = [(plan_key, c.header), (keys.job_plan_history(c.job, c.generation).encode(), c.header)]
+    compare: list = [unchanged]
     # next to the header: its two puts, the event's put and two trims, the dead parts
     final, early = _power_batches(c.power, c.power_groups, room=MAX_TXN_OPS - len(tail) - 3 - len(c.trim_parts))
     for batch in early:
-        rev = _fenced(session, [unchanged, *_power_compares(c, batch)],
-                      [_Put(keys.power(n).encode(), c.power[n][0]) for n in batch], c.job)
+        rev = _fenced(session, [unchanged, *_power_compares(c, batch)], _power_puts(c, batch), c.job)
         c.power_revs.update(dict.fromkeys(batch, rev))
+    power, power_key = c.power, keys.power
     for n in final:
-        key, (value, revision) = keys.power(n).encode(), c.power[n]
-        compare.append(_ModRev(key, revision))
-        tail.append(_Put(key, value))
+        key, (value, revision) = power_key(n).encode(), power[n]
+        compare.append((key, revision))
+        tail.append((key, value))
     if c.event_seq:
-        tail.append(_Put(keys.event(c.event_seq).encode(), c.event_bytes))
+        tail.append((keys.event(c.event_seq).encode(), c.event_bytes))
     if c.trim_event_seq:
         tail.append(Op.delete(keys.event(c.trim_event_seq)))
     if c.trim_history_generation:
         tail.append(Op.delete(keys.job_plan_history(c.job, c.trim_history_generation)))
     tail.extend(Op.delete(keys.job_assign(c.job, g, i)) for g, i in c.trim_parts)
-    parts = [_Put(keys.job_assign(c.job, c.generation, i).encode(), v) for i, v in sorted(c.parts.items())]
+    parts = [(keys.job_assign(c.job, c.generation, i).encode(), v) for i, v in sorted(c.parts.items())]
     clear = [*c.clear_generations]
     fit = fits([*parts, *tail])
     if not fit:
@@ -226,41 +225,53 @@ def _power_batches(power, power_groups: list[list[str]], room: int) -> tuple[lis
     return final, early
 
 
-def _power_compares(c, nodes: list[str]) -> list:
-    return [_ModRev(keys.power(n).encode(), c.power[n][1]) for n in nodes]
+def _power_compares(c, nodes: list[str]) -> list[tuple[bytes, int]]:
+    return [(keys.power(n).encode(), c.power[n][1]) for n in nodes]
+
+
+def _power_puts(c, nodes: list[str]) -> list[tuple[bytes, bytes]]:
+    return [(keys.power(n).encode(), c.power[n][0]) for n in nodes]
+
+
+# The transactions here hold compares and operations in two forms: a plain tuple is a
+# mod-revision compare ``(key, revision)`` or a put ``(key, value)``, written into the
+# request in place (``_fenced``); anything else is a Compare or RequestOp message.
+
+# the most bytes a put's tags and length varints add to its key and value (three of each,
+# a length below 2**35 in at most five bytes)
+_PUT_OVERHEAD = 18
+
+
+def put_size(key: bytes, value: bytes) -> int:
+    """The bytes of ``Op.put(key, value)`` (a RequestOp holding a PutRequest)."""
+    k, v = len(key), len(value)
+    body = (1 + _varint_len(k) + k if k else 0) + (1 + _varint_len(v) + v if v else 0)
+    return 1 + _varint_len(body) + body
+
+
+def _op_size(op) -> int:
+    return put_size(*op) if type(op) is tuple else op.ByteSize()
 
 
 def fits(ops: list) -> bool:
-    return len(ops) <= MAX_TXN_OPS and sum(op.ByteSize() for op in ops) <= MAX_TXN_BYTES
+    """Whether ``ops`` go in one transaction (``MAX_TXN_OPS``, ``MAX_TXN_BYTES``): by an
+    upper bound of the puts' sizes first, exactly only where the bound is too much."""
+    if len(ops) > MAX_TXN_OPS:
+        return False
+    bound = 0
+    for op in ops:
+        bound += len(op[0]) + len(op[1]) + _PUT_OVERHEAD if type(op) is tuple else op.ByteSize()
+    return bound <= MAX_TXN_BYTES or sum(map(_op_size, ops)) <= MAX_TXN_BYTES
 
 
 def _chunk(ops: list) -> list:
     size, n = 0, 0
     for op in ops[:MAX_TXN_OPS // 2]:
-        size += op.ByteSize()
+        size += _op_size(op)
         if n and size > MAX_TXN_BYTES // 2:
             break
         n += 1
     return ops[:max(n, 1)]
-
-
-class _Put(NamedTuple):
-    """``Op.put(key, value)``, written into its transaction in place (``_fenced``)."""
-
-    key: bytes
-    value: bytes
-
-    def ByteSize(self) -> int:  # noqa: N802 (as the RequestOp's, for fits and _chunk)
-        k, v = len(self.key), len(self.value)
-        body = (1 + _varint_len(k) + k if k else 0) + (1 + _varint_len(v) + v if v else 0)
-        return 1 + _varint_len(body) + body
-
-
-class _ModRev(NamedTuple):
-    """``Cmp.mod_revision(key, "==", revision)``, written in place."""
-
-    key: bytes
-    revision: int
 
 
 def _varint_len(n: int) -> int:
@@ -269,16 +280,11 @@ def _varint_len(n: int) -> int:
 
 def _fenced(session: LeaderSession, compare: list, ops: list, job: str) -> int:
     txn = TxnBuilder()
+    txn.mod_revisions_are([cmp for cmp in compare if type(cmp) is tuple])
     for cmp in compare:
-        if type(cmp) is _ModRev:
-            txn.mod_revision_is(cmp.key, cmp.revision)
-        else:
+        if type(cmp) is not tuple:
             txn.compare(cmp)
-    for op in ops:
-        if type(op) is _Put:
-            txn.put(op.key, op.value)
-        else:
-            txn.op(op)
+    txn.ops(ops)
     res = session.txn_request(txn)
     if not res.succeeded:
         raise Conflict(f"plan of job {job} or its power keys changed since read")
@@ -318,24 +324,33 @@ def desired_power(
         now = {}
         changed = {g for g, w in new_caps.items() if old_caps.get(g) != w}
         changed.update(g for g in old_caps if g not in new_caps)
+    node_rack, power, racks = view.node_rack, view.power, {}  # rack name -> (TDP, indices)
     for node in sorted({g[0] for g in changed}):
-        rack = view.rack_of(node)
+        name = node_rack.get(node)
+        rack = racks.get(name)
         if rack is None:
-            continue
-        tdp = float(rack.tdp_w)
-        want = []
-        for i in view.node_gpu_indices(node):
-            g = (node, i)
-            w = now.get(g, _UNKNOWN)
-            if w is _UNKNOWN:  # not a candidate: its cap did not change
-                w = new_caps.get(g)
-            want.append((i, float(tdp if w is None else w)))
-        want = tuple(want)
-        current = view.power.get(node)
-        if current is not None:
-            if dict(current[0].caps) == dict(want):
+            info = view.racks.get(name) if name is not None else None
+            if info is None:
                 continue
-        elif all(w == tdp for _, w in want):
+            rack = racks[name] = (float(info.tdp_w), view.node_gpu_indices(node))
+        tdp, indices = rack
+        want = []
+        boosted = False
+        for i in indices:
+            w = now.get((node, i), _UNKNOWN)
+            if w is _UNKNOWN:  # not a candidate: its cap did not change
+                w = new_caps.get((node, i))
+            if w is None:
+                want.append((i, tdp))
+            else:
+                want.append((i, float(w)))
+                boosted = boosted or w != tdp
+        want = tuple(want)
+        current = power.get(node)
+        if current is not None:
+            if current[0].caps == want or dict(current[0].caps) == dict(want):
+                continue
+        elif not boosted:
             continue
         out[node] = NodePower(current[0].generation + 1 if current is not None else 1, want)
     return out
@@ -443,15 +458,13 @@ def commit_retire(session: LeaderSession, c: RetireCommit) -> int:
     """Delete the plan by compare-and-swap, its nodes' caps back to TDP; power that would
     not fit next to the deletes goes first, in fenced transactions of whole racks (as in
     ``commit_plan``). Returns the deletes' revision; raises Conflict."""
-    unchanged = _ModRev(keys.job_plan(c.job).encode(), c.plan_mod_revision)
+    unchanged = (keys.job_plan(c.job).encode(), c.plan_mod_revision)
     ops = [Op.delete(keys.job_plan(c.job)), Op.delete_prefix(keys.job_plan_histories(c.job)),
            Op.delete_prefix(keys.job_assigns(c.job))]
     final, early = _power_batches(c.power, c.power_groups, room=MAX_TXN_OPS - len(ops))
     for batch in early:
-        rev = _fenced(session, [unchanged, *_power_compares(c, batch)],
-                      [_Put(keys.power(n).encode(), c.power[n][0]) for n in batch], c.job)
+        rev = _fenced(session, [unchanged, *_power_compares(c, batch)], _power_puts(c, batch), c.job)
         c.power_revs.update(dict.fromkeys(batch, rev))
-    rev = _fenced(session, [unchanged, *_power_compares(c, final)],
-                  [*ops, *(_Put(keys.power(n).encode(), c.power[n][0]) for n in final)], c.job)
+    rev = _fenced(session, [unchanged, *_power_compares(c, final)], [*ops, *_power_puts(c, final)], c.job)
     c.power_revs.update(dict.fromkeys(final, rev))
     return rev

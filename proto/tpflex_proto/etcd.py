@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -175,6 +175,15 @@ class TxnBuilder:
     def compare(self, cmp: etcdrpc.Compare) -> None:
         self.request.compare.append(cmp)
 
+    def mod_revisions_are(self, pairs: Iterable[tuple[bytes, int]]) -> None:
+        """``mod_revision_is(key, revision)`` for each pair, in order."""
+        add, mod = self.request.compare.add, etcdrpc.Compare.MOD
+        for key, revision in pairs:
+            c = add()
+            c.key = key
+            c.target = mod
+            c.mod_revision = revision
+
     def put(self, key: bytes, value: bytes) -> None:
         """``Op.put(key, value)``."""
         p = self.request.success.add().request_put
@@ -183,6 +192,18 @@ class TxnBuilder:
 
     def op(self, op: etcdrpc.RequestOp) -> None:
         self.request.success.append(op)
+
+    def ops(self, ops: Iterable[tuple[bytes, bytes] | etcdrpc.RequestOp]) -> None:
+        """Each of ``ops`` in order: a ``(key, value)`` pair is ``put(key, value)``, a
+        RequestOp goes in as it is."""
+        success = self.request.success
+        add, append = success.add, success.append
+        for op in ops:
+            if type(op) is tuple:
+                p = add().request_put
+                p.key, p.value = op
+            else:
+                append(op)
 
     def on_failure(self, op: etcdrpc.RequestOp) -> None:
         self.request.failure.append(op)

@@ -111,8 +111,11 @@ def test_event_reasons_are_the_added_then_the_resolved_ones_bounded():
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=300), st.binary(max_size=20_000))
 def test_a_put_written_in_place_counts_the_bytes_of_its_message(key, value):
-    """commit_plan sizes its transactions (fits, _chunk) by these counts."""
-    from tpflex_controller.planning import _Put
+    """commit_plan sizes its transactions (fits, _chunk) by these counts, and by a bound
+    that is never below them."""
+    from tpflex_controller.planning import _PUT_OVERHEAD, put_size
     from tpflex_proto.etcd import Op
 
-    assert _Put(key, value).ByteSize() == Op.put(key, value).ByteSize()
+    size = Op.put(key, value).ByteSize()
+    assert put_size(key, value) == size
+    assert size <= len(key) + len(value) + _PUT_OVERHEAD

@@ -31,6 +31,18 @@ def test_lru_drops_the_least_recently_used_entry():
         Lru(0)
 
 
+def test_lru_setdefault_keeps_an_entry_or_makes_one():
+    lru = Lru(2)
+    first = lru.setdefault("a", dict)
+    first[1] = b"x"
+    assert lru.setdefault("a", dict) is first  # kept, and now the newest
+    lru.put("b", {})
+    assert lru.setdefault("a", dict) is first  # refreshed: "b" is the oldest
+    made = lru.setdefault("c", dict)
+    assert made == {} and made is not first
+    assert (lru.get("b"), lru.get("a"), len(lru)) == (None, first, 2)
+
+
 def _marked(mark: str) -> int:
     return sum(1 for o in gc.get_objects() if type(o) is ReplicaAssignment and o.reason.startswith(mark))
 

@@ -42,3 +42,16 @@ def test_a_transaction_built_in_place_is_the_one_built_from_messages(steps):
     want = etcdrpc.TxnRequest(compare=compare, success=success, failure=[Op.get(b"/leader")])
     assert txn.request.SerializeToString(deterministic=True) == want.SerializeToString(deterministic=True)
     assert txn.request == want
+
+    # the bulk forms: mod-revision compares from pairs, puts from (key, value) pairs
+    # among messages, in order
+    bulk = TxnBuilder()
+    bulk.mod_revisions_are([(s[1], s[2]) for s in steps if s[0] == "mod"])
+    for s in steps:
+        if s[0] == "absent":
+            bulk.compare(Cmp.prefix_absent(s[1]))
+    bulk.ops([(s[1], s[2]) if s[0] == "put" else Op.delete(s[1]) for s in steps if s[0] in ("put", "delete")])
+    bulk.on_failure(Op.get(b"/leader"))
+    mods = [Cmp.mod_revision(s[1], "==", s[2]) for s in steps if s[0] == "mod"]
+    absent = [Cmp.prefix_absent(s[1]) for s in steps if s[0] == "absent"]
+    assert bulk.request == etcdrpc.TxnRequest(compare=[*mods, *absent], success=success, failure=[Op.get(b"/leader")])
