@@ -19,10 +19,18 @@ Prints one JSON line:
 - ``max_txn_bytes``: the most bytes (keys + values put, keys deleted) one etcd revision
   carried, as an independent watcher on ``/tpflex/v1/`` sees it when it replays etcd's
   history after the timed runs, from the job's first plan (staged: its parts in several
-  transactions) through every failure; a lower bound of the
-  request size, which etcd itself caps at 1,572,864 (a larger one fails the commit).
+  transactions) through every failure, the 1% written at once and their plan; a lower
+  bound of the request size, which etcd itself caps at 1,572,864 (a larger one fails the
+  commit).
 - ``etcd_put_p50_ms``: a bare etcd put round trip of a health-sized value, same run.
 - ``commit_vs_etcd_put_ratio``: failure_to_commit_p50_ms / etcd_put_p50_ms.
+- ``failure_to_commit_p50_ms_1pct_failed`` / ``_p99_ms_1pct_failed``: the same measure in a
+  cluster that already has 1% of its GPUs failed (``prefailed_gpus``, one on each of as
+  many random nodes, as ``full_replan_ms`` plans): the controller is stopped, their
+  health records written, a fresh controller started (it loads the view and commits
+  their plan), then ``FAILURES`` more failures on other racks, one at a time. What a
+  failure costs here beyond the clean cluster is the work that grows with the cluster's
+  failed GPUs rather than with the change.
 Goals (issue 2): p99 failure->commit <= 100 ms, full re-plan <= 50 ms.
 """
 
@@ -50,7 +58,7 @@ from tpflex_controller.planner import plan
 from tpflex_controller.planner.model import ClusterState, GpuStatus
 from tpflex_controller.reconcile import Reconciler
 from tpflex_proto import codec, keys, types_pb2
-from tpflex_proto.etcd import Etcd
+from tpflex_proto.etcd import Etcd, Op
 
 from tests.support.etcd_server import EtcdCluster
 
@@ -186,7 +194,7 @@ def _failure_to_commit(etcd: Etcd, racks, rng: random.Random, arrivals: _PlanArr
         gen += 1
         seen = arrivals.wait(gen)
         samples.append((seen - t0) * 1000)
-        marks[gen] = {"t0": t0, "put_returned": put_done, "bench_saw_plan": seen}
+        marks[gen] = {"t0": t0, "put_returned": put_done, "bench_saw_plan": seen, "rack": r.name}
     return samples
 
 
@@ -197,12 +205,38 @@ def _print_stages(path: str, marks: dict[int, dict[str, float]]) -> None:
     rows = controller_stages.load(path)
     at: dict[str, list[float]] = {}
     for gen, m in marks.items():
-        row = {**rows.get(gen, {}), **m}
+        row = {**rows.get(gen, {}), **{k: v for k, v in m.items() if k != "rack"}}
         for name, t in row.items():
             at.setdefault(name, []).append((t - m["t0"]) * 1000)
     order = sorted(at, key=lambda n: statistics.median(at[n]))
     print("# stages_ms_p50 " + " ".join(f"{n}={statistics.median(at[n]):.2f}" for n in order),
           file=sys.stderr)
+
+
+def _prefail(etcd: Etcd, racks, rng: random.Random) -> tuple[int, set[str]]:
+    """1% of the GPUs failed, one on each of as many random nodes, written in batches of
+    etcd's default 128 operations; returns their count and their racks."""
+    nodes = rng.sample([(r.name, n) for r in racks for n in r.nodes], len(racks) * TP // 100)
+    ops = [Op.put(keys.health(n), codec.encode(synthetic.failed_health(n, GPUS_PER_NODE, {rng.randrange(GPUS_PER_NODE)})))
+           for _, n in nodes]
+    for i in range(0, len(ops), 128):
+        etcd.txn([], ops[i:i + 128])
+    return len(nodes), {r for r, _ in nodes}
+
+
+def _settled(arrivals: _PlanArrivals, quiet_s: float = 1.0, timeout: float = 600.0) -> None:
+    """Until no new plan generation has arrived for ``quiet_s`` (a restarted controller's
+    first commits), so that the timed failures count generations from a still plan."""
+    deadline = time.monotonic() + timeout
+    last = -1
+    while arrivals.latest != last:
+        last = arrivals.latest
+        try:
+            arrivals.wait(last + 1, timeout=quiet_s)
+        except TimeoutError:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError("the controller kept committing plans")
 
 
 def _put_p50_ms(etcd: Etcd) -> float:
@@ -246,11 +280,11 @@ def _start_controller(endpoints: list[str], stages: str | None) -> subprocess.Po
     )
 
 
-def _wait_initial_plan(arrivals: _PlanArrivals, proc: subprocess.Popen, timeout: float) -> None:
+def _wait_initial_plan(arrivals: _PlanArrivals, proc: subprocess.Popen, timeout: float, generation: int = 1) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            arrivals.wait(1, timeout=1.0)
+            arrivals.wait(generation, timeout=1.0)
             return
         except TimeoutError:
             if proc.poll() is not None:
@@ -310,6 +344,15 @@ def main(argv: list[str] | None = None) -> int:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(30)
             put_p50 = statistics.median([put_p50, _put_p50_ms(etcd)])
+            _stop_controller(controller)
+            prefailed, touched = _prefail(etcd, racks, rng)
+            controller = _start_controller(cluster.endpoints, None)
+            _wait_initial_plan(arrivals, controller, timeout=600, generation=arrivals.latest + 1)
+            _settled(arrivals)
+            print(f"# {prefailed} GPUs failed, plan committed", file=sys.stderr)
+            failed_before = {m["rack"] for m in marks.values()}
+            clean = [r for r in racks if r.name not in touched and r.name not in failed_before]
+            samples_1pct = _failure_to_commit(etcd, clean, rng, arrivals, {})
             sizes = _TxnSizes(etcd, seeded_revision, arrivals.revision)
         finally:
             _stop_controller(controller)
@@ -332,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         "full_replan_failed_gpus": replan_failed,
         "max_txn_bytes": max(sizes.by_rev.values()),
         "max_txn_bytes_limit": 1_572_864,
+        "failure_to_commit_p50_ms_1pct_failed": round(statistics.median(samples_1pct), 2),
+        "failure_to_commit_p99_ms_1pct_failed": round(_pct(samples_1pct, 0.99), 2),
+        "prefailed_gpus": prefailed,
     }))
     return 0
 

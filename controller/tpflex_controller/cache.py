@@ -117,6 +117,8 @@ class ClusterView:
         self.gpu_status: dict[GpuKey, GpuStatus] = {}
         self.gpu_speed: dict[GpuKey, float] = {}
         self.power_pins: dict[GpuKey, float] = {}
+        # node -> its GPUs in any of the three above (ClusterState.touched_by_node)
+        self.touched_by_node: dict[str, set[GpuKey]] = {}
         self._health_status: dict[GpuKey, GpuStatus] = {}
         self._node_health_keys: dict[str, set[GpuKey]] = {}
         self._drained: set[GpuKey] = set()
@@ -134,6 +136,7 @@ class ClusterView:
             power_pins=self.power_pins,
             node_racks=self.node_rack,  # the planner's indexes (ClusterState), kept below
             down_nodes=self.down_nodes,
+            touched_by_node=self.touched_by_node,
         )
         self.damper: FlapDamper | None = None  # hold-down of recovered GPUs (damping.py)
         # newest revision folded per key: after a re-read, a lagging watch replays events
@@ -361,6 +364,8 @@ class ClusterView:
         return dirty
 
     def _merge_status(self, gpu: GpuKey) -> None:
+        """A GPU's status from its health and drain; also keeps ``touched_by_node`` (every
+        change of the GPU's status, speed or pin ends here)."""
         health = self._health_status.get(gpu)
         if health is GpuStatus.FAILED:
             self.gpu_status[gpu] = health
@@ -368,6 +373,17 @@ class ClusterView:
             self.gpu_status[gpu] = GpuStatus.DRAINED
         else:
             _set(self.gpu_status, gpu, health)
+        node = gpu[0]
+        held = self.touched_by_node.get(node)
+        if gpu in self.gpu_status or gpu in self.gpu_speed or gpu in self.power_pins:
+            if held is None:
+                self.touched_by_node[node] = {gpu}
+            else:
+                held.add(gpu)
+        elif held is not None:
+            held.discard(gpu)
+            if not held:
+                del self.touched_by_node[node]
 
     def _fold_node(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
         node = sys.intern(k.name)  # the racks' GPU keys hold the same objects (convert)
@@ -403,7 +419,7 @@ class ClusterView:
             for n in info.nodes:
                 if self.node_rack.get(n, name) != name and not self._node_listed_twice:
                     self._node_listed_twice = True
-                    self.state = replace(self.state, node_racks=None, down_nodes=None)
+                    self.state = replace(self.state, node_racks=None, down_nodes=None, touched_by_node=None)
                 self.node_rack[n] = name
                 if n not in self.live_nodes:
                     self.down_nodes.add(n)

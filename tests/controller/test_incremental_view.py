@@ -12,7 +12,7 @@ from tpflex_controller import synthetic
 from tpflex_controller.cache import ClusterView
 from tpflex_controller.planner import plan
 from tpflex_controller.planner.incremental import plan_job, replan
-from tpflex_proto import codec, keys
+from tpflex_proto import codec, keys, types_pb2
 
 RACKS = [synthetic.rack(f"r{i}", 3, 2, budget_factor=1.05) for i in range(4)]
 NODES = [n for r in RACKS for n in r.nodes]
@@ -86,3 +86,54 @@ def test_cap_parts_shortcuts_equal_the_whole_caps(batches):
         same = (old.policy, old.replicas, old.power_caps, old.suspended_pins) == (
             new.policy, new.replicas, new.power_caps, new.suspended_pins)
         assert new.same_decision(old) == same
+
+
+overrides = st.tuples(st.sampled_from(["slow", "drain", "undrain", "pin", "unpin"]), st.sampled_from(NODES),
+                      st.sets(st.integers(0, 1)))
+
+
+def _touched(view: ClusterView) -> dict[str, set]:
+    out: dict[str, set] = {}
+    for g in [*view.gpu_status, *view.gpu_speed, *view.power_pins]:
+        out.setdefault(g[0], set()).add(g)
+    return out
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.one_of(events, overrides), min_size=1, max_size=14))
+def test_a_lazy_survey_plans_as_the_eager_one(sequence):
+    """The view's per-node index of touched GPUs (failed, slow, drained, pinned) stays
+    equal to its definition, and with it a lazy survey (an incremental re-plan's) plans
+    every replica, and each one alone, as the survey that indexes them all first."""
+    from tpflex_controller.planner.planner import context, plan_replicas
+
+    view = _view()
+    for rev, (kind, node, gpus) in enumerate(sequence, start=10):
+        rack = next(r.name for r in RACKS if node in r.nodes)
+        if kind == "health":
+            view.fold("put", keys.health(node), codec.encode(synthetic.failed_health(node, 2, gpus, rev)), rev)
+        elif kind == "slow":
+            health = synthetic.failed_health(node, 2, set(), rev)
+            for g in health.gpus:
+                g.relative_speed = 0.5 if g.index in gpus else 1.0
+            view.fold("put", keys.health(node), codec.encode(health), rev)
+        elif kind == "lost":
+            view.fold("delete", keys.node(node), b"", rev)
+        elif kind == "back":
+            view.fold("put", keys.node(node), codec.encode(synthetic.node(node, rack, 2)), rev)
+        else:
+            for i in gpus:
+                o = types_pb2.GpuOverride(gpu=types_pb2.GpuRef(node=node, index=i), drained=kind == "drain",
+                                          power_cap_w=500.0 if kind == "pin" else 0.0)
+                if kind in ("undrain", "unpin"):
+                    view.fold("delete", keys.gpu_override(node, i), b"", rev)
+                else:
+                    view.fold("put", keys.gpu_override(node, i), codec.encode(o), rev)
+        assert view.state.touched_by_node == _touched(view)
+    spec = view.job_spec("j")
+    ctx = context(view.state, spec, None, None, None)
+    every = list(range(len(spec.replicas)))
+    for indices in (every, *([i] for i in every)):
+        lazy = plan_replicas(ctx, view.state, spec, indices, lazy=True)
+        assert lazy == plan_replicas(ctx, view.state, spec, indices, lazy=False)
+        assert lazy == plan_replicas(ctx, view.state, spec, indices, lazy=True, lone=False)

@@ -83,6 +83,10 @@ class ClusterState:
     # no rack lists may appear in either; it only makes a rack look touched, never clean.
     node_racks: Mapping[str, str] | None = None
     down_nodes: AbstractSet[str] | None = None
+    # Optional, kept by the view with the two above: every node with a touched GPU (a key
+    # of ``gpu_status``, ``gpu_speed`` or ``power_pins``) -> exactly those GPUs, so that
+    # a plan of a few replicas looks up only their racks' nodes (stages.Survey, lazy).
+    touched_by_node: Mapping[str, AbstractSet[GpuKey]] | None = None
 
     def status(self, gpu: GpuKey) -> GpuStatus:
         if self.live_nodes is not None and gpu[0] not in self.live_nodes:

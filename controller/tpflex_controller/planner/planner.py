@@ -30,7 +30,7 @@ Semantics (DESIGN.md "NTP math"):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sized
 from dataclasses import dataclass
 from itertools import chain
 from operator import attrgetter
@@ -72,6 +72,9 @@ from tpflex_controller.planner.stages import (
 )
 
 _NO_OVERRIDES = JobOverrides()
+# a plan of n replicas surveys lazily when n times this is below the nodes with touched
+# GPUs: a lazy look at a replica's rack asks about each of its nodes (18 in an NVL72)
+_LAZY_PER_REPLICA = 8
 _throughput_of = attrgetter("relative_throughput")
 _STATE_NAMES = {s: s.value for s in ReplicaState}  # an enum's .value is a slow descriptor
 _DECIDE = {Policy.NTP_PW: decide_ntp_pw, Policy.NTP: decide_ntp, Policy.DP_DROP: decide_dp_drop}
@@ -141,16 +144,22 @@ def context(
 
 
 def plan_replicas(
-    ctx: PlanContext, cluster: ClusterState, job: JobSpec, indices: Iterable[int], *, lone: bool = True
+    ctx: PlanContext, cluster: ClusterState, job: JobSpec, indices: Iterable[int], *, lone: bool = True,
+    lazy: bool | None = None,
 ) -> dict[int, ReplicaOutcome]:
     """Plan the replicas ``indices`` (ascending) together; a replica left out of the result
     gets the identity assignment. Correct on its own only when ``indices`` hold every
     replica the ones planned are coupled with (a rack whose budget they share, the spare
     pool): ``plan`` passes all, ``incremental.replan`` the coupled ones. ``lone``: the
     common case's one-pass planning (``lone.py``) where it applies; False plans every
-    replica through the general path (the reference its tests compare with)."""
+    replica through the general path (the reference its tests compare with). ``lazy``:
+    whether the survey looks touched GPUs up as asked (``stages.Survey``; None: when the
+    replicas are few against the nodes with touched GPUs, and the view's index is there)."""
     pins = {r: t for r, t in ctx.pins.items()}
-    survey = Survey(cluster)
+    if lazy is None:
+        touched = cluster.touched_by_node
+        lazy = touched is not None and isinstance(indices, Sized) and len(indices) * _LAZY_PER_REPLICA < len(touched)
+    survey = Survey(cluster, lazy=lazy)
     curve = power.Curve(ctx.model)
     if lone and ctx.policy is Policy.NTP_PW and not (cluster.power_pins or cluster.gpu_speed):
         done, indices = plan_lone(survey, job, indices, pins, ctx.full_degree, curve, ReplicaOutcome)

@@ -36,9 +36,23 @@ class Survey:
     __slots__ = ("_racks", "by_node", "by_rack", "cluster", "down_racks", "live", "touched", "touched_nodes",
                  "unusable")
 
-    def __init__(self, cluster: ClusterState) -> None:
+    def __init__(self, cluster: ClusterState, lazy: bool = False) -> None:
+        """``lazy`` (with the view's indexes, ``ClusterState.touched_by_node``): look the
+        touched GPUs up per node, rack and GPU as the plan asks, O(what it asks), instead
+        of indexing all of them first, O(touched GPUs of the cluster): for a plan of a few
+        replicas in a cluster with thousands of failed GPUs (an incremental re-plan)."""
         self.cluster = cluster
         self.live = cluster.live_nodes
+        index, down, by_node = cluster.node_racks, cluster.down_nodes, cluster.touched_by_node
+        if lazy and index is not None and down is not None and by_node is not None:
+            self.by_node = by_node  # type: ignore[assignment]
+            self.touched_nodes = _NodeKeys(by_node)  # type: ignore[assignment]
+            self.touched = _Touched(by_node)  # type: ignore[assignment]
+            self.unusable = _Unusable(cluster.gpu_status)  # type: ignore[assignment]
+            self.by_rack = _RackTouched(cluster.racks, by_node)  # type: ignore[assignment]
+            self.down_racks = {index.get(n) for n in down}
+            self._racks = {}
+            return
         self.touched = touched_gpus(cluster)
         self.by_node: dict[str, list[GpuKey]] = {}  # the touched GPUs of each node
         by_node = self.by_node
@@ -139,6 +153,80 @@ class Survey:
         if rack.nodes and _rack_prefix(gpus, rack) and live.issuperset(rack.nodes):
             return True
         return live.issuperset(map(_node_of, gpus))
+
+
+class _NodeKeys:
+    """The nodes with a touched GPU, from the view's index (``Survey.touched_nodes``)."""
+
+    __slots__ = ("_by_node",)
+
+    def __init__(self, by_node) -> None:
+        self._by_node = by_node
+
+    def isdisjoint(self, nodes) -> bool:
+        by_node = self._by_node
+        return not any(n in by_node for n in nodes)
+
+    def intersection(self, nodes) -> set[str]:
+        by_node = self._by_node
+        return {n for n in nodes if n in by_node}
+
+
+class _Touched:
+    """The touched GPUs, from the view's per-node index (``Survey.touched``)."""
+
+    __slots__ = ("_by_node",)
+
+    def __init__(self, by_node) -> None:
+        self._by_node = by_node
+
+    def isdisjoint(self, gpus) -> bool:
+        get = self._by_node.get
+        for g in gpus:
+            held = get(g[0])
+            if held is not None and g in held:
+                return False
+        return True
+
+
+class _Unusable:
+    """The failed or drained GPUs, looked up in ``gpu_status`` (``Survey.unusable``)."""
+
+    __slots__ = ("_status",)
+
+    def __init__(self, status) -> None:
+        self._status = status
+
+    def __contains__(self, gpu: object) -> bool:
+        return self._status.get(gpu) in _NOT_USABLE
+
+    def intersection(self, gpus) -> set[GpuKey]:
+        get = self._status.get
+        return {g for g in gpus if get(g) in _NOT_USABLE}
+
+
+class _RackTouched:
+    """The touched GPUs of a rack's nodes by the rack's key (``Survey.by_rack``), from the
+    nodes the rack lists: a rack's listed nodes map to it in the view's ``node_racks``."""
+
+    __slots__ = ("_by_node", "_memo", "_racks")
+
+    def __init__(self, racks, by_node) -> None:
+        self._racks, self._by_node, self._memo = racks, by_node, {}
+
+    def get(self, name, default=None):
+        memo = self._memo
+        if name in memo:
+            held = memo[name]
+        else:
+            rack = self._racks.get(name)
+            by_node = self._by_node
+            held = [g for n in rack.nodes if n in by_node for g in by_node[n]] if rack is not None else []
+            held = memo[name] = held or None
+        return default if held is None else held
+
+    def __contains__(self, name: object) -> bool:
+        return self.get(name) is not None
 
 
 def rack_position(rack: RackInfo, gpu: GpuKey) -> int:
