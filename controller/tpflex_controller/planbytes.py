@@ -33,6 +33,8 @@ from tpflex_controller.planner.model import (
     PlanResult,
     Policy,
     ReplicaAssignment,
+    assembled,
+    changed_since,
     moved,
     remember_moved,
 )
@@ -247,6 +249,7 @@ class Lru:
 
 @dataclass(frozen=True)
 class _Split:
+    result: PlanResult
     replicas: tuple[ReplicaAssignment, ...]
     cap_parts: Mapping[int, Mapping[GpuKey, float]]
     parts: list[bytes]
@@ -271,7 +274,7 @@ def _reason_parts(result: PlanResult) -> Mapping[int, tuple[str, ...]] | None:
     said = result.reason_parts
     if said is None:
         return None
-    if not said:
+    if not said or assembled(result):  # the planner built its reasons so (model.remember_changed)
         return said
     order = sorted(said)
     if order[0] < 0 or order[-1] >= len(result.replicas):
@@ -372,12 +375,18 @@ class PlanEncoder:
             todo: Iterable[int] = range(len(result.replicas))
             parts: list[bytes] = [b""] * len(result.replicas)
         else:
-            old, was = last.cap_parts, last.reasons
-            todo = sorted(
-                {*moved(last.replicas, result.replicas),
-                 *(i for i in old.keys() | cap_parts.keys() if old.get(i) is not cap_parts.get(i)),
-                 *(i for i in was.keys() | said.keys() if was.get(i) is not said.get(i))}
-            )
+            # the planner says what it changed; the last split and this one describe
+            # their replicas by their own reason parts (else a kept part may lack them)
+            hint = changed_since(last.result, result)
+            if hint is not None and said is result.reason_parts and last.reasons is last.result.reason_parts:
+                todo = hint
+            else:
+                old, was = last.cap_parts, last.reasons
+                todo = sorted(
+                    {*moved(last.replicas, result.replicas),
+                     *(i for i in old.keys() | cap_parts.keys() if old.get(i) is not cap_parts.get(i)),
+                     *(i for i in was.keys() | said.keys() if was.get(i) is not said.get(i))}
+                )
             parts = list(last.parts)
         for i in todo:
             mine = cap_parts.get(i)
@@ -392,7 +401,7 @@ class PlanEncoder:
             parts[i] = data
         if last is not None and len(last.parts) == len(parts):
             remember_moved(last.parts, parts, todo)  # the others are the last split's objects
-        self._last[result.job] = _Split(result.replicas, cap_parts, parts, said)
+        self._last[result.job] = _Split(result, result.replicas, cap_parts, parts, said)
         return parts
 
     def _header(

@@ -20,6 +20,7 @@ from tpflex_controller.planner.model import (
     PlanResult,
     SuspendedPin,
     changed_cap_parts,
+    changed_since,
     moved,
 )
 
@@ -104,7 +105,7 @@ def build_commit(
         job=p.job,
         generation=generation,
         cause=p.cause,
-        reasons=event_reasons(old.reasons if old is not None else None, p.result.reasons),
+        reasons=decision_reasons(old, p.result),
         phases=[
             types_pb2.PhaseTiming(phase="detected", at=p.detected_at),
             types_pb2.PhaseTiming(phase="committed", at=p.planned_at),
@@ -129,6 +130,36 @@ def build_commit(
         power_groups=_by_rack(view, power),
     )
     return commit, power, event
+
+
+def decision_reasons(old: PlanResult | None, new: PlanResult) -> list[str]:
+    """``event_reasons(old.reasons, new.reasons)``; O(the replicas the planner planned
+    again) where it says which (``model.changed_since``) and every line of theirs names
+    its replica (``replica <i>: ...``, as the planner words them: a line of another
+    replica can then equal none of theirs), and the plan's own lines (suspended pins,
+    after the replicas') did not change; else over every line of both plans."""
+    if old is None:
+        return event_reasons(None, new.reasons)
+    hint = changed_since(old, new)
+    a, b = old.reason_parts, new.reason_parts
+    if hint is None or a is None or b is None:
+        return event_reasons(old.reasons, new.reasons)
+    own_old = old.reasons[len(old.reasons) - len(old.suspended_pins):]
+    own_new = new.reasons[len(new.reasons) - len(new.suspended_pins):]
+    if own_old != own_new:
+        return event_reasons(old.reasons, new.reasons)
+    was: list[str] = []
+    now: list[str] = []
+    for i in hint:
+        head = f"replica {i}:"
+        lines_a, lines_b = a.get(i, ()), b.get(i, ())
+        if not all(line.startswith(head) for line in chain(lines_a, lines_b)):
+            return event_reasons(old.reasons, new.reasons)
+        was.extend(lines_a)
+        now.extend(lines_b)
+    # the lines of the replicas not planned again are the same in both plans, and so are
+    # the own lines: neither is new nor resolved, and none equals a line above
+    return event_reasons([*was, *own_old], [*now, *own_new])
 
 
 def event_reasons(old: tuple[str, ...] | None, new: tuple[str, ...]) -> list[str]:

@@ -137,3 +137,50 @@ def test_a_lazy_survey_plans_as_the_eager_one(sequence):
         lazy = plan_replicas(ctx, view.state, spec, indices, lazy=True)
         assert lazy == plan_replicas(ctx, view.state, spec, indices, lazy=False)
         assert lazy == plan_replicas(ctx, view.state, spec, indices, lazy=True, lone=False)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True, database=None)
+@given(st.lists(st.lists(st.one_of(events, overrides), min_size=1, max_size=4), min_size=1, max_size=10))
+def test_what_the_planner_says_it_changed_gives_what_a_full_walk_gives(batches):
+    """A commit's event reasons, changed cap parts and encoded parts, from the positions
+    the planner says it planned again (model.changed_since), equal the same computed over
+    every replica (the event's reasons, a scan of every cap part, a fresh encoder)."""
+    from tpflex_controller.planbytes import PlanEncoder
+    from tpflex_controller.planner.model import changed_cap_parts, changed_since
+    from tpflex_controller.planning import decision_reasons, event_reasons
+
+    view = _view()
+    prev = plan_job(view.state, view.job_spec("j"))
+    view.take_changes("j")
+    encoder = PlanEncoder()
+    encoder.split(prev.result, 1)
+    hinted = 0
+    rev = 10
+    for gen, batch in enumerate(batches, start=2):
+        for kind, node, gpus in batch:
+            rev += 1
+            rack = next(r.name for r in RACKS if node in r.nodes)
+            if kind == "health":
+                view.fold("put", keys.health(node), codec.encode(synthetic.failed_health(node, 2, gpus, rev)), rev)
+            elif kind == "lost":
+                view.fold("delete", keys.node(node), b"", rev)
+            elif kind == "back":
+                view.fold("put", keys.node(node), codec.encode(synthetic.node(node, rack, 2)), rev)
+            elif kind in ("drain", "pin"):
+                for i in gpus:
+                    o = types_pb2.GpuOverride(gpu=types_pb2.GpuRef(node=node, index=i), drained=kind == "drain",
+                                              power_cap_w=500.0 if kind == "pin" else 0.0)
+                    view.fold("put", keys.gpu_override(node, i), codec.encode(o), rev)
+            elif kind in ("undrain", "unpin"):
+                for i in gpus:
+                    view.fold("delete", keys.gpu_override(node, i), b"", rev)
+        old = prev.result
+        prev = replan(prev, view.state, view.job_spec("j"), view.take_changes("j"))
+        new = prev.result
+        hinted += changed_since(old, new) is not None
+        assert decision_reasons(old, new) == event_reasons(old.reasons, new.reasons)
+        a, b = old.cap_parts, new.cap_parts
+        assert changed_cap_parts(old, new) == sorted(
+            i for i in a.keys() | b.keys() if a.get(i) is not b.get(i) and a.get(i) != b.get(i))
+        assert encoder.split(new, gen) == PlanEncoder().split(new, gen)
+    assert hinted  # the shortcuts were taken

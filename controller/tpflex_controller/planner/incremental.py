@@ -112,7 +112,9 @@ def replan(
         indices |= {i for i, o in prev.outcomes.items() if o.lost}
     order = sorted(indices)
     fresh = plan_replicas(ctx, cluster, job, order)
-    outcomes = {i: o for i, o in prev.outcomes.items() if i not in indices}
+    outcomes = dict(prev.outcomes)  # copied in C: thousands of degraded replicas
+    for i in indices:
+        outcomes.pop(i, None)
     outcomes.update(fresh)
     replaced = {i: prev.outcomes.get(i) for i in order}
     result = assemble(ctx, job, outcomes, prev.result, replaced)

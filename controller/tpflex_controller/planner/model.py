@@ -7,6 +7,7 @@ protobufs into these at the edge) and the simulator (``tpflex-sim``) all speak t
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -233,12 +234,51 @@ def remember_moved(old: Sequence, new: Sequence, positions: Iterable[int]) -> Se
     return positions
 
 
+# the last two plans an incremental re-plan assembled from a base plan, and the positions
+# it planned again: everywhere else the result holds the base's replica, cap part and
+# reason part objects (``planner.assemble``), so that a commit of it compares, encodes and
+# describes O(those positions), not every degraded replica of the job. Held weakly: a
+# deleted job's last plans must not stay alive here.
+def _dead() -> None:
+    return None
+
+
+_changed_memo: tuple = ((_dead, _dead, ()), (_dead, _dead, ()))
+
+
+def remember_changed(base: PlanResult, result: PlanResult, positions: Iterable[int]) -> None:
+    """Remember that ``result`` holds ``base``'s replica, cap part and reason part objects
+    at every position but ``positions`` (and its reasons are its reason parts' lines in
+    position order, then its own). Holds the last two pairs only."""
+    global _changed_memo
+    _changed_memo = ((weakref.ref(base), weakref.ref(result), tuple(positions)), _changed_memo[0])
+
+
+def changed_since(old: PlanResult | None, new: PlanResult) -> tuple[int, ...] | None:
+    """The positions ``remember_changed`` was told for this pair (None: not told)."""
+    if old is None:
+        return None
+    for base, result, positions in _changed_memo:
+        if base() is old and result() is new:
+            return positions
+    return None
+
+
+def assembled(result: PlanResult) -> bool:
+    """Whether ``result`` is a plan ``remember_changed`` was told of (its reasons are its
+    reason parts' lines in position order, then its own)."""
+    return any(memo[1]() is result for memo in _changed_memo)
+
+
 def changed_cap_parts(old: PlanResult, new: PlanResult) -> list[int] | None:
     """The replicas whose cap parts differ between two plans (by identity, then value);
     None when either plan does not know its parts."""
     a, b = old.cap_parts, new.cap_parts
     if a is None or b is None:
         return None
+    hint = changed_since(old, new)
+    if hint is not None:
+        return [i for i in hint if a.get(i) is not b.get(i) and a.get(i) != b.get(i)]
     if len(a) == len(b) and all(b.get(i) is part for i, part in a.items()):
         return []
     return sorted(i for i in a.keys() | b.keys() if a.get(i) is not b.get(i) and a.get(i) != b.get(i))

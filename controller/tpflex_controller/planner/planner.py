@@ -56,6 +56,7 @@ from tpflex_controller.planner.model import (
     StageAssignment,
     SuspendedPin,
     full_tp,
+    remember_changed,
     remember_moved,
 )
 from tpflex_controller.planner.reasons import replica_reasons
@@ -270,17 +271,21 @@ def assemble(
                     said[i] = outcomes[i].reasons
         old_caps = base.power_caps
         caps = old_caps.derive(parts, replaced) if isinstance(old_caps, MergedCaps) else MergedCaps(parts)
-    reasons = tuple(chain.from_iterable(said[i] for i in sorted(said)))
+    reasons = tuple(chain.from_iterable(map(said.__getitem__, sorted(said))))
     unheld = [outcomes[r].unheld for r in ctx.pins if r in outcomes and outcomes[r].unheld is not None]
     suspended = [*ctx.invalid_pins, *unheld]
     reasons += tuple(f"replica {p.replica}: operator pin suspended: {p.reason}" for p in suspended)
     replicas = tuple(replicas)
     ratio = _throughput_sum(replicas, base, replaced) / len(replicas)
-    if base is not None and len(base.replicas) == len(replicas):
-        remember_moved(base.replicas, replicas, sorted(replaced))  # the others are base's objects
-    return PlanResult(
+    result = PlanResult(
         job.name, ctx.policy, replicas, caps, ratio, reasons, tuple(sorted(suspended)), parts, said
     )
+    if base is not None and len(base.replicas) == len(replicas):
+        changed = sorted(replaced)
+        remember_moved(base.replicas, replicas, changed)  # the others are base's objects
+        if base.cap_parts is not None and base.reason_parts is not None:
+            remember_changed(base, result, changed)
+    return result
 
 
 def _throughput_sum(
