@@ -27,6 +27,7 @@ folds keys in revision and key order holds every part when the header arrives.
 
 from __future__ import annotations
 
+import heapq
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -221,6 +222,11 @@ class PartIndex:
     _top: int = field(default=-1, repr=False)  # the largest position ever added
     # positions with 2+ values held (release() looks at these only)
     _many_values: set[int] = field(default_factory=set, repr=False)
+    # (second-oldest generation, position) of the positions with 2+ parts: a position's
+    # oldest part is dead once its second-oldest is kept no more (``dead``). An entry goes
+    # stale when its position's parts change; it is checked, and dropped or pushed again
+    # with its new key, when it comes up.
+    _trimmable: list[tuple[int, int]] = field(default_factory=list, repr=False)
 
     def add(self, generation: int, position: int, value: bytes) -> None:
         got = self.gens.setdefault(position, [])
@@ -230,6 +236,7 @@ class PartIndex:
             self._per_gen[generation] = self._per_gen.get(generation, 0) + 1
             if len(got) > 1:
                 self._multi.add(position)
+                heapq.heappush(self._trimmable, (got[1], position))
             self._top = max(self._top, position)
         self.values[(generation, position)] = value
         if len(got) > 1:
@@ -297,9 +304,10 @@ class PartIndex:
         kept generation has (``count``: the most replicas any kept generation has). Only
         positions with several parts can hold the first kind; all are looked at only
         when a position may lie at or beyond ``count`` (a job that shrank)."""
+        if self._top < count:
+            return self._superseded(oldest_kept, limit)
         out: list[tuple[int, int]] = []
-        positions = self.gens if self._top >= count else sorted(self._multi)
-        for pos in positions:
+        for pos in self.gens:
             gs = self.gens[pos]
             if pos >= count:
                 out.extend((g, pos) for g in gs if g <= oldest_kept)
@@ -308,6 +316,30 @@ class PartIndex:
                 out.extend((g, pos) for g in gs if g < live)
             if len(out) >= limit:
                 break
+        return sorted(out)[:limit]
+
+    def _superseded(self, oldest_kept: int, limit: int) -> list[tuple[int, int]]:
+        """``dead`` when every position is below the count: the parts with a newer one at
+        or before ``oldest_kept``, from the positions whose second-oldest part is (the
+        heap's first entries), O((their parts + stale entries) x log positions), not a
+        walk of every position with several parts (thousands of degraded replicas)."""
+        heap, gens = self._trimmable, self.gens
+        out: list[tuple[int, int]] = []
+        keep: set[tuple[int, int]] = set()  # current entries looked at: they stay
+        while heap and heap[0][0] <= oldest_kept and len(out) < limit:
+            entry = heapq.heappop(heap)
+            key, pos = entry
+            gs = gens.get(pos)
+            if gs is None or len(gs) < 2 or entry in keep:
+                continue  # stale (the parts went), or a duplicate of one looked at
+            if gs[1] != key:  # its parts changed: back with the current key
+                heapq.heappush(heap, (gs[1], pos))
+                continue
+            keep.add(entry)
+            live = max(g for g in gs if g <= oldest_kept)
+            out.extend((g, pos) for g in gs if g < live)
+        for entry in keep:  # their parts go only when a commit deletes them (remove)
+            heapq.heappush(heap, entry)
         return sorted(out)[:limit]
 
 

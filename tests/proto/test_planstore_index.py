@@ -84,3 +84,24 @@ def test_release_keeps_exactly_the_values_a_generation_from_then_on_selects():
                 assert got == want
         ix.add(9, 0, b"9/0")  # added again after a release: indexed and selectable
         assert ix.select(9, 1) == [b"9/0"]
+
+
+def test_dead_parts_stay_right_through_interleaved_commits():
+    """As a job's commits run: each asks for dead parts (under a limit, as a commit does),
+    deletes some of them, adds its own parts; every answer equals the scan's."""
+    rng = random.Random(5)
+    for _ in range(100):
+        ix = PartIndex()
+        for gen in range(1, 40):
+            for _ in range(rng.randrange(0, 4)):
+                ix.add(gen, rng.randrange(0, 10), b"v")
+            if rng.random() < 0.2:
+                ix.remove(rng.randrange(1, gen + 1), rng.randrange(0, 10))
+            oldest_kept = max(1, gen - rng.randrange(0, 8))
+            count = ix.top_position() + 1
+            want = _dead_by_scan(ix, oldest_kept, count)
+            assert ix.dead(oldest_kept, count, 1000) == want
+            few = ix.dead(oldest_kept, count, 3)
+            assert set(few) <= set(want) and len(few) == min(3, len(want))
+            for g, pos in few[: rng.randrange(0, 4)]:  # the commit deletes some of them
+                ix.remove(g, pos)
