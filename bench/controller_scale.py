@@ -181,7 +181,9 @@ def _full_replan_ms(etcd: Etcd, racks: list[types_pb2.Rack], rng: random.Random)
 
 
 def _failure_to_commit(etcd: Etcd, racks, rng: random.Random, arrivals: _PlanArrivals,
-                       marks: dict[int, dict[str, float]]) -> list[float]:
+                       marks: dict[int, dict[str, float]], failed: set[str]) -> list[float]:
+    """FAILURES failures on racks sampled from ``racks``, one at a time; each one's
+    failure->commit in ms (``marks``: its stage times; ``failed``: gets its rack)."""
     samples = []
     gen = arrivals.latest
     for i, r in enumerate(rng.sample(racks, FAILURES)):
@@ -194,7 +196,8 @@ def _failure_to_commit(etcd: Etcd, racks, rng: random.Random, arrivals: _PlanArr
         gen += 1
         seen = arrivals.wait(gen)
         samples.append((seen - t0) * 1000)
-        marks[gen] = {"t0": t0, "put_returned": put_done, "bench_saw_plan": seen, "rack": r.name}
+        marks[gen] = {"t0": t0, "put_returned": put_done, "bench_saw_plan": seen}
+        failed.add(r.name)
     return samples
 
 
@@ -205,7 +208,7 @@ def _print_stages(path: str, marks: dict[int, dict[str, float]]) -> None:
     rows = controller_stages.load(path)
     at: dict[str, list[float]] = {}
     for gen, m in marks.items():
-        row = {**rows.get(gen, {}), **{k: v for k, v in m.items() if k != "rack"}}
+        row = {**rows.get(gen, {}), **m}
         for name, t in row.items():
             at.setdefault(name, []).append((t - m["t0"]) * 1000)
     order = sorted(at, key=lambda n: statistics.median(at[n]))
@@ -339,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                 spy = _profile(controller.pid, args.profile)
                 time.sleep(1.0)  # py-spy attaches
             marks: dict[int, dict[str, float]] = {}
-            samples = _failure_to_commit(etcd, racks, rng, arrivals, marks)
+            failed: set[str] = set()  # the racks failed so far
+            samples = _failure_to_commit(etcd, racks, rng, arrivals, marks, failed)
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(30)
@@ -350,9 +354,8 @@ def main(argv: list[str] | None = None) -> int:
             _wait_initial_plan(arrivals, controller, timeout=600, generation=arrivals.latest + 1)
             _settled(arrivals)
             print(f"# {prefailed} GPUs failed, plan committed", file=sys.stderr)
-            failed_before = {m["rack"] for m in marks.values()}
-            clean = [r for r in racks if r.name not in touched and r.name not in failed_before]
-            samples_1pct = _failure_to_commit(etcd, clean, rng, arrivals, {})
+            clean = [r for r in racks if r.name not in touched and r.name not in failed]
+            samples_1pct = _failure_to_commit(etcd, clean, rng, arrivals, {}, failed)
             sizes = _TxnSizes(etcd, seeded_revision, arrivals.revision)
         finally:
             _stop_controller(controller)

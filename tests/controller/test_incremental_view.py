@@ -92,6 +92,31 @@ overrides = st.tuples(st.sampled_from(["slow", "drain", "undrain", "pin", "unpin
                       st.sets(st.integers(0, 1)))
 
 
+def _fold(view: ClusterView, kind: str, node: str, gpus: set[int], rev: int) -> None:
+    """One event of ``events`` or ``overrides`` (failed or slow GPUs, a node lost or
+    back, GPUs drained or pinned and released) folded into the view at ``rev``."""
+    rack = next(r.name for r in RACKS if node in r.nodes)
+    if kind == "health":
+        view.fold("put", keys.health(node), codec.encode(synthetic.failed_health(node, 2, gpus, rev)), rev)
+    elif kind == "slow":
+        health = synthetic.failed_health(node, 2, set(), rev)
+        for g in health.gpus:
+            g.relative_speed = 0.5 if g.index in gpus else 1.0
+        view.fold("put", keys.health(node), codec.encode(health), rev)
+    elif kind == "lost":
+        view.fold("delete", keys.node(node), b"", rev)
+    elif kind == "back":
+        view.fold("put", keys.node(node), codec.encode(synthetic.node(node, rack, 2)), rev)
+    else:
+        for i in gpus:
+            if kind in ("undrain", "unpin"):
+                view.fold("delete", keys.gpu_override(node, i), b"", rev)
+            else:
+                o = types_pb2.GpuOverride(gpu=types_pb2.GpuRef(node=node, index=i), drained=kind == "drain",
+                                          power_cap_w=500.0 if kind == "pin" else 0.0)
+                view.fold("put", keys.gpu_override(node, i), codec.encode(o), rev)
+
+
 def _touched(view: ClusterView) -> dict[str, set]:
     out: dict[str, set] = {}
     for g in [*view.gpu_status, *view.gpu_speed, *view.power_pins]:
@@ -109,26 +134,7 @@ def test_a_lazy_survey_plans_as_the_eager_one(sequence):
 
     view = _view()
     for rev, (kind, node, gpus) in enumerate(sequence, start=10):
-        rack = next(r.name for r in RACKS if node in r.nodes)
-        if kind == "health":
-            view.fold("put", keys.health(node), codec.encode(synthetic.failed_health(node, 2, gpus, rev)), rev)
-        elif kind == "slow":
-            health = synthetic.failed_health(node, 2, set(), rev)
-            for g in health.gpus:
-                g.relative_speed = 0.5 if g.index in gpus else 1.0
-            view.fold("put", keys.health(node), codec.encode(health), rev)
-        elif kind == "lost":
-            view.fold("delete", keys.node(node), b"", rev)
-        elif kind == "back":
-            view.fold("put", keys.node(node), codec.encode(synthetic.node(node, rack, 2)), rev)
-        else:
-            for i in gpus:
-                o = types_pb2.GpuOverride(gpu=types_pb2.GpuRef(node=node, index=i), drained=kind == "drain",
-                                          power_cap_w=500.0 if kind == "pin" else 0.0)
-                if kind in ("undrain", "unpin"):
-                    view.fold("delete", keys.gpu_override(node, i), b"", rev)
-                else:
-                    view.fold("put", keys.gpu_override(node, i), codec.encode(o), rev)
+        _fold(view, kind, node, gpus, rev)
         assert view.state.touched_by_node == _touched(view)
     spec = view.job_spec("j")
     ctx = context(view.state, spec, None, None, None)
@@ -159,21 +165,7 @@ def test_what_the_planner_says_it_changed_gives_what_a_full_walk_gives(batches):
     for gen, batch in enumerate(batches, start=2):
         for kind, node, gpus in batch:
             rev += 1
-            rack = next(r.name for r in RACKS if node in r.nodes)
-            if kind == "health":
-                view.fold("put", keys.health(node), codec.encode(synthetic.failed_health(node, 2, gpus, rev)), rev)
-            elif kind == "lost":
-                view.fold("delete", keys.node(node), b"", rev)
-            elif kind == "back":
-                view.fold("put", keys.node(node), codec.encode(synthetic.node(node, rack, 2)), rev)
-            elif kind in ("drain", "pin"):
-                for i in gpus:
-                    o = types_pb2.GpuOverride(gpu=types_pb2.GpuRef(node=node, index=i), drained=kind == "drain",
-                                              power_cap_w=500.0 if kind == "pin" else 0.0)
-                    view.fold("put", keys.gpu_override(node, i), codec.encode(o), rev)
-            elif kind in ("undrain", "unpin"):
-                for i in gpus:
-                    view.fold("delete", keys.gpu_override(node, i), b"", rev)
+            _fold(view, kind, node, gpus, rev)
         old = prev.result
         prev = replan(prev, view.state, view.job_spec("j"), view.take_changes("j"))
         new = prev.result
