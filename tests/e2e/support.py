@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 from tpflex_proto import codec, keys, planstore, types_pb2
 from tpflex_proto.etcd import Etcd
@@ -65,6 +66,17 @@ def reference_for(global_batches: dict[int, int]) -> dict[int, float]:
     losses = reference_losses(DEMO_MODEL, DEMO_SEED, batches, lr=DEMO_ADAM.lr,
                               betas=DEMO_ADAM.betas, eps=DEMO_ADAM.eps)
     return dict(zip(steps, losses, strict=True))
+
+
+def phase_report(summary, workdir: Path, lines: int = 80) -> str:
+    """An e2e test's message when a phase took too long: the phases, then the last lines of
+    every rank's log (the story's ranks log at INFO in these tests: what each did when)."""
+    out = [f"phases after the failure: {summary.phases_failure}",
+           f"phases after the repair: {summary.phases_repair}"]
+    for log in sorted(Path(workdir).glob("rank-*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        out += [f"--- {log.name}", *tail]
+    return "\n".join(out)
 
 
 def rel_diff(a: float, b: float) -> float:

@@ -105,6 +105,8 @@ def join_generation(
             break  # the others already formed it (our key counted): join them
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
+    log.info("rendezvous formed job=%s generation=%s rank=%d world=%d: forming the process group",
+             job, generation, world[me], len(world))
     if dist.is_initialized():
         dist.destroy_process_group()
     # the default group's store namespace is named by torch's group counter, which a failed

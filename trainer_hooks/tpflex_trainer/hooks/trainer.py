@@ -263,9 +263,12 @@ class TpflexHooks:
         self.failures += 1
         log.warning("collective failed job=%s rank=%d generation=%d step=%d error=%s",
                     self.config.job, self.rank, self.generation, self.step, failure)
+        t0 = time.monotonic()
         self.runtime.abort()
         if dist.is_initialized():
             dist.destroy_process_group()
+        log.info("process groups dropped job=%s rank=%d generation=%d seconds=%.3f",
+                 self.config.job, self.rank, self.generation, time.monotonic() - t0)
         plan = self.client.wait_for_round((self.generation, self.epoch), self.config.plan_wait_s)
         if plan is None:
             raise HooksError(
