@@ -388,7 +388,14 @@ class Reconciler:
                 self._mark(j, cause, at, mod_rev)
         log.info("job re-read after conflict job=%s revision=%d keys=%d", job, rev, len(folded))
 
+    @gc_paused
     def _reconcile_job(self, job: str, d: DirtyJob) -> Result:
+        """Re-plan ``job`` and commit a changed decision, with the cyclic collector paused
+        from the re-plan to the commit's end: what they allocate survives (the plan, its
+        parts, the nodes' power), and a young-generation collection between the re-plan's
+        own pause and the commit's (triggered by the re-plan's allocations) scanned only
+        those, on the failure's path (a p99 build of 1.5-1.6 ms against 0.74-0.78 at 1%
+        of 262,144 GPUs failed, in-process harness). The collections run after it."""
         if job not in self.view.snap.jobs:
             self._job_plans.pop(job, None)
             self._rollouts.forget(job)
@@ -445,11 +452,11 @@ class Reconciler:
 
     @gc_paused
     def _build_and_commit(self, session: LeaderSession, p: Planned):
-        """Build and commit the decision with the cyclic collector paused, as the planner
-        runs: what it allocates survives (the plan's parts, the nodes' power), so the
-        young-generation collections it would trigger between a failure and its commit
-        (0.5-0.9 ms each, 26 in 60 failures at 262,144 GPUs) scan only live
-        objects; they run after the commit instead."""
+        """Build and commit the decision with the cyclic collector paused (already so
+        under ``_reconcile_job``; also for any other caller): what it allocates survives
+        (the plan's parts, the nodes' power), so the young-generation collections it
+        would trigger between a failure and its commit (0.5-0.9 ms each, 26 in 60
+        failures at 262,144 GPUs) scan only live objects; they run after the commit."""
         commit, power, event = build_commit(
             self.view, p, history_size=self._history_size, encoder=self._encoder
         )
