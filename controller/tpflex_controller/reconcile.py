@@ -102,6 +102,7 @@ class Reconciler:
         self._encoder = PlanEncoder()
         self._unwritten: dict[int, Rollout] = {}  # event records with phases not yet stored
         self._freeze_after_pass = False
+        self._to_warm: set[str] = set()  # jobs whose new plan's cap index may not be built
         self._repush_after_load = False
         # etcd revisions of this process's plan commits: their echo through the watch is
         # folded already (ClusterView.record_commit) and skipped
@@ -155,6 +156,8 @@ class Reconciler:
                 self._flush_power_metrics()
             if self._racks_seen and self._inbox.empty():
                 self._flush_rack_metrics()
+            if self._to_warm and self._inbox.empty():
+                self._warm_caps()
             if self._freeze_after_pass and not len(self._queue):
                 self._freeze_after_pass = False
                 gc.freeze()  # the long-lived state (view, memoised plans) leaves the GC's scans
@@ -413,6 +416,7 @@ class Reconciler:
             self._record_unplannable(job, str(exc), d)
             return Result.UNPLANNABLE
         self._job_plans[job] = jp
+        self._to_warm.add(job)
         result = jp.result
         if self._unplannable.pop(job, None) is not None:
             self.metrics.unplannable_jobs.set(len(self._unplannable))
@@ -466,6 +470,19 @@ class Reconciler:
             self._conflict_nodes[p.job] = sorted(commit.power)
             raise
         return commit, power, event, rev
+
+    def _warm_caps(self) -> None:
+        """Idle: build the GPU index of the new plans' cap maps (``MergedCaps.warm``) now,
+        not in the next failure's decision. A plan made afresh (after a restart or a
+        leader change, when the plan read from etcd tells no parts) is committed without
+        a point look-up of its caps, so the first failure after it indexed every boosted
+        GPU on its path: 20-odd ms with 1% of 262,144 GPUs failed."""
+        jobs, self._to_warm = self._to_warm, set()
+        for job in jobs:
+            jp = self._job_plans.get(job)
+            warm = getattr(jp.result.power_caps, "warm", None) if jp is not None else None
+            if warm is not None:
+                warm()
 
     def _rank_count(self, job: str, result: PlanResult) -> int:
         """The ranks of ``result``, counted from the job's last plan where it can."""

@@ -135,6 +135,13 @@ class MergedCaps(Mapping):
         out._root, out._dirty, out._overlay, out._recent = self._root, dirty, base, recent
         return out
 
+    def warm(self) -> None:
+        """Build the root's GPU index now if no look-up has (off a decision's path): the
+        maps derived from this one look GPUs up through it, whether or not this one was
+        walked as a dict."""
+        if self._root._owner is None:
+            self._root._index()
+
     def _reroot(self, out: MergedCaps, dirty: frozenset[int]) -> bool:
         """Make ``out`` (derived from this map, ``dirty`` its replicas that may differ from
         the root's) the root by patching the root's index in place; the old root keeps
