@@ -35,7 +35,7 @@ from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.planbytes import PlanEncoder
 from tpflex_controller.planner.gcpause import gc_paused
 from tpflex_controller.planner.incremental import JobPlan, replan
-from tpflex_controller.planner.model import PlanningError, PlanResult
+from tpflex_controller.planner.model import PlanningError, PlanResult, release_evicted
 from tpflex_controller.planning import (
     Planned,
     build_commit,
@@ -156,8 +156,8 @@ class Reconciler:
                 self._flush_power_metrics()
             if self._racks_seen and self._inbox.empty():
                 self._flush_rack_metrics()
-            if self._to_warm and self._inbox.empty():
-                self._warm_caps()
+            if self._inbox.empty():
+                self._idle_work()
             if self._freeze_after_pass and not len(self._queue):
                 self._freeze_after_pass = False
                 gc.freeze()  # the long-lived state (view, memoised plans) leaves the GC's scans
@@ -471,12 +471,20 @@ class Reconciler:
             raise
         return commit, power, event, rev
 
+    def _idle_work(self) -> None:
+        """What a decision should not pay for, done while no message waits: free what
+        the planner's memos let go of (``model.release_evicted``) and build the new
+        plans' cap indexes."""
+        release_evicted()
+        if self._to_warm:
+            self._warm_caps()
+
     def _warm_caps(self) -> None:
-        """Idle: build the GPU index of the new plans' cap maps (``MergedCaps.warm``) now,
-        not in the next failure's decision. A plan made afresh (after a restart or a
-        leader change, when the plan read from etcd tells no parts) is committed without
-        a point look-up of its caps, so the first failure after it indexed every boosted
-        GPU on its path: 20-odd ms with 1% of 262,144 GPUs failed."""
+        """Build the GPU index of the new plans' cap maps (``MergedCaps.warm``) now, not
+        in the next failure's decision. A plan made afresh (after a restart or a leader
+        change, when the plan read from etcd tells no parts) is committed without a point
+        look-up of its caps, so the first failure after it indexed every boosted GPU on
+        its path: 20-odd ms with 1% of 262,144 GPUs failed."""
         jobs, self._to_warm = self._to_warm, set()
         for job in jobs:
             jp = self._job_plans.get(job)

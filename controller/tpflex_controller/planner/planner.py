@@ -55,6 +55,7 @@ from tpflex_controller.planner.model import (
     ReplicaState,
     StageAssignment,
     SuspendedPin,
+    evict,
     full_tp,
     remember_changed,
     remember_moved,
@@ -325,6 +326,7 @@ def _exact_sum(replicas: tuple[ReplicaAssignment, ...]) -> int:
 
 def _remember_sum(replicas: tuple[ReplicaAssignment, ...], exact: int) -> None:
     if len(_SUMS) >= _MAX_SUMS:
+        evict(list(_SUMS.values()))  # freed off the decision's path (model.release_evicted)
         _SUMS.clear()  # atomic: a dry-run may plan in another thread
     _SUMS[id(replicas)] = (replicas, exact)
 
