@@ -31,6 +31,9 @@ Prints one JSON line:
   their plan), then ``FAILURES`` more failures on other racks, one at a time. What a
   failure costs here beyond the clean cluster is the work that grows with the cluster's
   failed GPUs rather than with the change.
+- ``failure_to_commit_max_ms`` / ``_max_ms_1pct_failed``: the worst of each phase's
+  failures (a p99 of 60 samples is the second worst); in the second phase, the first
+  failure after the controller's restart, which finds what the restart left to do.
 Goals (issue 2): p99 failure->commit <= 100 ms, full re-plan <= 50 ms.
 """
 
@@ -380,6 +383,10 @@ def main(argv: list[str] | None = None) -> int:
         "max_txn_bytes_limit": 1_572_864,
         "failure_to_commit_p50_ms_1pct_failed": round(statistics.median(samples_1pct), 2),
         "failure_to_commit_p99_ms_1pct_failed": round(_pct(samples_1pct, 0.99), 2),
+        # the worst of the 60 (p99 of 60 is the second worst): with 1% failed, the first
+        # failure after the controller's restart
+        "failure_to_commit_max_ms": round(max(samples), 2),
+        "failure_to_commit_max_ms_1pct_failed": round(max(samples_1pct), 2),
         "prefailed_gpus": prefailed,
     }))
     return 0
