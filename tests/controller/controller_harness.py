@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -104,13 +104,17 @@ def put_job(etcd: Etcd, racks: list[types_pb2.Rack], name: str = "job1", **kw) -
 
 @contextmanager
 def controller_on_job(
-    etcd_server, etcd: Etcd, *, lease: int = 0, **controller_kw
+    etcd_server, etcd: Etcd, *, lease: int = 0, shape: tuple[int, int, int] = (2, 2, 2),
+    before_start: Callable[[list[types_pb2.Rack]], None] | None = None, **controller_kw
 ) -> Iterator[tuple[list[types_pb2.Rack], PlanWatcher, InProcessController]]:
-    """The small cluster (nodes on ``lease``, 0 = none) with job1 on it, a watcher of
-    job1's plan and an in-process controller (``controller_kw`` to
-    :func:`start_controller`); the controller is stopped, then the watcher, on exit."""
-    racks = small_cluster(etcd, lease=lease)
+    """A cluster of ``shape`` (racks, nodes per rack, GPUs per node; nodes on ``lease``,
+    0 = none) with job1 on it, a watcher of job1's plan and an in-process controller
+    (``controller_kw`` to :func:`start_controller`; ``before_start(racks)`` runs first,
+    after the job is stored); the controller is stopped, then the watcher, on exit."""
+    racks = small_cluster(etcd, *shape, lease=lease)
     put_job(etcd, racks)
+    if before_start is not None:
+        before_start(racks)
     watcher = PlanWatcher(etcd, "job1")
     ctl = start_controller(etcd_server.endpoints, **controller_kw)
     try:

@@ -4,18 +4,11 @@ commits, under the test etcd's default --max-txn-ops (128), and so does the next
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 from tpflex_controller import synthetic
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import Op
 
-from tests.controller.controller_harness import (
-    PlanWatcher,
-    put_job,
-    small_cluster,
-    start_controller,
-)
+from tests.controller.controller_harness import controller_on_job
 from tests.support.wait import wait_until
 
 
@@ -33,22 +26,13 @@ def _caps(etcd, node: str, rack) -> dict[int, float]:
     return {c.gpu.index: c.cap_w for c in codec.decode(types_pb2.NodePowerPlan, kv.value).caps}
 
 
-@contextmanager
 def _job_on_eight_racks(etcd_server, etcd):
     """8 racks of 18 nodes x 4 GPUs, job1 over them, a controller and a plan watcher."""
-    racks = small_cluster(etcd, racks=8, nodes_per_rack=18, gpus_per_node=4)
-    put_job(etcd, racks)
-    watcher = PlanWatcher(etcd, "job1")
-    ctl = start_controller(etcd_server.endpoints)
-    try:
-        yield racks, watcher
-    finally:
-        ctl.stop()
-        watcher.close()
+    return controller_on_job(etcd_server, etcd, shape=(8, 18, 4))
 
 
 def test_one_generation_boosting_seven_racks_of_18_nodes_commits_and_the_next_too(etcd_server, etcd):
-    with _job_on_eight_racks(etcd_server, etcd) as (racks, watcher):
+    with _job_on_eight_racks(etcd_server, etcd) as (racks, watcher, _ctl):
         full = watcher.wait_generation(1).replicas[0].tp_degree  # 64: the job's units
         # 7 racks lose 9 GPUs each (GPU 0 of 9 nodes): degree 63, boosted, so their 18
         # nodes each get new caps: 126 power keys in one generation
@@ -68,7 +52,7 @@ def test_one_generation_boosting_seven_racks_of_18_nodes_commits_and_the_next_to
 
 
 def test_deleting_a_job_that_boosted_126_nodes_puts_them_all_back_to_tdp(etcd_server, etcd):
-    with _job_on_eight_racks(etcd_server, etcd) as (racks, watcher):
+    with _job_on_eight_racks(etcd_server, etcd) as (racks, watcher, _ctl):
         watcher.wait_generation(1)
         _health(etcd, {n: {0} for r in racks[:7] for n in r.nodes[:9]}, seq=2)
         assert len({c.gpu.node for c in watcher.wait_generation(2).power_caps}) == 126

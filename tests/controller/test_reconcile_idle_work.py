@@ -11,33 +11,22 @@ import weakref
 from tpflex_controller.planner import model
 from tpflex_controller.planner.caps import MergedCaps
 
-from tests.controller.controller_harness import (
-    PlanWatcher,
-    fail_gpu,
-    put_job,
-    small_cluster,
-    start_controller,
-)
+from tests.controller.controller_harness import controller_on_job, fail_gpu
 from tests.support.wait import wait_until
 
 
 def test_a_fresh_plans_cap_index_is_built_before_the_next_failure(etcd_server, etcd):
-    racks = small_cluster(etcd, racks=6, nodes_per_rack=4, gpus_per_node=4)
-    for i, rack in enumerate(racks[:3]):  # failed before the controller starts: boosted racks
-        fail_gpu(etcd, rack.nodes[0], 4, {i}, seq=1)
-    put_job(etcd, racks)
-    watcher = PlanWatcher(etcd, "job1")
-    ctl = start_controller(etcd_server.endpoints)
-    try:
+    def fail_three(racks):  # before the controller starts: three boosted racks
+        for i, rack in enumerate(racks[:3]):
+            fail_gpu(etcd, rack.nodes[0], 4, {i}, seq=1)
+
+    with controller_on_job(etcd_server, etcd, shape=(6, 4, 4), before_start=fail_three) as (racks, watcher, ctl):
         watcher.wait_generation(1, timeout=30)
         caps = wait_until(lambda: ctl.reconciler._job_plans.get("job1"), timeout=10,
                           what="the job's plan in the loop").result.power_caps
         assert isinstance(caps, MergedCaps) and len(caps.parts) == 3
         wait_until(lambda: caps._root._owner is not None, timeout=10, what="the cap index built while idle")
         assert caps.get((racks[0].nodes[0], 1)) == caps.as_dict()[(racks[0].nodes[0], 1)]
-    finally:
-        ctl.stop()
-        watcher.close()
 
 
 class _Seq(list):
@@ -62,17 +51,10 @@ def test_what_the_moved_memo_lets_go_of_is_freed_only_when_released():
 
 
 def test_the_loop_releases_the_memos_when_idle(etcd_server, etcd):
-    racks = small_cluster(etcd, racks=4, nodes_per_rack=2, gpus_per_node=4)
-    put_job(etcd, racks)
-    watcher = PlanWatcher(etcd, "job1")
-    ctl = start_controller(etcd_server.endpoints)
-    try:
+    with controller_on_job(etcd_server, etcd, shape=(4, 2, 4)) as (racks, watcher, _ctl):
         watcher.wait_generation(1, timeout=30)
         for i, rack in enumerate(racks[:3]):
             fail_gpu(etcd, rack.nodes[0], 4, {i}, seq=1)
             watcher.wait_generation(2 + i, timeout=30)
             wait_until(lambda: model._moved_memo is model._NO_MOVED and not model._evicted, timeout=10,
                        what="the memos released after the decision")
-    finally:
-        ctl.stop()
-        watcher.close()
