@@ -102,6 +102,7 @@ class Reconciler:
         self._encoder = PlanEncoder()
         self._unwritten: dict[int, Rollout] = {}  # event records with phases not yet stored
         self._freeze_after_pass = False
+        self._froze = False  # whether this loop moved the heap to the permanent generation
         self._to_warm: set[str] = set()  # jobs whose new plan's cap index may not be built
         self._repush_after_load = False
         # etcd revisions of this process's plan commits: their echo through the watch is
@@ -134,6 +135,13 @@ class Reconciler:
         if self._own_informer:
             self.informer.stop()
         self.pusher.close()
+        if self._froze:
+            # hand what the loop froze back to the collector: a process that stops a
+            # controller and goes on (an embedding, a test) would otherwise keep its
+            # cyclic garbage (the loop, its view, its last plans) for good, since the
+            # collector never scans the permanent generation
+            self._froze = False
+            gc.unfreeze()
 
     def on_elected(self, session: LeaderSession) -> None:
         self._inbox.put(("elected", session, time.time()))
@@ -160,6 +168,7 @@ class Reconciler:
                 self._idle_work()
             if self._freeze_after_pass and not len(self._queue):
                 self._freeze_after_pass = False
+                self._froze = True
                 gc.freeze()  # the long-lived state (view, memoised plans) leaves the GC's scans
 
     def _drain(self, timeout: float) -> None:
