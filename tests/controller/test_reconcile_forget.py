@@ -81,8 +81,8 @@ def test_a_stopped_controller_is_collected(etcd_server, etcd):
         watcher.wait_generation(1)
         fail_gpu(etcd, "rack1-n00", 2, {1})
         watcher.wait_generation(2)
-        wait_until(lambda: ctl.reconciler._froze, 10, "the loop froze its state after its first pass")
         loop = weakref.ref(ctl.reconciler)
+        wait_until(lambda: loop()._froze, 10, "the loop froze its state after its first pass")
     del ctl, watcher
     gc.collect()
     assert loop() is None, _holders([loop()])
