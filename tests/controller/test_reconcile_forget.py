@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import types
+import weakref
 
 from tpflex_controller.planner.model import PlanResult
 from tpflex_proto import keys
@@ -46,16 +47,26 @@ def _name(o: object) -> str:
     return type(o).__qualname__
 
 
-def test_a_deleted_jobs_plans_do_not_stay_alive(etcd_server, etcd):
+def _plans_now() -> set[int]:
+    """The plans alive before a test's controller starts: an earlier test's controller
+    may have left plans of its job1 in the permanent generation, or alive in it; they
+    are not this controller's."""
     gc.collect()
-    # an earlier test's controller may have left plans of its job1 in the permanent
-    # generation, or alive in it: they are not this controller's
-    before = {id(o) for o in gc.get_objects() if type(o) is PlanResult}
+    return {id(o) for o in gc.get_objects() if type(o) is PlanResult}
+
+
+def _fail_one_and_settle(etcd, watcher, loop: weakref.ref) -> None:
+    """job1's first plan, one GPU failure and its plan, and the loop's heap frozen."""
+    watcher.wait_generation(1)
+    fail_gpu(etcd, "rack1-n00", 2, {1})
+    watcher.wait_generation(2)
+    wait_until(lambda: loop()._froze, 10, "the loop froze its state after its first pass")
+
+
+def test_a_deleted_jobs_plans_do_not_stay_alive(etcd_server, etcd):
+    before = _plans_now()
     with controller_on_job(etcd_server, etcd) as (_racks, watcher, ctl):
-        watcher.wait_generation(1)
-        fail_gpu(etcd, "rack1-n00", 2, {1})
-        watcher.wait_generation(2)
-        wait_until(lambda: ctl.reconciler._froze, 10, "the loop froze its state after its first pass")
+        _fail_one_and_settle(etcd, watcher, weakref.ref(ctl.reconciler))
         gc.unfreeze()  # see the loop's state (its plans may have been frozen with it)
         gc.collect()
         assert _results_of("job1", before)  # the loop holds the job's last plan while it lives
@@ -73,16 +84,10 @@ def test_a_stopped_controller_is_collected(etcd_server, etcd):
     """The loop freezes the heap after its first pass (the long-lived view leaves the
     collector's scans); once stopped, it and its plans are garbage the collector frees:
     a process that stops a controller and goes on does not keep it."""
-    import weakref
-
-    gc.collect()
-    before = {id(o) for o in gc.get_objects() if type(o) is PlanResult}
+    before = _plans_now()
     with controller_on_job(etcd_server, etcd) as (_racks, watcher, ctl):
-        watcher.wait_generation(1)
-        fail_gpu(etcd, "rack1-n00", 2, {1})
-        watcher.wait_generation(2)
         loop = weakref.ref(ctl.reconciler)
-        wait_until(lambda: loop()._froze, 10, "the loop froze its state after its first pass")
+        _fail_one_and_settle(etcd, watcher, loop)
     del ctl, watcher
     gc.collect()
     assert loop() is None, _holders([loop()])
