@@ -68,14 +68,22 @@ def reference_for(global_batches: dict[int, int]) -> dict[int, float]:
     return dict(zip(steps, losses, strict=True))
 
 
-def phase_report(summary, workdir: Path, lines: int = 80) -> str:
+def phase_report(summary, workdir: Path, lines: int = 16, stack_lines: int = 90) -> str:
     """An e2e test's message when a phase took too long: the phases, then the last lines of
-    every rank's log (the story's ranks log at INFO in these tests: what each did when)."""
+    every rank's log (the story's ranks log at INFO in these tests: what each did when).
+    A rank whose collectives hung (its log has thread stacks) comes last, where a cut
+    report still shows it, with the stacks it dumped."""
     out = [f"phases after the failure: {summary.phases_failure}",
            f"phases after the repair: {summary.phases_repair}"]
-    for log in sorted(Path(workdir).glob("rank-*.log")):
-        tail = log.read_text(errors="replace").splitlines()[-lines:]
-        out += [f"--- {log.name}", *tail]
+
+    def stuck(log: Path) -> tuple[bool, str]:
+        return "thread stacks follow" in log.read_text(errors="replace"), log.name
+
+    for log in sorted(Path(workdir).glob("rank-*.log"), key=stuck):
+        text = log.read_text(errors="replace").splitlines()
+        starts = [i for i, line in enumerate(text) if "thread stacks follow" in line]
+        stacks = [line for i in starts[:2] for line in text[i:i + stack_lines]]
+        out += [f"--- {log.name}", *text[-lines:], *(["--- its thread stacks"] if stacks else []), *stacks]
     return "\n".join(out)
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 from tpflex_proto import types_pb2
-from tpflex_trainer.hooks.abort import GroupSockets, abort_reason
+from tpflex_trainer.hooks.abort import GroupSockets, RoundAborts, abort_reason
 
 from tests.trainer.harness import run_workers
 
@@ -72,3 +72,25 @@ def _blocked_collective(rank: int, world_size: int) -> dict:
 def test_shutting_a_gloo_groups_connections_down_ends_a_blocked_collective():
     out = run_workers(_blocked_collective, 2, timeout_s=50)  # under the collective timeout (60 s)
     assert out[0]["tracked"] >= 1 and out[1]["tracked"] >= 1
+
+
+def _aborts(guarded_since) -> RoundAborts:
+    return RoundAborts(groups=lambda: [], applied=lambda: (None, 0), active=lambda: True, sockets=None,
+                       label="job=j rank=3", guarded_since=guarded_since)
+
+
+def test_an_abort_that_did_not_end_the_collectives_puts_the_stacks_in_the_log(caplog, capfd):
+    at = time.monotonic()
+    with caplog.at_level("WARNING"):
+        _aborts(lambda: at - 1.0)._check_freed(at, "watchdog: stuck 30.0s")
+    assert any("abort did not end the collectives job=j rank=3" in r.getMessage() for r in caplog.records)
+    err = capfd.readouterr().err
+    assert "_check_freed" in err and "test_abort.py" in err  # this thread's stack, innermost first
+
+
+@pytest.mark.parametrize("since", [None, 5.0])  # no guarded section, or one entered after the abort
+def test_an_abort_that_freed_the_rank_dumps_nothing(caplog, capfd, since):
+    with caplog.at_level("WARNING"):
+        _aborts(lambda: since)._check_freed(4.0, "watchdog: stuck 30.0s")
+    assert not caplog.records
+    assert "Thread" not in capfd.readouterr().err

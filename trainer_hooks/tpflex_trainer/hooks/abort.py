@@ -19,17 +19,19 @@ inode) before it is shut down, so a descriptor number reused since is left alone
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from tpflex_proto import types_pb2
 
 from tpflex_trainer.hooks.control import plan_round
-from tpflex_trainer.hooks.watchdog import abort_groups
+from tpflex_trainer.hooks.watchdog import abort_groups, dump_stacks
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,9 @@ FAILURE_CAUSES = frozenset({"gpu_failed"})
 # call). Aborting at once, while the others were recovering, left a gloo rank in a send
 # until the 60 s collective timeout in 3 of 9 XID 79 faults of the soak.
 FAILURE_ABORT_GRACE_S = 2.0
+# An abort that has not freed the rank's guarded collectives this long after it: the
+# rank's thread stacks go to its log (which collective, which group did not end)
+ABORT_CHECK_S = 5.0
 
 
 def plan_gpus(plan: types_pb2.Plan) -> set[tuple[str, int]]:
@@ -87,6 +92,8 @@ class GroupSockets:
         self.keep_ports = frozenset(keep_ports)  # peers never touched (controller, store)
         self._lock = threading.Lock()
         self._tracked: dict[int, str] = {}
+        self.last_shut: list[str] = []  # "fd:peer_port" of the last shutdown, for the log
+        self.last_skipped: dict[str, int] = {}  # why the others were not: count by reason
 
     @contextmanager
     def track(self) -> Iterator[None]:
@@ -109,25 +116,33 @@ class GroupSockets:
         many. A collective blocked on one of them fails at once."""
         with self._lock:
             tracked = dict(self._tracked)
-        n = 0
+        shut = []
+        skipped: dict[str, int] = {}
         for fd, link in tracked.items():
             try:
                 if os.readlink(f"/proc/self/fd/{fd}") != link:
+                    skipped["gone"] = skipped.get("gone", 0) + 1
                     continue
                 s = socket.socket(fileno=os.dup(fd))
             except OSError:
+                skipped["gone"] = skipped.get("gone", 0) + 1
                 continue
             try:
                 peer = s.getpeername()  # a listener has none: gloo ends the process if it fails
                 if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6) \
                         and peer[1] not in self.keep_ports:
                     s.shutdown(socket.SHUT_RDWR)
-                    n += 1
-            except OSError:
-                pass
+                    shut.append(f"{fd}:{peer[1]}")
+                else:
+                    skipped["kept"] = skipped.get("kept", 0) + 1
+            except OSError as exc:
+                key = errno.errorcode.get(exc.errno or 0, "error")
+                skipped[key] = skipped.get(key, 0) + 1
             finally:
                 s.close()  # the duplicate only: the group's descriptor stays its own
-        return n
+        self.last_skipped = skipped
+        self.last_shut = shut
+        return len(shut)
 
 
 class RoundAborts:
@@ -138,10 +153,12 @@ class RoundAborts:
     thread is building for the round itself."""
 
     def __init__(self, *, groups: Callable[[], Iterable], applied: Callable[[], tuple],
-                 active: Callable[[], bool], sockets: GroupSockets | None, label: str) -> None:
+                 active: Callable[[], bool], sockets: GroupSockets | None, label: str,
+                 guarded_since: Callable[[], float | None] = lambda: None) -> None:
         self._groups = groups  # -> the live process groups
         self._applied = applied  # -> (plan applied or None, restart epoch applied)
         self._active = active
+        self._guarded_since = guarded_since  # -> when the running guarded section began (monotonic)
         self.sockets = sockets  # gloo: whose connections an abort shuts down; NCCL: None
         self.label = label  # for the log: "job=... rank=..."
         self._lock = threading.Lock()
@@ -179,7 +196,22 @@ class RoundAborts:
     def abort(self, reason: str) -> None:
         """Abort every process group (NCCL: a blocked collective ends); with gloo, whose
         abort does nothing, shut the groups' connections down too."""
+        at = time.monotonic()
         abort_groups(self._groups(), reason)
         if self.sockets is not None:
-            log.warning("gloo connections shut down %s connections=%d reason=%s",
-                        self.label, self.sockets.shutdown(), reason)
+            n = self.sockets.shutdown()
+            log.warning("gloo connections shut down %s connections=%d tracked=%d skipped=%s reason=%s shut=%s",
+                        self.label, n, self.sockets.tracked(), self.sockets.last_skipped, reason,
+                        ",".join(self.sockets.last_shut))
+        timer = threading.Timer(ABORT_CHECK_S, self._check_freed, (at, reason))
+        timer.daemon = True
+        timer.start()
+
+    def _check_freed(self, aborted_at: float, reason: str) -> None:
+        """``ABORT_CHECK_S`` after an abort: a guarded section entered before it and still
+        running is a collective the abort did not end; its stacks go to the log."""
+        since = self._guarded_since()
+        if since is not None and since <= aborted_at:
+            log.error("abort did not end the collectives %s stuck_s=%.1f reason=%s", self.label,
+                      time.monotonic() - since, reason)
+            dump_stacks(f"abort did not end the collectives ({reason})")

@@ -55,7 +55,7 @@ from tpflex_trainer.hooks.rendezvous import (
     forget_generation,
     join_generation,
 )
-from tpflex_trainer.hooks.watchdog import Watchdog
+from tpflex_trainer.hooks.watchdog import Watchdog, dump_stacks
 from tpflex_trainer.ntp.config import GPTConfig
 from tpflex_trainer.ntp.errors import NtpError
 from tpflex_trainer.ntp.layout import Member, ReplicaPlacement
@@ -94,7 +94,7 @@ class TpflexHooks:
         self.aborts = RoundAborts(
             groups=lambda: self.runtime.group_cache.groups.values(), applied=lambda: (self.plan, self.epoch),
             active=lambda: self.active, sockets=sockets if self.backend == "gloo" else None,
-            label=f"job={config.job} rank={self.rank}")
+            label=f"job={config.job} rank={self.rank}", guarded_since=lambda: self.watchdog.since())
         self.runtime = NtpRuntime(
             model, self.spec.base_tp, self.me, adam=adam, seed=seed, train=train,
             timeout=timedelta(seconds=config.collective_timeout_s), stages=spec_stages(self.spec),
@@ -417,4 +417,5 @@ class TpflexHooks:
         """Watchdog thread: this rank's step has been stuck in collectives too long."""
         log.error("collective hang job=%s rank=%d generation=%d epoch=%d step=%d stuck_s=%.1f",
                   self.config.job, self.rank, self.generation, self.epoch, self.step, stuck_s)
+        dump_stacks(f"collective hang {stuck_s:.1f}s")
         self.aborts.abort(f"watchdog: stuck {stuck_s:.1f}s")

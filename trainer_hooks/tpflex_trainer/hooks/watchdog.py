@@ -14,7 +14,9 @@ the collective timeout); the same code runs, so the recovery path is one.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -23,6 +25,17 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+
+def dump_stacks(why: str) -> None:
+    """Every thread's Python stack to stderr (a rank's log), for a collective that does not
+    end: where the main thread waits says which group and which peer."""
+    log.warning("thread stacks follow why=%s", why)
+    try:
+        sys.stderr.flush()
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    except (OSError, ValueError, AttributeError) as exc:  # stderr closed or not a real file
+        log.info("thread stacks not dumped error=%s", exc)
 
 
 def abort_groups(groups: Iterable, reason: str) -> int:
@@ -70,6 +83,11 @@ class Watchdog:
         finally:
             with self._lock:
                 self._since = self._hung_at = None
+
+    def since(self) -> float | None:
+        """When the guarded section now running was entered (``clock``), or None."""
+        with self._lock:
+            return self._since
 
     def hung_s(self) -> float:
         """How long the guarded section has been stuck, once the watchdog fired; else 0."""
