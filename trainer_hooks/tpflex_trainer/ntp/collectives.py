@@ -6,9 +6,22 @@ few KB costs ~4.5 ms. For small tensors on gloo, ``all_reduce`` instead exchange
 whole tensor with every peer in one round of batched P2P and sums the contributions in
 group-rank order, so every member gets bit-identical results. Other cases (nccl, large
 tensors) use ``dist.all_reduce``.
+
+An exchange waits only for what it receives. gloo can leave a send waiting until the
+collective timeout after its peer's connection failed: a send queued for writing when the
+connection breaks is not told (``tcp::Pair::signalException`` signals queued sends that
+have a bound buffer, not an unbound one), and its pair is closed, so no abort reaches it.
+It hit the demo's norm exchange when a peer, failing elsewhere, closed its connections
+just after asking for our data (2 of 30 failures, a 60 s stall each). So each exchange
+sends a copy of the tensor, and its sends are waited for (reaped) at the next exchange on
+the group, once the same peer's contribution to that one has arrived: the peer started
+the next exchange only after it received ours, so the wait returns at once. A send to a
+peer that died is never waited for; it is dropped with the group.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -25,6 +38,11 @@ def _direct(tensor: torch.Tensor, group: dist.ProcessGroup) -> bool:
     )
 
 
+# group -> peer -> the sends of earlier exchanges to that peer, not waited for yet (each
+# with the copy it sends). Weak: a destroyed group takes its sends with it.
+_UNREAPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 class PendingAllReduce:
     """An all-reduce in flight; ``wait()`` leaves the result in the tensor."""
 
@@ -32,11 +50,11 @@ class PendingAllReduce:
         self.tensor, self.op = tensor, op
         self.done = False
         self.work = None
-        self.parts: list[torch.Tensor] = []
+        self.exchange: Exchange | None = None
         if not _direct(tensor, group):
             self.work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
             return
-        self.parts, self.works = exchange_start(tensor, group)
+        self.exchange = Exchange(tensor, group)
 
     def wait(self) -> torch.Tensor:
         """Idempotent: later calls return the result again."""
@@ -46,10 +64,9 @@ class PendingAllReduce:
         if self.work is not None:
             self.work.wait()
             return self.tensor
-        for w in self.works:
-            w.wait()
-        result = self.parts[0].clone()
-        for part in self.parts[1:]:
+        parts = self.exchange.wait()
+        result = parts[0].clone()
+        for part in parts[1:]:
             if self.op == dist.ReduceOp.MAX:
                 torch.maximum(result, part, out=result)
             else:
@@ -58,22 +75,37 @@ class PendingAllReduce:
         return self.tensor
 
 
-def exchange_start(tensor: torch.Tensor, group: dist.ProcessGroup) -> tuple[list[torch.Tensor], list]:
-    """Send ``tensor`` to every peer and post receives for theirs (one round, gloo P2P
-    called on the group directly to keep the per-message overhead low). Returns the
-    contributions in group-rank order (ours included) and the works to wait for."""
-    me, size = group.rank(), group.size()
-    parts: list[torch.Tensor] = []
-    works = []
-    for peer in range(size):
-        if peer == me:
-            parts.append(tensor)
-            continue
-        buf = torch.empty_like(tensor)
-        parts.append(buf)
-        works.append(group.send([tensor], peer, 0))
-        works.append(group.recv([buf], peer, 0))
-    return parts, works
+class Exchange:
+    """Send ``tensor`` to every peer of ``group`` and post receives for theirs (one round,
+    gloo P2P called on the group directly to keep the per-message overhead low); ``wait()``
+    returns the contributions in group-rank order (ours included). The caller may change
+    ``tensor`` as soon as this returns: a copy is sent."""
+
+    def __init__(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        me, size = group.rank(), group.size()
+        self.group = group
+        payload = tensor.detach().clone()
+        self.parts: list[torch.Tensor] = []
+        self.recvs: list[tuple[int, object]] = []
+        self.sends: dict[int, tuple[object, torch.Tensor]] = {}
+        for peer in range(size):
+            if peer == me:
+                self.parts.append(tensor)
+                continue
+            buf = torch.empty_like(tensor)
+            self.parts.append(buf)
+            self.sends[peer] = (group.send([payload], peer, 0), payload)
+            self.recvs.append((peer, group.recv([buf], peer, 0)))
+
+    def wait(self) -> list[torch.Tensor]:
+        earlier = _UNREAPED.setdefault(self.group, {})
+        for peer, work in self.recvs:
+            work.wait()
+            for send, _ in earlier.pop(peer, ()):  # the peer has them: it is past that exchange
+                send.wait()
+        for peer, send in self.sends.items():
+            earlier.setdefault(peer, []).append(send)
+        return self.parts
 
 
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
@@ -82,10 +114,7 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Ten
         out = [torch.empty_like(tensor) for _ in range(group.size())]
         dist.all_gather(out, tensor, group=group)
         return out
-    parts, works = exchange_start(tensor, group)
-    for w in works:
-        w.wait()
-    return parts
+    return Exchange(tensor, group).wait()
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:

@@ -1,0 +1,45 @@
+"""The small-tensor exchange behind ``all_reduce`` on gloo (``ntp.collectives``), with real
+gloo processes: it waits only for what it receives (a send can be left waiting by gloo
+after its peer's connection broke), sends a copy, and waits for its sends at the next
+exchange with the same peer, so none pile up."""
+
+from __future__ import annotations
+
+from tests.trainer.harness import run_workers
+
+
+def _exchange_without_waiting_for_the_send(rank: int, world_size: int) -> dict:
+    import torch
+    import torch.distributed as dist
+    from tpflex_trainer.ntp import collectives
+
+    store = dist.distributed_c10d._get_default_store()
+    group = dist.new_group([0, 1])
+    if rank == 0:
+        mine = torch.tensor([1.0, 2.0])
+        # rank 1 has sent its part but posts its receive only after this returns: waiting
+        # for our send to complete would wait for rank 1, which waits for us
+        parts = collectives.Exchange(mine, group).wait()
+        got = [p.tolist() for p in parts]
+        mine.fill_(-5.0)  # changed before rank 1 receives it: rank 1 must get what was sent
+        store.set("rank0-returned", b"1")
+        second = collectives.all_reduce(torch.tensor([10.0, 20.0]), group)
+        return {"parts": got, "second": second.tolist(),
+                "unreaped": {peer: len(sends) for peer, sends in collectives._UNREAPED[group].items()}}
+    theirs = torch.tensor([3.0, 4.0])
+    send = group.send([theirs], 0, 0)
+    store.wait(["rank0-returned"])  # the default timeout: a deadlock fails the test
+    buf = torch.empty(2)
+    group.recv([buf], 0, 0).wait()
+    send.wait()
+    second = collectives.all_reduce(torch.tensor([100.0, 200.0]), group)
+    return {"received": buf.tolist(), "second": second.tolist()}
+
+
+def test_an_exchange_returns_on_what_it_received_and_sends_a_copy():
+    out = run_workers(_exchange_without_waiting_for_the_send, 2, timeout_s=60)
+    assert out[0]["parts"] == [[1.0, 2.0], [3.0, 4.0]]
+    assert out[1]["received"] == [1.0, 2.0]  # the copy, not the tensor as changed afterwards
+    assert out[0]["second"] == out[1]["second"] == [110.0, 220.0]
+    # the first exchange's send was waited for in the second; only the second's is left
+    assert out[0]["unreaped"] == {1: 1}
