@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from tpflex_trainer.demo.data import global_batch  # noqa: F401  (the demo's data; re-exported)
+from tpflex_trainer.ntp import collectives
 from tpflex_trainer.ntp.config import GPTConfig
 from tpflex_trainer.ntp.errors import UnitsUnavailableError
 from tpflex_trainer.ntp.layout import Member, ReplicaPlacement
@@ -157,6 +158,7 @@ def run_scenario(rank: int, world_size: int, sc: Scenario) -> dict:
                 reports.append({"torn": _torn_step(rt, step)})
             if change.kill is not None:
                 if me == change.kill:
+                    collectives.flush_sends()  # the last step reached every peer before the death
                     os._exit(0)  # a GPU is gone: no goodbye to the peers
                 if change.mid_step:
                     reports.append({"step_failed": _step_fails(rt, step)})

@@ -16,15 +16,23 @@ just after asking for our data (2 of 30 failures, a 60 s stall each). So each ex
 sends a copy of the tensor, and its sends are waited for (reaped) at the next exchange on
 the group, once the same peer's contribution to that one has arrived: the peer started
 the next exchange only after it received ours, so the wait returns at once. A send to a
-peer that died is never waited for; it is dropped with the group.
+peer that died is never waited for; it is dropped with the group. A process that stops
+using its groups on purpose (``NtpRuntime.close``, a test's injected death "after the
+step") first waits for what it still has in flight (``flush_sends``), bounded: otherwise a
+peer still reading our last contribution would see the connection close under it.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 import weakref
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 DIRECT_MAX_BYTES = 256 * 1024
 DIRECT_MAX_RANKS = 16
@@ -106,6 +114,28 @@ class Exchange:
         for peer, send in self.sends.items():
             earlier.setdefault(peer, []).append(send)
         return self.parts
+
+
+def flush_sends(timeout_s: float = 10.0) -> int:
+    """Wait for every send of this process's exchanges not reaped yet, all together for at
+    most ``timeout_s`` (a peer that died leaves its send waiting: see the module doc), and
+    forget them. Returns how many did not complete."""
+    groups = list(_UNREAPED.items())
+    _UNREAPED.clear()
+    deadline = time.monotonic() + timeout_s
+    failed = 0
+    for _group, by_peer in groups:
+        for peer, sends in by_peer.items():
+            for work, _payload in sends:
+                left = deadline - time.monotonic()
+                try:
+                    if left <= 0:
+                        raise RuntimeError(f"no time left of {timeout_s:g} s")
+                    work.wait(timedelta(seconds=left))
+                except RuntimeError as exc:  # the peer is gone, or the wait timed out
+                    failed += 1
+                    log.warning("ntp a send to group rank %d did not complete: %s", peer, exc)
+    return failed
 
 
 def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:

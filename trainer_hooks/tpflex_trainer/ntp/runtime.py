@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tpflex_trainer.ntp import checkpoint as ckpt
-from tpflex_trainer.ntp import persist, torn
+from tpflex_trainer.ntp import collectives, persist, torn
 from tpflex_trainer.ntp.adapter import as_adapter
 from tpflex_trainer.ntp.config import REPLICATED
 from tpflex_trainer.ntp.errors import PlanError, UnitsUnavailableError
@@ -449,6 +449,9 @@ class NtpRuntime:
         gc.collect()  # autograd graphs of the failed step may still reference the groups
 
     def close(self) -> None:
+        """The end of this process's part in the job: lets its last contributions reach
+        the peers (``collectives.flush_sends``), then destroys its NTP groups."""
+        collectives.flush_sends()
         self._teardown()
         self.group_cache.close()
         self.state = self.undo = None

@@ -22,6 +22,7 @@ import logging
 import os
 from collections.abc import Mapping
 
+from tpflex_trainer.ntp import collectives
 from tpflex_trainer.ntp.layout import Member
 from tpflex_trainer.ntp.state import LocalState
 
@@ -59,6 +60,7 @@ class FaultHook:
         action, self.fault = self.fault[1], None  # a replay of the step runs clean
         if action == "exit":
             log.warning("test fault: process exits before the optimizer update step=%d", step)
+            collectives.flush_sends()  # dies after the step's last collective reached every peer
             os._exit(1)  # a rank gone inside the step: no goodbye to the peers
         raise InjectedFault(f"test fault: the last collective of step {step} failed before the optimizer update")
 
