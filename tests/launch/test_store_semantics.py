@@ -16,6 +16,7 @@ from tpflex_trainer.hooks.control import ControlConfig
 from tpflex_trainer.hooks.rendezvous import forget_generation
 from tpflex_trainer.hooks.store import ControllerStore
 
+from tests.support.ports import free_port
 from tests.support.wait import wait_until
 
 SHORT = timedelta(seconds=0.3)
@@ -98,6 +99,22 @@ def test_timeouts_raise_dist_store_error_after_the_store_timeout(served):
     assert time.monotonic() - t0 >= SHORT.total_seconds()
     with pytest.raises(dist.DistStoreError):
         store.wait(["missing"], timedelta(seconds=0.2))
+
+
+def test_a_short_timeout_bounds_waiting_for_keys_not_reaching_a_replica(served):
+    # the first endpoint is down: a set that gave up with the store's 1 ms timeout would
+    # fail before trying the live replica; waiting for a missing key still ends at once
+    down = f"127.0.0.1:{free_port()}"
+    store = ControllerStore(ControlConfig(endpoints=(down, served.endpoint), job=served.new_job(), rank=0),
+                            timeout=timedelta(milliseconds=1))
+    try:
+        store.set("k", b"v")
+        assert store.add("n", 2) == 2 and store.check(["k", "n"])
+        with pytest.raises(dist.DistStoreError, match="timed out"):
+            store.get("missing")
+        assert store.get("k") == b"v"
+    finally:
+        store.close()
 
 
 def test_a_blocked_get_or_wait_gives_up_when_told_through_a_prefix_store(served):

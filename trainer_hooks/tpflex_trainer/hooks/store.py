@@ -5,7 +5,9 @@ replica serves it; state in etcd), not through a process on one training host, s
 on any node can rendezvous as long as one controller replica is reachable. It follows the
 c10d Store contract: ``get``/``wait`` block until the keys exist or the store's timeout
 passes (then ``DistStoreError``), ``add`` keeps decimal counters, ``compare_set`` answers
-like TCPStore. Usable with ``init_process_group(store=...)`` on gloo and NCCL.
+like TCPStore. The timeout bounds waiting for keys; an operation that waits for none
+(``set``, ``add``, ...) gets at least one call's timeout to reach a replica, however short
+the store's is. Usable with ``init_process_group(store=...)`` on gloo and NCCL.
 
     store = ControllerStore(ControlConfig(endpoints=..., job=..., rank=...))
 
@@ -43,6 +45,13 @@ class ControllerStore(dist.Store):
         t = (timeout if timeout is not None else self.timeout).total_seconds()
         return time.monotonic() + (t if t > 0 else 365 * 86400.0)  # 0: c10d's "no timeout"
 
+    def _call_deadline(self) -> float:
+        """A non-blocking operation's deadline: the store's timeout, but never less than one
+        call's (``ControlConfig.call_timeout_s``). The timeout bounds waiting for keys to
+        appear; a short one must not fail a ``set`` whose first try met a replica that was
+        down, or a channel still connecting."""
+        return max(self._deadline(), time.monotonic() + self.config.call_timeout_s)
+
     def _op(self, fn, *args):
         try:
             return fn(*args)
@@ -52,7 +61,7 @@ class ControllerStore(dist.Store):
     # ---- the c10d Store interface ----
 
     def set(self, key: str, value) -> None:
-        self._op(self.client.set, key, _bytes(value), self._deadline())
+        self._op(self.client.set, key, _bytes(value), self._call_deadline())
 
     def get(self, key: str) -> bytes:
         value = self._op(self.client.get, key, self._deadline(), self.give_up)
@@ -61,10 +70,10 @@ class ControllerStore(dist.Store):
         return value
 
     def add(self, key: str, value: int) -> int:
-        return self._op(self.client.add, key, int(value), self._deadline())
+        return self._op(self.client.add, key, int(value), self._call_deadline())
 
     def check(self, keys: Sequence[str]) -> bool:
-        return self._op(self.client.check, list(keys), self._deadline())
+        return self._op(self.client.check, list(keys), self._call_deadline())
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         if not self._op(self.client.wait, list(keys), self._deadline(timeout), self.give_up):
@@ -75,13 +84,13 @@ class ControllerStore(dist.Store):
         return "given up (a newer round)" if self.give_up is not None and self.give_up() else f"timed out after {waited}"
 
     def compare_set(self, key: str, expected_value, desired_value) -> bytes:
-        return self._op(self.client.compare_set, key, _bytes(expected_value), _bytes(desired_value), self._deadline())
+        return self._op(self.client.compare_set, key, _bytes(expected_value), _bytes(desired_value), self._call_deadline())
 
     def delete_key(self, key: str) -> bool:
-        return self._op(self.client.delete_key, key, self._deadline())
+        return self._op(self.client.delete_key, key, self._call_deadline())
 
     def num_keys(self) -> int:
-        return self._op(self.client.num_keys, self._deadline())
+        return self._op(self.client.num_keys, self._call_deadline())
 
     def clone(self) -> ControllerStore:
         twin = ControllerStore(self.config, self.timeout)
@@ -92,7 +101,7 @@ class ControllerStore(dist.Store):
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every key starting with ``prefix`` (the hooks drop finished generations)."""
-        return self._op(self.client.delete_prefix, prefix, self._deadline())
+        return self._op(self.client.delete_prefix, prefix, self._call_deadline())
 
     def close(self) -> None:
         self.client.close()
