@@ -97,5 +97,6 @@ def test_a_flush_gives_up_on_a_send_to_a_dead_peer_within_its_bound():
     out = run_workers(_flush_to_a_dead_peer, 2, timeout_s=60, expect_exits=1)
     assert out[0]["parts"] == [[2.0], [1.0]]
     assert out[0]["failed"] == 1 and out[0]["left"] == 0
-    # the bound, not the group's 30 s collective timeout, ends the wait
+    # it ends long before the group's 30 s collective timeout: here gloo reports the closed
+    # connection; where it leaves the send queued (see ntp.collectives), the bound ends it
     assert out[0]["took_s"] < 20.0, out[0]
