@@ -2,8 +2,9 @@
 same path with no decision in it.
 
 A stand-in controller process (the project's etcd client, as the controller uses it)
-watches ``health/`` and, on each event, commits a prebuilt transaction shaped like one
-failure's commit at 262,144 GPUs (``--compares`` mod-revision compares, ``--ops`` puts of
+watches its whole prefix, as the controller's informer does (so etcd also sends it its own
+commits; ``--no-watch-own``: ``health/`` only), and, on each health event, commits a
+prebuilt transaction shaped like one failure's commit at 262,144 GPUs (``--compares`` mod-revision compares, ``--ops`` puts of
 ``--bytes`` in all, the plan header last); no planning, encoding or view. This process
 writes each failure's health record and times it to the plan's arrival at its own watch,
 as ``controller_scale`` does. What is left between the two benches' failure->commit is
@@ -39,7 +40,7 @@ from tpflex_proto.etcd import Cmp, Etcd, Op
 from bench.controller_scale import _put_p50_ms  # the same bare-put probe
 
 
-def _standin(endpoint: str, ops: int, size: int, compares: int) -> int:
+def _standin(endpoint: str, ops: int, size: int, compares: int, watch_own: bool = False) -> int:
     etcd = Etcd([endpoint], timeout=10.0)
     fenced = [f"/floor/power/{i}" for i in range(compares)]
     for key in fenced:
@@ -50,7 +51,9 @@ def _standin(endpoint: str, ops: int, size: int, compares: int) -> int:
     count = [0]
 
     def on_events(events) -> None:
-        for _ in events:
+        for ev in events:
+            if watch_own and not ev.key.startswith("/floor/health/"):
+                continue
             seen = time.perf_counter()
             count[0] += 1
             cmps = [Cmp.mod_revision(k, "==", r) for k, r in revs.items()]
@@ -58,7 +61,7 @@ def _standin(endpoint: str, ops: int, size: int, compares: int) -> int:
             etcd.txn(cmps, [*puts, Op.put("/floor/plan", str(count[0]).encode())])
             stamps.append((seen, time.perf_counter()))
 
-    watch = etcd.watch_prefix("/floor/health/", on_events)
+    watch = etcd.watch_prefix("/floor/" if watch_own else "/floor/health/", on_events)
     if not watch.established.wait(10):
         return 1
     print("ready", flush=True)
@@ -81,18 +84,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ops", type=int, default=24, help="puts in the commit (default: one failure's, 24)")
     ap.add_argument("--bytes", type=int, default=6_500, help="bytes put by the commit (default 6,500)")
     ap.add_argument("--compares", type=int, default=20, help="mod-revision compares (default 20)")
+    ap.add_argument("--watch-own", action=argparse.BooleanOptionalAction, default=True,
+                    help="the stand-in watches its own commits too (/floor/, as the controller's"
+                    " informer watches /tpflex/v1/; default) or only the health writes")
     args = ap.parse_args(argv)
     if min(args.failures, args.ops, args.bytes, args.compares) < 1:
         ap.error("--failures, --ops, --bytes and --compares must be at least 1")
     if args.standin:
-        return _standin(args.standin, args.ops, args.bytes, args.compares)
+        return _standin(args.standin, args.ops, args.bytes, args.compares, args.watch_own)
     from tests.support.etcd_server import EtcdCluster
 
     with EtcdCluster(1) as cluster:
         etcd = Etcd(cluster.endpoints, timeout=10.0)
         standin = subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--standin", cluster.endpoints[0],
-             "--ops", str(args.ops), "--bytes", str(args.bytes), "--compares", str(args.compares)],
+             "--ops", str(args.ops), "--bytes", str(args.bytes), "--compares", str(args.compares),
+             "--watch-own" if args.watch_own else "--no-watch-own"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         )
@@ -141,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         "ops": args.ops,
         "bytes": args.bytes,
         "compares": args.compares,
+        "watch_own": args.watch_own,
     }))
     return 0
 

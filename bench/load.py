@@ -31,10 +31,14 @@ hits and shared renders over cacheable GETs, from its /metrics after the paced l
 ``bench/rest_clients.py`` in its own process; ``rest_offered_rps``,
 ``rest_achieved_rps`` and ``rest_generator_lag_p99_ms`` say what it was), then the
 saturating load (the same clients back to back, no think time):
-``rest_saturated_rps`` / ``rest_saturated_p99_ms``; ``failure_to_commit_p99_ms_during_rest_load``
-covers failures written during the paced load, ``..._without_rest_load`` those outside
-both loads; plus the run's parameters and baselines measured in the same run
-(``etcd_put_p99_ms``, ``rest_single_client_p99_ms``).
+``rest_saturated_rps`` / ``rest_saturated_p99_ms``. The paced load runs in cycles of ON
+seconds of load and OFF seconds of none (``--rest-on-off``, ``rest_on_off_s``, after the
+first minute): ``failure_to_commit_p99_ms_during_rest_load`` covers failures written in its
+ON windows, ``..._without_rest_load`` those written in the OFF windows between them, so
+that both come from one interleaved stretch of the run rather than from its different
+halves (``..._outside_rest_phases``: those outside both loads, the warm-up included);
+plus the run's parameters and baselines measured in the same run (``etcd_put_p99_ms``,
+``rest_single_client_p99_ms``).
 
 Debugging: ``TPFLEX_LOAD_DEBUG=1`` prints each wrong decision (with the states it was
 judged on) and the controller's log; ``TPFLEX_LOAD_DUMP=<file>`` pickles the checks' inputs
@@ -392,6 +396,13 @@ def _failure_to_commit_ms(log: PlanLog, fleet: NodeFleet, checker: DecisionCheck
     return out
 
 
+def rest_windows(on: list, off_s: float) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The paced load's ON windows (``rest_clients``' ``windows``) and the OFF window after
+    each (``off_s`` long): the stretches with and without REST load."""
+    ons = [(float(a), float(b)) for a, b in on]
+    return ons, [(b, b + off_s) for _, b in ons]
+
+
 def _dump(path: Path, racks, jobs, plans, events, losses) -> None:
     """The offline checks' inputs as one pickle (debug: ``TPFLEX_LOAD_DUMP=path``)."""
     import pickle
@@ -427,7 +438,11 @@ def _rest_into(out: dict, url: str, paths: list[str], args, pid: int) -> None:
     rest_cpu = _cpu_s(child) if child else 0.0
     out["open"] = _clients(url, paths, "--mode", "open", "--clients", str(args.rest_clients),
                            "--rate", str(args.rest_rate), "--seconds", str(args.rest_seconds),
+                           "--on-off", f"{args.rest_on_off[0]},{args.rest_on_off[1]}",
                            "--processes", str(args.rest_processes))
+    windows = out["open"].get("windows") or []
+    if windows:  # the last ON window's OFF window, before the saturating load
+        time.sleep(max(0.0, windows[-1][1] + args.rest_on_off[1] - time.monotonic()))
     out["end"], out["cpu_s"] = time.monotonic(), _cpu_s(pid) - cpu
     out["rest_cpu_s"] = _cpu_s(child) - rest_cpu if child else -1.0
     out["cache"] = _cache_counts(url)
@@ -514,7 +529,8 @@ def _run(args, workdir: Path) -> dict:
                 node_get.append((time.monotonic() - t) * 1000)
         rest: dict = {}
         end = time.monotonic() + args.minutes * 60
-        rest_at = time.monotonic() + args.minutes * 60 * 0.5
+        # the paced REST load starts after the warm-up (or a quarter of a short run)
+        rest_at = time.monotonic() + min(60.0, args.minutes * 60 * 0.25)
         rest_thread = None
         warmup_at, rss_warm = time.monotonic() + 60.0, -1.0
         interval = 60.0 / args.rate
@@ -572,8 +588,13 @@ def _run(args, workdir: Path) -> dict:
         window = (rest["start"], rest["end"]) if "end" in rest else None
         saturated = (rest["saturated_start"], rest["saturated_end"]) if "saturated_end" in rest else None
         loaded = [w for w in (window, saturated) if w is not None]
-        f2c_quiet = _failure_to_commit_ms(log, fleet, checker, loaded, inside=False)
-        f2c_rest = _failure_to_commit_ms(log, fleet, checker, [window], inside=True) if window else []
+        # with and without REST load: the paced load's ON windows and the OFF windows between
+        # them, interleaved over one stretch, so that both sides see the same drift of this
+        # machine (a run's first and second halves differed by up to 3x in p99 on their own)
+        on, off = rest_windows(rest.get("open", {}).get("windows", []), args.rest_on_off[1])
+        f2c_quiet = _failure_to_commit_ms(log, fleet, checker, off, inside=True) if off else []
+        f2c_rest = _failure_to_commit_ms(log, fleet, checker, on, inside=True) if on else []
+        f2c_outside = _failure_to_commit_ms(log, fleet, checker, loaded, inside=False)
         f2c_saturated = _failure_to_commit_ms(log, fleet, checker, [saturated], inside=True) if saturated else []
         paced, closed, healthz = rest.get("open", {}), rest.get("closed", {}), rest.get("healthz", {})
         alive = ctl.poll() is None
@@ -600,7 +621,10 @@ def _run(args, workdir: Path) -> dict:
             "failure_to_commit_p99_ms_during_rest_load": _pct(f2c_rest, 0.99),
             "failure_to_commit_p99_ms_during_saturated_rest": _pct(f2c_saturated, 0.99),
             "failures_without_rest_load": len(f2c_quiet), "failures_during_rest_load": len(f2c_rest),
-            "rest_load_s": round(window[1] - window[0], 1) if window else 0.0, "final_state_wrong": final_wrong,
+            "failure_to_commit_p99_ms_outside_rest_phases": _pct(f2c_outside, 0.99),
+            "failures_outside_rest_phases": len(f2c_outside),
+            "rest_on_off_s": list(args.rest_on_off), "rest_windows": len(on),
+            "rest_load_s": round(sum(b - a for a, b in on), 1), "final_state_wrong": final_wrong,
             "rest_clients": args.rest_clients, "rest_requests": paced.get("requests", 0),
             "rest_errors": paced.get("errors", {}),
             "rest_saturated_rps": closed.get("achieved_rps", -1.0), "rest_saturated_p99_ms": closed.get("p99_ms", -1.0),
@@ -611,6 +635,7 @@ def _run(args, workdir: Path) -> dict:
             "rest_healthz_saturated_rps": healthz.get("achieved_rps", -1.0),
             "controller_cpu_s_during_rest_load": round(rest.get("cpu_s", -1.0), 1),
             "rest_process_cpu_s_during_rest_load": round(rest.get("rest_cpu_s", -1.0), 1),
+            "rest_generator_cpu_s": paced.get("cpu_s", -1.0),
             "rest_process": rest_pid is not None, "rest_nice": args.rest_nice if args.rest_nice is not None else _default_rest_nice(),
             "rest_cache_hit_ratio": _hit_ratio(rest.get("cache", {})),
             "rest_rss_start_mb": rest_rss["start"], "rest_rss_after_warmup_mb": rest_rss.get("warm", -1.0),
@@ -646,7 +671,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rest-rate", type=float, default=0.5,
                    help="requests a second per REST client (open loop: a user polling every 2 s)")
     p.add_argument("--rest-seconds", type=float, default=None,
-                   help="how long the paced REST load runs (default: 40%% of the injection, at most 120 s)")
+                   help="how long the paced REST load's stretch runs, ON and OFF windows together"
+                   " (default: 60%% of the injection, at most 360 s)")
+    p.add_argument("--rest-on-off", metavar="ON,OFF", default=None,
+                   help="the paced load's cycle: ON seconds of load, OFF seconds of none; failure->commit"
+                   " during and without REST load come from these windows (default: 30,30, shorter in"
+                   " short runs)")
     p.add_argument("--rest-processes", type=int, default=1, help="processes of the REST load generator")
     p.add_argument("--rest-requests", type=int, default=5, help="saturation run: GETs per REST client")
     p.add_argument("--rest-nice", type=int, default=None, choices=range(20), metavar="0..19",
@@ -655,7 +685,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=8)
     args = p.parse_args(argv)
     if args.rest_seconds is None:
-        args.rest_seconds = min(120.0, args.minutes * 60 * 0.4)
+        args.rest_seconds = min(360.0, args.minutes * 60 * 0.6)
+    if args.rest_on_off is None:  # at least three cycles, at most a minute each
+        half = min(30.0, args.rest_seconds / 6)
+        args.rest_on_off = (half, half)
+    else:
+        try:
+            args.rest_on_off = tuple(float(x) for x in args.rest_on_off.split(","))
+        except ValueError:
+            args.rest_on_off = ()
+        if len(args.rest_on_off) != 2 or not all(0 < x <= 3600 for x in args.rest_on_off):
+            p.error("--rest-on-off: want ON,OFF, two durations in seconds, each in (0, 3600]")
     if not (1 <= args.nodes <= 20_000 and 0 < args.minutes <= 10 and 0 < args.rate <= 10_000):
         p.error("need 1 <= nodes <= 20000, 0 < minutes <= 10, 0 < rate <= 10000")
     with tempfile.TemporaryDirectory(prefix="tpflex-load-") as d:

@@ -11,14 +11,20 @@ Two modes, one JSON line on stdout each:
   sent when due, whether or not the client's previous one has returned (open loop), so
   latency includes the server's queueing; it is timed from the moment it was sent, and the
   generator's own lateness (sent - due) is reported apart as ``lag_p99_ms``: when that is
-  not small, the generator, not the server, was the bottleneck.
+  not small, the generator, not the server, was the bottleneck. With ``--on-off ON,OFF``
+  the schedule is cut into cycles of ON seconds of load then OFF seconds of none (the
+  requests due in an OFF stretch are not sent), so that a caller can compare what it
+  measures with and without the load in interleaved windows of one run; ``windows``
+  lists the ON stretches as [start, end] on ``time.monotonic()`` (CLOCK_MONOTONIC, the
+  same in every process of the machine) and ``achieved_rps`` is over their sum.
 - ``closed`` (saturation): every client issues ``--requests`` GETs back to back with no
   think time; ``rps`` is then the server's throughput under saturation (latency there is
   queueing by construction: clients / throughput).
 
 Keys: ``mode``, ``clients``, ``rate_per_client``, ``offered_rps``, ``achieved_rps``,
 ``requests``, ``errors``, ``p50_ms``, ``p99_ms``, ``max_ms``, ``lag_p99_ms``,
-``duration_s``, ``latencies_ms`` (with ``--raw``).
+``duration_s``, ``cpu_s`` (the generator's own CPU time, its workers' included), ``on_s`` and
+``windows`` (open), ``latencies_ms`` (with ``--raw``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing
+import resource
 import sys
 import time
 
@@ -74,8 +81,22 @@ class _Conn:
         self.writer.close()
 
 
+def on_windows(start: float, seconds: float, on_off: tuple[float, float] | None) -> list[tuple[float, float]]:
+    """The stretches of ``[start, start + seconds)`` in which the open loop sends: all of it,
+    or each cycle's first ON seconds."""
+    if on_off is None:
+        return [(start, start + seconds)]
+    on, off = on_off
+    out, t = [], start
+    while t < start + seconds:
+        out.append((t, min(t + on, start + seconds)))
+        t += on + off
+    return out
+
+
 async def _open(url: str, paths: list[str], first: int, clients: int, total: int, rate: float,
-                seconds: float, start: float) -> tuple[list[float], list[float], dict]:
+                seconds: float, start: float, on_off: tuple[float, float] | None = None
+                ) -> tuple[list[float], list[float], dict]:
     lat: list[float] = []
     lag: list[float] = []
     errors: dict[str, int] = {}
@@ -116,6 +137,9 @@ async def _open(url: str, paths: list[str], first: int, clients: int, total: int
         pending = []
         k = 0
         while (due := start + offset + k * period) < start + seconds:
+            if on_off is not None and (due - start) % (on_off[0] + on_off[1]) >= on_off[0]:
+                k += 1  # due in an OFF stretch: not sent
+                continue
             await asyncio.sleep(max(0.0, due - time.monotonic()))
             pending.append(asyncio.ensure_future(one(idle, paths[(i + k) % len(paths)], due)))
             k += 1
@@ -150,10 +174,19 @@ async def _closed(url: str, paths: list[str], first: int, clients: int, per_clie
 
 def _worker(args: argparse.Namespace, paths: list[str], first: int, count: int, start: float, out) -> None:
     if args.mode == "open":
-        res = asyncio.run(_open(args.url, paths, first, count, args.clients, args.rate, args.seconds, start))
+        res = asyncio.run(_open(args.url, paths, first, count, args.clients, args.rate, args.seconds, start,
+                                _on_off(args)))
     else:
         res = asyncio.run(_closed(args.url, paths, first, count, args.requests))
     out.put(res)
+
+
+def _on_off(args: argparse.Namespace) -> tuple[float, float] | None:
+    spec = getattr(args, "on_off", None)
+    if not spec:
+        return None
+    on, off = (float(x) for x in spec.split(","))
+    return on, off
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -182,16 +215,24 @@ def run(args: argparse.Namespace) -> dict:
             errors[k] = errors.get(k, 0) + v
     for p in workers:
         p.join()
+    cpu = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+              for f in ("ru_utime", "ru_stime"))
     duration = time.monotonic() - (start if args.mode == "open" else t0)
+    windows = on_windows(start, args.seconds, _on_off(args)) if args.mode == "open" else []
+    on_s = sum(b - a for a, b in windows)
+    busy = min(on_s, duration) if args.mode == "open" and _on_off(args) is not None else duration
     out = {
         "mode": args.mode, "clients": args.clients, "processes": procs,
         "rate_per_client": args.rate if args.mode == "open" else None,
         "offered_rps": round(args.clients * args.rate, 1) if args.mode == "open" else None,
-        "achieved_rps": round(len(lat) / duration, 1) if duration > 0 else -1.0,
+        "achieved_rps": round(len(lat) / busy, 1) if busy > 0 else -1.0,
         "requests": len(lat), "errors": errors, "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99),
         "max_ms": round(max(lat), 2) if lat else -1.0, "lag_p99_ms": _pct(lag, 0.99),
-        "duration_s": round(duration, 1),
+        "duration_s": round(duration, 1), "cpu_s": round(cpu, 1),
     }
+    if args.mode == "open":
+        out["on_s"] = round(on_s, 3)
+        out["windows"] = [[round(a, 3), round(b, 3)] for a, b in windows]
     if args.raw:
         out["latencies_ms"] = [round(x, 2) for x in lat]
     return out
@@ -206,9 +247,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=0.5, help="open: requests a second per client")
     p.add_argument("--seconds", type=float, default=30.0, help="open: how long")
     p.add_argument("--requests", type=int, default=5, help="closed: GETs per client")
+    p.add_argument("--on-off", metavar="ON,OFF",
+                   help="open: cycles of ON seconds of load and OFF seconds of none (default: load throughout)")
     p.add_argument("--processes", type=int, default=1)
     p.add_argument("--raw", action="store_true", help="add every latency")
     args = p.parse_args(argv)
+    if args.on_off is not None:
+        try:
+            on, off = _on_off(args)
+        except ValueError:
+            p.error(f"--on-off: want two numbers of seconds, ON,OFF (got {args.on_off!r})")
+        if not (0 < on <= 3600 and 0 <= off <= 3600):
+            p.error(f"--on-off: need 0 < ON <= 3600 and 0 <= OFF <= 3600 (got {args.on_off!r})")
     if not (1 <= args.clients <= 10_000 and 0 < args.rate <= 100 and 0 < args.seconds <= 3600
             and 1 <= args.requests <= 10_000 and 1 <= args.processes <= 16):
         p.error("need 1 <= clients <= 10000, 0 < rate <= 100, 0 < seconds <= 3600, "
