@@ -268,14 +268,15 @@ def _rss_mb(pid: int) -> float:
     return -1.0
 
 
-def _clients(url: str, paths: list[str], *extra: str) -> dict:
-    """Run bench/rest_clients.py in its own processes; its JSON line."""
+def _clients(url: str, paths: list[str], *extra: str, nice: int = 0) -> dict:
+    """Run bench/rest_clients.py in its own processes (``nice`` added to their niceness);
+    its JSON line."""
     root = str(Path(__file__).resolve().parent.parent)
     cmd = [sys.executable, "-m", "bench.rest_clients", "--url", url, "--paths", ",".join(paths), *extra]
     env = {**os.environ, "PYTHONPATH": root}
     # its own session: the bench stops the generator and its workers as one group
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root,
-                            env=env, start_new_session=True)
+                            env=env, start_new_session=True, preexec_fn=(lambda: os.nice(nice)) if nice else None)
     _GENERATORS.append(proc)
     out, err = proc.communicate(timeout=900)
     if proc.returncode != 0:
@@ -439,7 +440,7 @@ def _rest_into(out: dict, url: str, paths: list[str], args, pid: int) -> None:
     out["open"] = _clients(url, paths, "--mode", "open", "--clients", str(args.rest_clients),
                            "--rate", str(args.rest_rate), "--seconds", str(args.rest_seconds),
                            "--on-off", f"{args.rest_on_off[0]},{args.rest_on_off[1]}",
-                           "--processes", str(args.rest_processes))
+                           "--processes", str(args.rest_processes), nice=args.rest_generator_nice)
     windows = out["open"].get("windows") or []
     if windows:  # the last ON window's OFF window, before the saturating load
         time.sleep(max(0.0, windows[-1][1] + args.rest_on_off[1] - time.monotonic()))
@@ -619,6 +620,8 @@ def _run(args, workdir: Path) -> dict:
             "failure_to_commit_p50_ms": _pct(f2c, 0.5),
             "failure_to_commit_p99_ms_without_rest_load": _pct(f2c_quiet, 0.99),
             "failure_to_commit_p99_ms_during_rest_load": _pct(f2c_rest, 0.99),
+            "failure_to_commit_p50_ms_without_rest_load": _pct(f2c_quiet, 0.5),
+            "failure_to_commit_p50_ms_during_rest_load": _pct(f2c_rest, 0.5),
             "failure_to_commit_p99_ms_during_saturated_rest": _pct(f2c_saturated, 0.99),
             "failures_without_rest_load": len(f2c_quiet), "failures_during_rest_load": len(f2c_rest),
             "failure_to_commit_p99_ms_outside_rest_phases": _pct(f2c_outside, 0.99),
@@ -635,7 +638,7 @@ def _run(args, workdir: Path) -> dict:
             "rest_healthz_saturated_rps": healthz.get("achieved_rps", -1.0),
             "controller_cpu_s_during_rest_load": round(rest.get("cpu_s", -1.0), 1),
             "rest_process_cpu_s_during_rest_load": round(rest.get("rest_cpu_s", -1.0), 1),
-            "rest_generator_cpu_s": paced.get("cpu_s", -1.0),
+            "rest_generator_cpu_s": paced.get("cpu_s", -1.0), "rest_generator_nice": args.rest_generator_nice,
             "rest_process": rest_pid is not None, "rest_nice": args.rest_nice if args.rest_nice is not None else _default_rest_nice(),
             "rest_cache_hit_ratio": _hit_ratio(rest.get("cache", {})),
             "rest_rss_start_mb": rest_rss["start"], "rest_rss_after_warmup_mb": rest_rss.get("warm", -1.0),
@@ -675,19 +678,22 @@ def main(argv: list[str] | None = None) -> int:
                    " (default: 60%% of the injection, at most 360 s)")
     p.add_argument("--rest-on-off", metavar="ON,OFF", default=None,
                    help="the paced load's cycle: ON seconds of load, OFF seconds of none; failure->commit"
-                   " during and without REST load come from these windows (default: 30,30, shorter in"
+                   " during and without REST load come from these windows (default: 10,10, shorter in"
                    " short runs)")
     p.add_argument("--rest-processes", type=int, default=1, help="processes of the REST load generator")
     p.add_argument("--rest-requests", type=int, default=5, help="saturation run: GETs per REST client")
     p.add_argument("--rest-nice", type=int, default=None, choices=range(20), metavar="0..19",
                    help="the controller's rest.nice (niceness of its REST process; default: the"
                    " controller's default)")
+    p.add_argument("--rest-generator-nice", type=int, default=0, choices=range(20), metavar="0..19",
+                   help="niceness of the paced REST load's generator (it stands for clients on other"
+                   " machines; default 0: it competes for this machine's CPUs like any process)")
     p.add_argument("--seed", type=int, default=8)
     args = p.parse_args(argv)
     if args.rest_seconds is None:
         args.rest_seconds = min(360.0, args.minutes * 60 * 0.6)
-    if args.rest_on_off is None:  # at least three cycles, at most a minute each
-        half = min(30.0, args.rest_seconds / 6)
+    if args.rest_on_off is None:  # at least three cycles, at most 20 s each: a slow patch
+        half = min(10.0, args.rest_seconds / 6)  # of this VM (seconds) falls on both sides
         args.rest_on_off = (half, half)
     else:
         try:

@@ -99,6 +99,13 @@ class RestSection(_Listener):
     response_cache_mb: int = Field(
         64, ge=1, le=65_536, description="at most this many MiB of cached response bodies",
     )
+    keep_alive_s: float = Field(
+        75.0, gt=0, le=3600,
+        description="an idle HTTP keep-alive connection is closed after this many seconds"
+        " (uvicorn's own default, 5 s, is shorter than a dashboard's poll or a load balancer's"
+        " idle timeout, 60 s on common ones: each poll would reconnect, and a balancer could"
+        " send a request on a connection the server is closing)",
+    )
     nice: int = Field(
         10, ge=0, le=19,
         description="niceness added to the REST process (os.nice): under CPU contention the"

@@ -4,10 +4,10 @@ server: the open loop sends exactly its schedule, the closed loop its request co
 from __future__ import annotations
 
 import argparse
-
-from fastapi import FastAPI
+import time
 
 import pytest
+from fastapi import FastAPI
 
 from bench.rest_clients import main, run
 from tests.controller.api_harness import ServedApp
@@ -53,8 +53,6 @@ def test_on_off_sends_only_the_requests_due_in_its_on_windows_and_lists_them():
 
     @app.get("/a")
     async def a() -> dict:
-        import time
-
         seen.append(time.monotonic())
         return {}
 

@@ -143,7 +143,7 @@ def _serve(settings: ControllerSettings, listen_fd: int, link_fd: int, parent: i
         app = stalls.SlowRequests(app, log=stall)
     server = uvicorn.Server(uvicorn.Config(
         app, log_level="warning", ssl_certfile=r.tls_cert_file or None,
-        ssl_keyfile=r.tls_key_file or None, lifespan="off",
+        ssl_keyfile=r.tls_key_file or None, lifespan="off", timeout_keep_alive=r.keep_alive_s,
         timeout_graceful_shutdown=2,  # open console streams never end by themselves
     ))
     threading.Thread(target=_exit_with_parent, args=(parent, server), daemon=True).start()
