@@ -73,6 +73,7 @@ from tpflex_proto.etcd import Etcd, EtcdError, Op
 
 from bench.lease_keeper import LeaseKeeper
 from bench.load_oracle import InvariantOracle, JobState, follow, job_states
+from bench.rest_clients import parse_on_off
 from tests.support.etcd_server import EtcdCluster
 from tests.support.ports import free_ports
 
@@ -697,11 +698,11 @@ def main(argv: list[str] | None = None) -> int:
         args.rest_on_off = (half, half)
     else:
         try:
-            args.rest_on_off = tuple(float(x) for x in args.rest_on_off.split(","))
-        except ValueError:
-            args.rest_on_off = ()
-        if len(args.rest_on_off) != 2 or not all(0 < x <= 3600 for x in args.rest_on_off):
-            p.error("--rest-on-off: want ON,OFF, two durations in seconds, each in (0, 3600]")
+            args.rest_on_off = parse_on_off(args.rest_on_off)
+        except ValueError as exc:
+            p.error(f"--rest-on-off: {exc}")
+        if args.rest_on_off[1] == 0:  # the OFF windows are the baseline
+            p.error("--rest-on-off: OFF must be more than 0 seconds")
     if not (1 <= args.nodes <= 20_000 and 0 < args.minutes <= 10 and 0 < args.rate <= 10_000):
         p.error("need 1 <= nodes <= 20000, 0 < minutes <= 10, 0 < rate <= 10000")
     with tempfile.TemporaryDirectory(prefix="tpflex-load-") as d:

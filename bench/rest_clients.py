@@ -181,12 +181,21 @@ def _worker(args: argparse.Namespace, paths: list[str], first: int, count: int, 
     out.put(res)
 
 
+def parse_on_off(spec: str) -> tuple[float, float]:
+    """``"ON,OFF"`` as seconds (0 < ON <= 3600, 0 <= OFF <= 3600); ValueError with a
+    message otherwise."""
+    try:
+        on, off = (float(x) for x in spec.split(","))
+    except ValueError:
+        raise ValueError(f"want two numbers of seconds, ON,OFF (got {spec!r})") from None
+    if not (0 < on <= 3600 and 0 <= off <= 3600):
+        raise ValueError(f"need 0 < ON <= 3600 and 0 <= OFF <= 3600 (got {spec!r})")
+    return on, off
+
+
 def _on_off(args: argparse.Namespace) -> tuple[float, float] | None:
     spec = getattr(args, "on_off", None)
-    if not spec:
-        return None
-    on, off = (float(x) for x in spec.split(","))
-    return on, off
+    return parse_on_off(spec) if spec else None
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -254,11 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.on_off is not None:
         try:
-            on, off = _on_off(args)
-        except ValueError:
-            p.error(f"--on-off: want two numbers of seconds, ON,OFF (got {args.on_off!r})")
-        if not (0 < on <= 3600 and 0 <= off <= 3600):
-            p.error(f"--on-off: need 0 < ON <= 3600 and 0 <= OFF <= 3600 (got {args.on_off!r})")
+            parse_on_off(args.on_off)
+        except ValueError as exc:
+            p.error(f"--on-off: {exc}")
     if not (1 <= args.clients <= 10_000 and 0 < args.rate <= 100 and 0 < args.seconds <= 3600
             and 1 <= args.requests <= 10_000 and 1 <= args.processes <= 16):
         p.error("need 1 <= clients <= 10000, 0 < rate <= 100, 0 < seconds <= 3600, "
