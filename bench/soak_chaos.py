@@ -15,11 +15,16 @@ import threading
 import time
 from pathlib import Path
 
+from tpflex_controller.devtools.etcd_server import EtcdCluster
+from tpflex_controller.devtools.ports import free_ports
 from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, planstore, types_pb2
-from tpflex_proto.devtools.etcd_server import EtcdCluster
-from tpflex_proto.devtools.ports import free_ports
 from tpflex_proto.etcd import Etcd
-from tpflex_trainer.demo.cluster import DemoCluster, DemoPorts, RackLayout, check_ports_free
+from tpflex_trainer.demo.cluster import (
+    DemoCluster,
+    DemoPorts,
+    RackLayout,
+    check_ports_free,
+)
 from tpflex_trainer.demo.launcher import demo_job_spec, worker_preload
 from tpflex_trainer.demo.model import DEMO_MODEL
 from tpflex_trainer.hooks.config import write_spec

@@ -17,9 +17,9 @@ import uvicorn
 from tpflex_controller import cli, cli_http
 from tpflex_controller.api import create_app
 from tpflex_controller.api.cache import ApiStateCache
+from tpflex_controller.devtools.secure_etcd import CertSet, make_dev_certs
 from tpflex_controller.store import Store
 from tpflex_proto import codec, keys, types_pb2
-from tpflex_proto.devtools.secure_etcd import CertSet, make_dev_certs
 from tpflex_proto.etcd import Etcd
 
 from tests.controller import api_harness as h

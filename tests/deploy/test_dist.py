@@ -85,3 +85,27 @@ def test_wheels_declare_ranges_a_license_and_a_version_from_git(dist):
     with zipfile.ZipFile(next(out.glob("tpflex_controller-*.whl"))) as z:  # the console ships
         static = {n.rsplit("/", 1)[1] for n in z.namelist() if "/api/console/static/" in n}
     assert static == {"index.html", "console.js", "console-map.js", "console-actions.js", "console.css"}
+
+
+# the wheels a GPU node installs: the agent, the trainer hooks and what they depend on
+GPU_NODE_WHEELS = ("tpflex_proto", "tpflex_agent", "tpflex_trainer")
+DEV_MODULES = ("devtools/etcd_server.py", "devtools/secure_etcd.py", "devtools/ports.py")
+
+
+def test_the_development_etcd_launcher_is_not_in_a_gpu_node_wheel(dist):
+    """The local etcd launcher, the development certificates and etcd's dev auth set-up
+    ship with the controller (control-plane hosts), which the trainer's ``demo`` extra
+    requires; a GPU node's wheels carry none of them."""
+    out, result = dist
+    assert result.returncode == 0, result.stdout + result.stderr
+    for package in GPU_NODE_WHEELS:
+        with zipfile.ZipFile(next(out.glob(f"{package}-*.whl"))) as z:
+            names = z.namelist()
+        leaked = [n for n in names if "devtools" in n or n.endswith(("etcd_server.py", "secure_etcd.py"))]
+        assert leaked == [], f"{package} ships development tools: {leaked}"
+    with zipfile.ZipFile(next(out.glob("tpflex_controller-*.whl"))) as z:
+        names = set(z.namelist())
+    assert {f"tpflex_controller/{m}" for m in DEV_MODULES} <= names
+    demo = [ln for ln in _metadata(next(out.glob("tpflex_trainer-*.whl")))
+            if ln.startswith("Requires-Dist:") and 'extra == "demo"' in ln]
+    assert any(ln.split(":", 1)[1].strip().startswith("tpflex-controller") for ln in demo), demo

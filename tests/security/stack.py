@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from tpflex_proto.devtools.secure_etcd import (
+from tpflex_controller.devtools.secure_etcd import (
     ROOT_PASSWORD,
     SERVICE_PASSWORDS,
     CertSet,
@@ -111,7 +111,7 @@ class SecureEtcd:
 
     def enable_auth(self) -> None:
         """Root user, a role with read-write on /tpflex/v1/, the controller and agent users
-        with passwords; then auth on (tpflex_proto.devtools.secure_etcd)."""
+        with passwords; then auth on (tpflex_controller.devtools.secure_etcd)."""
         enable_etcd_auth(self.endpoint, CertSet(self.certs), root_password=ROOT_PASSWORD,
                          users=PASSWORDS)
 

@@ -1,3 +1,3 @@
-"""Re-export: the etcd launcher lives in ``tpflex_proto.devtools`` (the demo uses it too)."""
+"""Re-export: the etcd launcher lives in ``tpflex_controller.devtools`` (the demo uses it too)."""
 
-from tpflex_proto.devtools.etcd_server import ETCD_BIN, EtcdCluster, EtcdMember  # noqa: F401
+from tpflex_controller.devtools.etcd_server import ETCD_BIN, EtcdCluster, EtcdMember  # noqa: F401

@@ -1,11 +1,11 @@
-"""Free-port helpers: single ports live in ``tpflex_proto.devtools``; a free range for the
+"""Free-port helpers: single ports live in ``tpflex_controller.devtools``; a free range for the
 demo cluster's fixed port layout is here."""
 
 from __future__ import annotations
 
 import random
 
-from tpflex_proto.devtools.ports import free_port, free_ports  # noqa: F401
+from tpflex_controller.devtools.ports import free_port, free_ports  # noqa: F401
 from tpflex_trainer.demo.cluster import DemoPorts, PortsTaken, check_ports_free
 
 

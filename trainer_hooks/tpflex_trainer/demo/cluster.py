@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from tpflex_proto import codec, keys, types_pb2
-from tpflex_proto.devtools.etcd_server import EtcdCluster, EtcdMember
-from tpflex_proto.devtools.secure_etcd import (
+from tpflex_controller.devtools.etcd_server import EtcdCluster, EtcdMember
+from tpflex_controller.devtools.secure_etcd import (
     SERVICE_PASSWORDS,
     CertSet,
     enable_etcd_auth,
     make_dev_certs,
     write_password_files,
 )
+from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import Etcd, EtcdTls
 from tpflex_proto.tls import channel_credentials
 

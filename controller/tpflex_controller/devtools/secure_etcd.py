@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-
 from tpflex_proto.tls import channel_credentials
 
 CERTS_SCRIPT = Path(__file__).resolve().parents[3] / "deploy" / "certs" / "make-dev-certs.sh"

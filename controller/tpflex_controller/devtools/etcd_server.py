@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tpflex_proto.devtools.ports import free_ports
-from tpflex_proto.devtools.secure_etcd import CertSet, etcd_tls_args
+from tpflex_controller.devtools.ports import free_ports
+from tpflex_controller.devtools.secure_etcd import CertSet, etcd_tls_args
 
 ETCD_BIN = os.environ.get("TPFLEX_ETCD_BIN") or shutil.which("etcd") or "/usr/bin/etcd"
 
