@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from tpflex_controller.api import TokenFileError, load_tokens
 
 from tests.controller import api_harness as h
+from tests.support.rest import rest_error
 
 
 def test_load_tokens_scopes(tmp_path):
@@ -74,8 +75,7 @@ def test_fuzzed_requests_never_get_a_5xx(served, path, name, index, body):
     resp = served.http.post(url, json=body, headers=h.admin())
     assert resp.status_code < 500, (url, body, resp.text)
     if resp.status_code >= 400:
-        err = resp.json()["error"]
-        assert err["code"] and err["message"]
+        rest_error(resp)
     for get in (f"/v1/nodes/{name}", f"/v1/jobs/{name}/plan", f"/v1/racks/{name}"):
         resp = served.http.get(get.replace("%", "%25").replace(" ", "%20"), headers=h.reader())
         assert resp.status_code in (200, 404, 405, 422), (get, resp.text)

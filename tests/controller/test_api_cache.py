@@ -18,13 +18,11 @@ from tpflex_proto.etcd import Etcd, EtcdError
 from tests.controller import api_harness as h
 from tests.controller.api_harness import ServedApp, make_deps, write_token_file
 from tests.controller.controller_harness import eventually
+from tests.support.rest import rest_error
 
 
 def _error(resp, status: int) -> str:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"} and body["error"]["message"], body
-    return body["error"]["message"]
+    return rest_error(resp, status)["message"]
 
 
 @contextmanager

@@ -8,6 +8,7 @@ from tpflex_proto import keys, types_pb2
 from tpflex_proto.etcd import Etcd
 
 from tests.controller import api_harness as h
+from tests.support.rest import rest_error
 
 DRAIN = "/v1/nodes/rack-a-n1/gpus/2/drain"
 UNDRAIN = "/v1/nodes/rack-a-n1/gpus/2/undrain"
@@ -22,10 +23,7 @@ MUTATIONS = [
 
 
 def _error(resp, status: int) -> str:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert err["code"] and err["message"]
-    return err["message"]
+    return rest_error(resp, status)["message"]
 
 
 def _post(api, path, body=None, headers=None):

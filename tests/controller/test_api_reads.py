@@ -9,13 +9,11 @@ from tpflex_controller.store import Store
 from tpflex_proto import codec, keys, types_pb2
 
 from tests.controller import api_harness as h
+from tests.support.rest import rest_error
 
 
 def _error(resp, status: int) -> str:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"} and body["error"]["message"], body
-    return body["error"]["message"]
+    return rest_error(resp, status)["message"]
 
 
 def test_probes_metrics_and_openapi(api):

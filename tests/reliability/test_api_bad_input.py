@@ -11,6 +11,7 @@ from tpflex_proto.etcd import Etcd
 
 from tests.controller import api_harness as h
 from tests.reliability.fleet import record
+from tests.support.rest import rest_error
 
 EXAMPLES_PER_OPERATION = 25
 
@@ -45,11 +46,6 @@ def _mutating(schema) -> list:
     return [op for op in ops if op.method.upper() != "GET" and "202" in op.definition.raw["responses"]]
 
 
-def _error_message(resp) -> str:
-    body = resp.json()
-    return body["error"]["message"] if isinstance(body.get("error"), dict) else ""
-
-
 def _fuzz(op, base_url: str, calls: dict[str, int]) -> None:
     @settings(max_examples=EXAMPLES_PER_OPERATION, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
@@ -60,7 +56,7 @@ def _fuzz(op, base_url: str, calls: dict[str, int]) -> None:
         assert resp.status_code < 500, (op.label, case.path_parameters, case.body, resp.text)
         if resp.status_code >= 400:
             calls["4xx"] += 1
-            assert _error_message(resp), (op.label, resp.status_code, resp.text)
+            rest_error(resp)
         else:
             calls["2xx"] += 1
 
@@ -106,7 +102,7 @@ def test_every_mutating_operation_refuses_missing_wrong_and_read_only_tokens(ser
         for headers in ({}, {"Authorization": "Bearer wrong-token"}, h.reader(),
                         {"Authorization": h.READER}):
             resp = served.http.request(op.method.upper(), url, json=body, headers=headers)
-            assert _error_message(resp), (url, resp.text)
+            rest_error(resp)
             got.append(resp.status_code)
         assert got == [401, 401, 403, 401], (op.label, got)
         assert served.etcd.get_prefix("/tpflex/v1/")[1] == before, f"{op.label} wrote to etcd"

@@ -18,6 +18,7 @@ from tpflex_proto import keys
 from tests.agent.support import wait_until
 from tests.controller.controller_harness import ControllerProc, put_job, small_cluster
 from tests.reliability.fleet import ADMIN, ADMIN_TOKEN, record
+from tests.support.rest import rest_error
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -157,11 +158,7 @@ def test_concurrent_bodies_are_bounded_and_a_trickled_body_times_out(ctl):
 
 
 def _err(resp: httpx.Response, status: int, *words: str) -> None:
-    assert resp.status_code == status, (resp.status_code, resp.text)
-    body = resp.json()["error"]
-    assert body["code"] and body["message"]
-    for w in words:
-        assert w in body["message"], body
+    rest_error(resp, status, *words)
 
 
 def test_the_error_contract_holds_for_malformed_bodies_paths_and_text(ctl):
