@@ -25,7 +25,6 @@ import heapq
 import itertools
 import logging
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +34,7 @@ import grpc
 from tpflex_proto import agent_pb2, agent_pb2_grpc, backoff
 
 from tpflex_controller.cache import NodePower
+from tpflex_controller.clock import SYSTEM_CLOCK, Clock
 from tpflex_controller.planbytes import apply_request_wire
 
 log = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ class AgentPusher:
         credentials: grpc.ChannelCredentials | None = None,
         max_channels: int = 256,
         channel_idle_s: float = 60.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         self._on_result = on_result
         self._credentials = credentials
@@ -193,7 +193,7 @@ class AgentPusher:
         early or earlier covers it: it sends the latest plan), so that pushes faster than
         the workers send (agents down, a storm of plans) cannot grow the heap."""
         t = self._targets[node]
-        due = time.monotonic() + delay
+        due = self._clock.mono() + delay
         if t.entry is not None and t.due <= due:
             return
         t.due, t.entry = due, next(self._seq)  # an older, later entry is stale from now
@@ -207,7 +207,7 @@ class AgentPusher:
                     return
             with self._cv:
                 while not self._closed:
-                    now = time.monotonic()
+                    now = self._clock.mono()
                     self._trim_channels()
                     if self._heap and self._heap[0][0] <= now:
                         break
@@ -272,7 +272,7 @@ class AgentPusher:
         self._on_result(result)
 
     def _result(self, node, generation, ok, outcome, detail, attempts) -> PushResult:
-        return PushResult(node, generation, ok, outcome, detail, attempts, time.time())
+        return PushResult(node, generation, ok, outcome, detail, attempts, self._clock.wall())
 
     def _channel(self, address: str) -> grpc.Channel:
         """The pooled channel to ``address``, counted in use until ``_release``."""
@@ -289,7 +289,7 @@ class AgentPusher:
                     ch = grpc.insecure_channel(address, options=options)
                 entry = self._channels[address] = [ch, 0.0, 0]
             self._channels.move_to_end(address)
-            entry[1], entry[2] = self._clock(), entry[2] + 1
+            entry[1], entry[2] = self._clock.mono(), entry[2] + 1
             self._trim_channels()
             return entry[0]
 
@@ -298,7 +298,7 @@ class AgentPusher:
         reach the agent: the channel is closed unless another send still uses it."""
         entry = self._channels.get(address)
         if entry is not None:
-            entry[1], entry[2] = self._clock(), entry[2] - 1
+            entry[1], entry[2] = self._clock.mono(), entry[2] - 1
             if unreached and not entry[2]:
                 del self._channels[address]
                 entry[0].close()
@@ -307,7 +307,7 @@ class AgentPusher:
     def _trim_channels(self) -> None:
         """Under ``_cv``: close idle channels, least recently used first, while above the
         bound or idle for ``channel_idle_s``; channels in use stay."""
-        now = self._clock()
+        now = self._clock.mono()
         excess = len(self._channels) - self._max_channels
         for address, (ch, used, busy) in list(self._channels.items()):
             if excess <= 0 and now - used < self._channel_idle_s:

@@ -15,8 +15,6 @@ import gc
 import logging
 import queue
 import threading
-import time
-from collections.abc import Callable
 
 import grpc
 from tpflex_proto import keys, types_pb2
@@ -27,6 +25,7 @@ from tpflex_proto.keys import Kind
 from tpflex_controller import convert
 from tpflex_controller.agent_client import AgentPusher, PushResult
 from tpflex_controller.cache import ClusterView, NodePower
+from tpflex_controller.clock import SYSTEM_CLOCK, Clock
 from tpflex_controller.damping import FlapDamper
 from tpflex_controller.election import Conflict, LeaderSession, NotLeader
 from tpflex_controller.events import append_event, store_phases
@@ -64,7 +63,7 @@ class Reconciler:
         agent_timeout: float = 2.0,
         agent_credentials: grpc.ChannelCredentials | None = None,
         default_policy: str = "ntp-pw",
-        clock: Callable[[], float] = time.time,
+        clock: Clock = SYSTEM_CLOCK,
         flap_hold_down_s: float = 0.0,
         override_coalesce_s: float = 0.0,
         informer: Informer | None = None,
@@ -78,7 +77,7 @@ class Reconciler:
         self._job_plans: dict[str, JobPlan] = {}  # the last plan of each job (incremental)
         self._event_log_size = event_log_size
         self._history_size = history_size
-        self._clock = clock
+        self._clock = clock  # the loop reads time from nothing else (clock.py)
         self._default_policy = default_policy
         self.view = ClusterView(event_log_size, default_policy)
         self._damper = FlapDamper(flap_hold_down_s)
@@ -94,10 +93,11 @@ class Reconciler:
         self._stop = threading.Event()
         self.ready = threading.Event()  # the view has been loaded once
         self.pusher = AgentPusher(
-            lambda r: self._inbox.put(("push", r, time.time())),
+            lambda r: self._inbox.put(("push", r, clock.wall())),
             timeout=agent_timeout,
             on_failure=metrics.agent_push_failures.inc,
             credentials=agent_credentials,
+            clock=clock,
         )
         self._encoder = PlanEncoder()
         self._unwritten: dict[int, Rollout] = {}  # event records with phases not yet stored
@@ -118,7 +118,7 @@ class Reconciler:
     def start(self) -> None:
         self._thread.start()
         self._unregister = self.informer.add_handler(
-            lambda batch: self._inbox.put(("informer", batch, time.time()))
+            lambda batch: self._inbox.put(("informer", batch, self._clock.wall()))
         )
         if self._own_informer:
             self.informer.start()
@@ -144,10 +144,10 @@ class Reconciler:
             gc.unfreeze()
 
     def on_elected(self, session: LeaderSession) -> None:
-        self._inbox.put(("elected", session, time.time()))
+        self._inbox.put(("elected", session, self._clock.wall()))
 
     def on_deposed(self, why: str) -> None:
-        self._inbox.put(("deposed", why, time.time()))
+        self._inbox.put(("deposed", why, self._clock.wall()))
 
     # ---- the loop ----
 
@@ -188,28 +188,28 @@ class Reconciler:
 
     def _wait_time(self) -> float:
         release = self._damper.next_release()
-        wait = 1.0 if release is None else max(0.0, min(1.0, release - time.monotonic()))
+        wait = 1.0 if release is None else max(0.0, min(1.0, release - self._clock.mono()))
         soonest = self._queue.next_due()
         if soonest is None or not self._leading():
             return wait
-        return max(0.0, min(wait, soonest - time.monotonic()))
+        return max(0.0, min(wait, soonest - self._clock.mono()))
 
     def _release_held(self) -> None:
         """GPUs whose flap hold-down ended are plannable again (damping.py)."""
-        at = time.time()
+        at = self._clock.wall()
         for job, cause in self.view.release_held():
             self._mark(job, cause, at)
 
     def _adopt_holds(self) -> None:
         """A new leader takes the stored flap holds over (holds.py); the view counts them."""
-        self._holds.adopt(self.view.snap.gpu_holds, time.monotonic(), time.time())
-        self.view.attach_damper(self._damper, time.monotonic)
+        self._holds.adopt(self.view.snap.gpu_holds, self._clock.mono(), self._clock.wall())
+        self.view.attach_damper(self._damper, self._clock.mono)
 
     def _store_holds(self) -> None:
         """Mirror the damper's holds into etcd (holds.py); a failed write is retried on
         the next pass (NotLeader ends the session: the next leader adopts what is stored)."""
         try:
-            done = self._holds.sync(self._session, time.monotonic(), time.time())
+            done = self._holds.sync(self._session, self._clock.mono(), self._clock.wall())
         except (NotLeader, EtcdError) as exc:
             log.warning("flap holds not stored error=%s", exc)
             return
@@ -226,13 +226,13 @@ class Reconciler:
         for c in batch.changes:
             if c.parsed is not None and c.parsed.kind is not Kind.JOB_HISTORY:
                 view.fold_change(c)
-        view.attach_damper(self._damper, time.monotonic)  # held GPUs stay held across re-reads
+        view.attach_damper(self._damper, self._clock.mono)  # held GPUs stay held across re-reads
         rev = batch.revision
         self.view, self._need_load = view, False
         if self._session is not None:  # elected before the state was read
             self._adopt_holds()
         self._job_plans.clear()  # a fresh view: every job is planned whole once
-        now = self._clock()
+        now = self._clock.wall()
         for job, spec in view.snap.jobs.items():
             self.metrics.job_seen(job, len(spec.replicas))
             self._mark(job, "resync", now)
@@ -327,7 +327,7 @@ class Reconciler:
             self.metrics.job_seen(name, len(self.view.snap.jobs[name].replicas))
 
     def _mark(self, job: str, cause: str, at: float, revision: int = 0) -> None:
-        self._queue.mark(job, cause, at, time.monotonic(), revision)
+        self._queue.mark(job, cause, at, self._clock.mono(), revision)
 
     def _forget_handled(self, ev: Change) -> None:
         """A follower sees the leader commit a plan: the changes before it are handled
@@ -356,7 +356,7 @@ class Reconciler:
         if self._repush_after_load:
             self._repush_after_load = False
             self._repush_all()
-        for job, d in self._queue.due(time.monotonic()):
+        for job, d in self._queue.due(self._clock.mono()):
             try:
                 result = self._reconcile_job(job, d)
             except NotLeader:
@@ -371,7 +371,7 @@ class Reconciler:
                 log.exception("reconcile failed job=%s attempt=%d", job, d.attempts + 1)
                 result = Result.ERROR
             self.metrics.reconcile_total.labels(result=result.value).inc()
-            if self._queue.settle(job, result, time.monotonic()) is Action.REREAD:
+            if self._queue.settle(job, result, self._clock.mono()) is Action.REREAD:
                 self._reread_job(job)
 
     def _reread_job(self, job: str) -> None:
@@ -394,7 +394,7 @@ class Reconciler:
                 folded.append(("put", kv.key, kv.value, kv.mod_revision))
             elif node in self.view.power:
                 folded.append(("delete", keys.power(node), b"", rev))
-        at = time.time()
+        at = self._clock.wall()
         for kind, key, value, mod_rev in folded:
             for j, cause in self.view.fold(kind, key, value, mod_rev):
                 self._mark(j, cause, at, mod_rev)
@@ -414,7 +414,7 @@ class Reconciler:
             self._retire(job)
             self._forget_job(job)
             return Result.OK
-        now = self._clock()
+        now = self._clock.wall()
         try:
             spec = self.view.job_spec(job)
             overrides = convert.job_overrides(self.view.snap.job_overrides.get(job))
@@ -440,7 +440,7 @@ class Reconciler:
         if session is None:
             raise NotLeader("not leading")
         commit, power, event, rev = self._build_and_commit(session, p)
-        committed_at = self._clock()
+        committed_at = self._clock.wall()
         self.view.record_commit(p, commit, power, rev)
         self._own_revs.add(rev)
         self._own_revs.update(commit.power_revs.values())  # power written ahead of the header
@@ -526,7 +526,7 @@ class Reconciler:
     def _note_pins(self, p: Planned, generation: int) -> None:
         """An event for every pin the new plan suspends or gives back; the plan itself
         lists the suspended ones."""
-        for event in pin_events(p, generation, self._clock()):
+        for event in pin_events(p, generation, self._clock.wall()):
             log.warning("operator pins changed job=%s generation=%d kind=%s", p.job, generation, event.kind)
             try:
                 append_event(self._session, self.view, event)
@@ -559,7 +559,7 @@ class Reconciler:
         self._push(power)
         log.info("deleted job retired job=%s nodes_reset=%d", job, len(power))
         append_event(session, self.view, types_pb2.Event(
-            at=self._clock(), kind="job_deleted", job=job, cause="job_spec",
+            at=self._clock.wall(), kind="job_deleted", job=job, cause="job_spec",
             reasons=[f"job {job} deleted: plan removed, {len(power)} node(s) back to TDP"]))
 
     def _forget_job(self, job: str) -> None:
@@ -596,7 +596,7 @@ class Reconciler:
         if session is None:
             raise NotLeader("not leading")
         event = types_pb2.Event(
-            at=self._clock(), kind="plan_failed", job=job, cause=d.cause, reasons=[reason]
+            at=self._clock.wall(), kind="plan_failed", job=job, cause=d.cause, reasons=[reason]
         )
         append_event(session, self.view, event)
         self._unplannable[job] = reason
