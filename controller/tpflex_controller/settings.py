@@ -17,6 +17,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 from tpflex_proto import config
 
+from tpflex_controller import cpus as cpulist
+
 CONFIG_ENV = "TPFLEX_CONTROLLER_CONFIG"
 ConfigError = config.ConfigError
 
@@ -111,6 +113,23 @@ class RestSection(_Listener):
         description="niceness added to the REST process (os.nice): under CPU contention the"
         " decision loop's process is scheduled first (0 = the controller's own priority)",
     )
+    cpus: str = Field(
+        "", description="CPUs the REST process runs on, as a Linux CPU list ('6-7', '0,2,4-5';"
+        " empty = wherever the controller runs): on a controller host with CPUs to spare, keeps"
+        " request handling off the CPUs of the decision loop and etcd (the controller process"
+        " itself is placed by its unit: systemd CPUAffinity=, taskset)",
+    )
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, v: str) -> str:
+        if v.strip():
+            cpulist.check_allowed(cpulist.parse_cpu_list(v))
+        return v.strip()
+
+    def cpu_set(self) -> frozenset[int] | None:
+        """``cpus`` as a set; None when empty (no pinning)."""
+        return cpulist.parse_cpu_list(self.cpus) if self.cpus else None
 
     @model_validator(mode="after")
     def _tokens(self) -> RestSection:

@@ -149,13 +149,14 @@ class ControllerProc:
     """A real ``tpflex-controller`` process on free loopback ports."""
 
     def __init__(self, endpoints: list[str], name: str, log_dir: Path, ttl: int = 2,
-                 extra: list[str] = (), env: dict[str, str] | None = None) -> None:
+                 extra: list[str] = (), env: dict[str, str] | None = None, prefix: list[str] = ()) -> None:
+        """``prefix``: a command that runs the controller (e.g. tests/support/seccomp_deny.py)."""
         self.name = name
         self.rest_port, self.trainer_port = free_ports(2)
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")
         args = [
-            CONTROLLER_BIN, "--name", name, "--etcd", ",".join(endpoints),
+            *prefix, CONTROLLER_BIN, "--name", name, "--etcd", ",".join(endpoints),
             "--lease-ttl-s", str(ttl),
             "--rest-listen", f"127.0.0.1:{self.rest_port}",
             "--trainer-listen", f"127.0.0.1:{self.trainer_port}",

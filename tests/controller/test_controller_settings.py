@@ -38,6 +38,10 @@ def test_precedence_argument_over_environment_over_file_over_default(tmp_path):
         ("[timeouts]\nreaction_bound_s = 1\n", {}, "agent_lease_ttl_s < reaction_bound_s"),
         ("[rest]\nadmin_tokens_file = '/no/such/file'\n", {}, "not a readable file"),
         ("not toml [", {}, "not valid TOML"),
+        ("", {"TPFLEX_REST__CPUS": "3-1"}, "rest.cpus (from environment TPFLEX_REST__CPUS): Value error, CPU range"),
+        ("[rest]\ncpus = '0,x'\n", {}, "not a CPU list item: 'x'"),
+        ("[rest]\ncpus = '65536'\n", {}, "CPU 65536 is out of range"),
+        ("[rest]\ncpus = '4096'\n", {}, "CPU 4096 does not exist"),
     ],
 )
 def test_bad_values_are_refused_with_a_message(tmp_path, file_text, env, message):

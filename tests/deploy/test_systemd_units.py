@@ -147,3 +147,48 @@ def test_sysusers_creates_the_user_the_controller_runs_as(tmp_path):
     users = {line.split(":")[0]: line.split(":") for line in (tmp_path / "etc" / "passwd").read_text().splitlines()}
     user = _service(SYSTEMD / "tpflex-controller.service")["User"][0]
     assert users[user][6] == "/usr/sbin/nologin" and int(users[user][2]) < 1000  # system user
+
+
+def _group(name: str, seen: set[str] | None = None) -> set[str]:
+    """The system calls of a ``@group`` as this systemd defines it (nested groups too)."""
+    seen = set() if seen is None else seen
+    seen.add(name)
+    out = run_tool([_analyze(), "syscall-filter", "--no-pager", name], cwd=DEPLOY)
+    assert out.returncode == 0, out.stderr
+    calls: set[str] = set()
+    for line in out.stdout.splitlines()[1:]:
+        item = line.strip()
+        if not item or item.startswith("#"):
+            continue
+        if item.startswith("@"):
+            if item not in seen:
+                calls |= _group(item, seen)
+        else:
+            calls.add(item)
+    return calls
+
+
+def _allowed_syscalls(lines: list[str]) -> set[str]:
+    """The effective allow list of SystemCallFilter= lines (systemd.exec: the first line
+    sets the kind; with an allow list first, a later ``~`` line removes its calls and a
+    later plain line adds them back, in order)."""
+    assert lines and not lines[0].startswith("~"), "the unit's filter starts with an allow list"
+    allowed: set[str] = set()
+    for line in lines:
+        deny = line.startswith("~")
+        names: set[str] = set()
+        for item in line.lstrip("~").split():
+            names |= _group(item) if item.startswith("@") else {item}
+        allowed = allowed - names if deny else allowed | names
+    return allowed
+
+
+def test_the_controllers_syscall_filter_lets_its_rest_child_apply_nice_and_cpus():
+    """rest.nice (default 10) calls setpriority and rest.cpus sched_setaffinity in the REST
+    child; @resources, which the unit denies, holds both: without the unit's allow line
+    after it, the child of a default configuration got EPERM at start."""
+    allowed = _allowed_syscalls(_service(SYSTEMD / "tpflex-controller.service")["SystemCallFilter"])
+    assert {"setpriority", "sched_setaffinity", "prctl", "execve", "clone"} <= allowed
+    # only those two come back: the rest of @resources and all of @privileged stay denied
+    assert (_group("@resources") - {"setpriority", "sched_setaffinity"}).isdisjoint(allowed)
+    assert _group("@privileged").isdisjoint(allowed)

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 from tpflex_proto.backoff import Backoff
 
 from tpflex_controller.api.link import LinkClient, LinkServer
+from tpflex_controller.cpus import pin_process
 from tpflex_controller.periodic import Periodic
 from tpflex_controller.settings import ControllerSettings
 from tpflex_controller.steps import StepStats
@@ -217,6 +218,24 @@ def _exit_with_parent(parent: int, server) -> None:
         threading.Event().wait(1.0)
 
 
+def _place(settings: ControllerSettings) -> None:
+    """rest.nice (the decision loop first under contention) and rest.cpus (request
+    handling off its CPUs). A sandbox that denies the system call (a systemd
+    SystemCallFilter without setpriority or sched_setaffinity) costs the setting, with a
+    warning, not the REST API."""
+    if settings.rest.nice:
+        try:
+            os.nice(settings.rest.nice)
+        except OSError as exc:
+            log.warning("rest.nice not applied error=%s", exc)
+    pinned = settings.rest.cpu_set()
+    if pinned is not None:
+        try:
+            pin_process(pinned)
+        except OSError as exc:
+            log.warning("rest.cpus not applied cpus=%s error=%s", settings.rest.cpus, exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tpflex-controller-rest", description="the controller's REST "
                                 "process (started by tpflex-controller; settings as JSON on stdin)")
@@ -228,10 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != ns.parent_pid:  # it died before the line above took effect
         return 1
     settings = ControllerSettings.model_validate(json.loads(sys.stdin.read()))
-    if settings.rest.nice:
-        os.nice(settings.rest.nice)  # rest.nice: the decision loop first under contention
     logging.basicConfig(level=settings.controller.log_level,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    _place(settings)
     return _serve(settings, ns.listen_fd, ns.link_fd, ns.parent_pid)
 
 
