@@ -18,7 +18,7 @@ from tests.controller.controller_harness import CONTROLLER_BIN, ControllerProc, 
 from tests.support import seccomp_deny
 from tests.support.wait import wait_until
 
-pytestmark = pytest.mark.skipif(not seccomp_deny.supported(), reason="seccomp filter for x86-64/aarch64 Linux")
+pytestmark = pytest.mark.skipif(not seccomp_deny.supported(), reason="needs x86-64 Linux and asm/unistd_64.h")
 DENY = [sys.executable, str(Path(seccomp_deny.__file__)), "setpriority,sched_setaffinity", "--"]
 
 

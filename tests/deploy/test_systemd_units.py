@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
+from tests.controller.controller_harness import ControllerProc, PlanWatcher, put_job, small_cluster
 from tests.deploy.tools import DEPLOY, require_tool, run_tool
 from tests.deploy.units import (
     exec_binary,
@@ -14,6 +18,8 @@ from tests.deploy.units import (
     stage_with_stub_binaries,
     unit_settings,
 )
+from tests.support import seccomp_deny
+from tests.support.wait import wait_until
 
 SYSTEMD = DEPLOY / "systemd"
 SERVICE_UNITS = sorted(SYSTEMD.glob("*.service"))
@@ -192,3 +198,44 @@ def test_the_controllers_syscall_filter_lets_its_rest_child_apply_nice_and_cpus(
     # only those two come back: the rest of @resources and all of @privileged stay denied
     assert (_group("@resources") - {"setpriority", "sched_setaffinity"}).isdisjoint(allowed)
     assert _group("@privileged").isdisjoint(allowed)
+
+
+def _nice(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.skipif(not seccomp_deny.supported(), reason="needs x86-64 Linux and asm/unistd_64.h")
+def test_the_controller_works_under_its_units_syscall_filter(etcd_server, etcd, tmp_path):
+    """A real tpflex-controller (and its REST child) under the unit's system-call filter,
+    as the kernel enforces it (seccomp, EPERM for every call outside the unit's effective
+    allow list): it is elected, commits a plan, serves REST, and applies rest.nice and
+    rest.cpus, with no warning and no restart. The filter denied setpriority before: this
+    is the test that catches such a call."""
+    allowed = _allowed_syscalls(_service(SYSTEMD / "tpflex-controller.service")["SystemCallFilter"])
+    denied = sorted(set(seccomp_deny.syscall_numbers()) - allowed)
+    assert "setuid" in denied and "read" not in denied
+    names = tmp_path / "denied.txt"
+    names.write_text("\n".join(denied))
+    cpu = max(os.sched_getaffinity(0))
+    racks = small_cluster(etcd)
+    put_job(etcd, racks)
+    watcher = PlanWatcher(etcd, "job1")
+    proc = ControllerProc(etcd_server.endpoints, "c1", tmp_path, env={"TPFLEX_REST__CPUS": str(cpu)},
+                          prefix=[sys.executable, seccomp_deny.__file__, f"@{names}", "--"])
+    try:
+        proc.wait_http()
+        assert watcher.wait_generation(1, timeout=30).replicas
+        with httpx.Client(base_url=proc.rest_url, timeout=10) as http:
+            wait_until(lambda: http.get("/v1/jobs/job1/plan").status_code == 200, 15, "REST serves the plan")
+        [child] = proc.rest_pids()
+        with open(f"/proc/{child}/status") as f:
+            status = dict(ln.split(":", 1) for ln in f if ":" in ln)
+        assert status["Seccomp"].strip() == "2"  # the filter is on the child too
+        assert status["Cpus_allowed_list"].strip() == str(cpu)
+        assert _nice(child) == min(19, _nice(proc.proc.pid) + 10)  # rest.nice's default
+        log = proc.log_path.read_text()
+        assert "not applied" not in log and "Traceback" not in log, log[-3000:]
+    finally:
+        proc.kill()
+        watcher.close()
