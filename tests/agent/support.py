@@ -93,10 +93,12 @@ class FakeNvml:
 class AgentProcess:
     """A real ``tpflex-agent`` process; waits for its ready line."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, timeout: float = 30.0) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, timeout: float = 30.0,
+                 prefix: list[str] = ()) -> None:
+        """``prefix``: a command that runs the agent (e.g. tests/support/seccomp_deny.py)."""
         full_env = {**os.environ, **(env or {})}
         self.proc = subprocess.Popen(
-            [str(AGENT_BIN), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [*prefix, str(AGENT_BIN), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env=full_env,
         )
         self.stderr_lines: list[str] = []

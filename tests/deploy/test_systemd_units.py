@@ -212,17 +212,15 @@ def test_the_controller_works_under_its_units_syscall_filter(etcd_server, etcd, 
     allow list): it is elected, commits a plan, serves REST, and applies rest.nice and
     rest.cpus, with no warning and no restart. The filter denied setpriority before: this
     is the test that catches such a call."""
-    allowed = _allowed_syscalls(_service(SYSTEMD / "tpflex-controller.service")["SystemCallFilter"])
-    denied = sorted(set(seccomp_deny.syscall_numbers()) - allowed)
+    prefix = _deny_prefix("tpflex-controller.service", tmp_path)
+    denied = Path(prefix[2][1:]).read_text().split()
     assert "setuid" in denied and "read" not in denied
-    names = tmp_path / "denied.txt"
-    names.write_text("\n".join(denied))
     cpu = max(os.sched_getaffinity(0))
     racks = small_cluster(etcd)
     put_job(etcd, racks)
     watcher = PlanWatcher(etcd, "job1")
     proc = ControllerProc(etcd_server.endpoints, "c1", tmp_path, env={"TPFLEX_REST__CPUS": str(cpu)},
-                          prefix=[sys.executable, seccomp_deny.__file__, f"@{names}", "--"])
+                          prefix=prefix)
     try:
         proc.wait_http()
         assert watcher.wait_generation(1, timeout=30).replicas
@@ -239,3 +237,48 @@ def test_the_controller_works_under_its_units_syscall_filter(etcd_server, etcd, 
     finally:
         proc.kill()
         watcher.close()
+
+
+def _deny_prefix(unit: str, tmp_path: Path) -> list[str]:
+    """A command prefix that runs a program under ``unit``'s system-call filter."""
+    allowed = _allowed_syscalls(_service(SYSTEMD / unit)["SystemCallFilter"])
+    names = tmp_path / f"{unit}.denied"
+    names.write_text("\n".join(sorted(set(seccomp_deny.syscall_numbers()) - allowed)))
+    return [sys.executable, seccomp_deny.__file__, f"@{names}", "--"]
+
+
+@pytest.mark.skipif(not seccomp_deny.supported(), reason="needs x86-64 Linux and asm/unistd_64.h")
+def test_the_agent_works_under_its_units_syscall_filter(etcd_server, etcd, tmp_path):
+    """A real tpflex-agent on the NVML backend (the fake libnvidia-ml.so, loaded as the real
+    one is) under its unit's system-call filter: registers, applies the desired caps at
+    start and a cap over gRPC, and revokes its lease on SIGTERM."""
+    import grpc
+    from tpflex_proto import agent_pb2, agent_pb2_grpc, codec, keys, types_pb2
+
+    from tests.agent.support import AgentProcess, FakeNvml, build_fake_nvml
+
+    build_fake_nvml()
+    fake = FakeNvml(tmp_path / "nvml.state", count=2)
+    desired = types_pb2.NodePowerPlan(node="s1", generation=3)
+    desired.caps.add(gpu=types_pb2.GpuRef(node="s1", index=1), cap_w=600.0)
+    etcd.put(keys.power("s1"), codec.encode(desired))
+    args = ["--node", "s1", "--rack", "r1", "--etcd", ",".join(etcd_server.endpoints), "--listen", "127.0.0.1:0",
+            "--insecure", "--metrics-listen", "127.0.0.1:0", "--backend", "nvml", "--lease-ttl-s", "30"]
+    with AgentProcess(args, env=fake.env(tmp_path / "nvml.log"), prefix=_deny_prefix("tpflex-agent.service", tmp_path)) as a, \
+            grpc.insecure_channel(a.grpc_address) as ch:
+        with open(f"/proc/{a.proc.pid}/status") as f:
+            assert "Seccomp:\t2" in f.read()
+        wait_until(lambda: etcd.get(keys.node("s1")), 10, "s1 registered")
+        stub = agent_pb2_grpc.AgentStub(ch)
+        limits = lambda: [g.power_limit_w for g in stub.GetDevices(agent_pb2.GetDevicesRequest(), timeout=5).gpus]  # noqa: E731
+        wait_until(lambda: limits()[1] == 600.0, 10, "the desired cap applied at start")
+        req = agent_pb2.ApplyPowerPlanRequest(generation=4)
+        req.caps.add(gpu=types_pb2.GpuRef(node="s1", index=0), cap_w=650.0)
+        etcd.put(keys.power("s1"), codec.encode(types_pb2.NodePowerPlan(node="s1", generation=4, caps=req.caps)))
+        reply = stub.ApplyPowerPlan(req, timeout=10)  # as the controller pushes it
+        assert reply.outcome in (agent_pb2.ApplyPowerPlanResponse.APPLIED,
+                                 agent_pb2.ApplyPowerPlanResponse.ALREADY_APPLIED), reply
+        assert limits() == [650.0, 700.0]
+        assert a.terminate() == 0, a.stderr()
+        assert etcd.get(keys.node("s1")) is None and "lease revoked" in a.stderr()
+        assert "Traceback" not in a.stderr()
