@@ -245,7 +245,7 @@ def _default_rest_nice() -> int:
 
 
 def _start_controller(endpoints: list[str], workdir: Path, rest_nice: int | None = None,
-                      rest_cpus: str = "") -> tuple[subprocess.Popen, str]:
+                      rest_cpus: str = "", controller_cpus: str = "") -> tuple[subprocess.Popen, str]:
     rest_port, trainer_port = free_ports(2)
     # the controller's settings are the bench's; debug switches pass (TPFLEX_DEBUG_*, and
     # TPFLEX_MEMTRACE_FRAMES: tracemalloc in the controller, a way to make it lag)
@@ -258,8 +258,11 @@ def _start_controller(endpoints: list[str], workdir: Path, rest_nice: int | None
     if rest_cpus:  # rest.cpus: the REST process pinned there
         env["TPFLEX_REST__CPUS"] = rest_cpus
     log = open(workdir / "controller.log", "wb")
+    # --controller-cpus: as systemd's CPUAffinity= places it (its REST child moves itself
+    # to rest.cpus when set, else inherits this)
+    pin = ["taskset", "-c", controller_cpus] if controller_cpus else []
     proc = subprocess.Popen(
-        [str(Path(sys.executable).parent / "tpflex-controller"), "--name", "load",
+        [*pin, str(Path(sys.executable).parent / "tpflex-controller"), "--name", "load",
          "--etcd", ",".join(endpoints), "--rest-listen", f"127.0.0.1:{rest_port}",
          "--trainer-listen", f"127.0.0.1:{trainer_port}"], stdout=log, stderr=subprocess.STDOUT, env=env)
     return proc, f"http://127.0.0.1:{rest_port}"
@@ -508,7 +511,8 @@ def _run(args, workdir: Path) -> dict:
             etcd.put("/bench/put", b"x" * 200)
             puts.append((time.monotonic() - t) * 1000)
         log = PlanLog(etcd)
-        ctl, url = _start_controller(cluster.endpoints, workdir, args.rest_nice, args.rest_cpus)
+        ctl, url = _start_controller(cluster.endpoints, workdir, args.rest_nice, args.rest_cpus,
+                                     args.controller_cpus)
         procs.append(ctl)
         _wait(lambda: len(log.plans) == len(jobs), 120, "initial plans")
         rss_start = _rss_mb(ctl.pid)
@@ -644,7 +648,7 @@ def _run(args, workdir: Path) -> dict:
             "rest_process_cpu_s_during_rest_load": round(rest.get("rest_cpu_s", -1.0), 1),
             "rest_generator_cpu_s": paced.get("cpu_s", -1.0), "rest_generator_nice": args.rest_generator_nice,
             "rest_process": rest_pid is not None, "rest_nice": args.rest_nice if args.rest_nice is not None else _default_rest_nice(),
-            "rest_cpus": args.rest_cpus,
+            "rest_cpus": args.rest_cpus, "controller_cpus": args.controller_cpus,
             "rest_cache_hit_ratio": _hit_ratio(rest.get("cache", {})),
             "rest_rss_start_mb": rest_rss["start"], "rest_rss_after_warmup_mb": rest_rss.get("warm", -1.0),
             "rest_rss_end_mb": rest_rss["end"],
@@ -693,6 +697,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rest-cpus", default="", metavar="CPULIST",
                    help="the controller's rest.cpus (the CPUs its REST process runs on, e.g. '1';"
                    " default: unpinned)")
+    p.add_argument("--controller-cpus", default="", metavar="CPULIST",
+                   help="run the controller on these CPUs (taskset; as systemd CPUAffinity= would;"
+                   " default: unpinned)")
     p.add_argument("--rest-generator-nice", type=int, default=0, choices=range(20), metavar="0..19",
                    help="niceness of the paced REST load's generator (it stands for clients on other"
                    " machines; default 0: it competes for this machine's CPUs like any process)")
@@ -710,13 +717,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--rest-on-off: {exc}")
         if args.rest_on_off[1] == 0:  # the OFF windows are the baseline
             p.error("--rest-on-off: OFF must be more than 0 seconds")
-    if args.rest_cpus:
-        from tpflex_controller.cpus import check_allowed, parse_cpu_list
+    from tpflex_controller.cpus import check_allowed, parse_cpu_list
 
+    for flag, value in (("--rest-cpus", args.rest_cpus), ("--controller-cpus", args.controller_cpus)):
         try:
-            check_allowed(parse_cpu_list(args.rest_cpus))
+            if value:
+                check_allowed(parse_cpu_list(value))
         except ValueError as exc:
-            p.error(f"--rest-cpus: {exc}")
+            p.error(f"{flag}: {exc}")
     if not (1 <= args.nodes <= 20_000 and 0 < args.minutes <= 10 and 0 < args.rate <= 10_000):
         p.error("need 1 <= nodes <= 20000, 0 < minutes <= 10, 0 < rate <= 10000")
     with tempfile.TemporaryDirectory(prefix="tpflex-load-") as d:

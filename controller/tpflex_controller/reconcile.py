@@ -81,7 +81,7 @@ class Reconciler:
         self._default_policy = default_policy
         self.view = ClusterView(event_log_size, default_policy)
         self._damper = FlapDamper(flap_hold_down_s)
-        self.view.damper = self._damper
+        self.view.attach_damper(self._damper, clock.mono)
         self._holds = HoldMirror(self._damper)  # the damping in etcd, for REST and the next leader
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._session: LeaderSession | None = None
