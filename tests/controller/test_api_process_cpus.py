@@ -12,15 +12,17 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tpflex_controller.cpus import format_cpu_list, parse_cpu_list
 
-from tests.controller.controller_harness import CONTROLLER_BIN, ControllerProc, small_cluster
+from tests.controller.controller_harness import (
+    CONTROLLER_BIN,
+    ControllerProc,
+    small_cluster,
+)
+from tests.support.procfs import status
 from tests.support.wait import wait_until
 
 
 def _allowed(pid: int, tid: int | None = None) -> frozenset[int]:
-    path = f"/proc/{pid}/status" if tid is None else f"/proc/{pid}/task/{tid}/status"
-    with open(path) as f:
-        line = next(ln for ln in f if ln.startswith("Cpus_allowed_list:"))
-    return parse_cpu_list(line.split(":", 1)[1].strip())
+    return parse_cpu_list(status(pid, tid)["Cpus_allowed_list"])
 
 
 def test_the_rest_child_and_all_its_threads_run_on_rest_cpus(etcd_server, etcd, tmp_path):

@@ -6,12 +6,8 @@ from __future__ import annotations
 import httpx
 
 from tests.controller.controller_harness import ControllerProc, small_cluster
+from tests.support.procfs import nice
 from tests.support.wait import wait_until
-
-
-def _nice(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19: nice
 
 
 def test_rest_child_runs_at_the_configured_niceness(etcd_server, etcd, tmp_path):
@@ -20,7 +16,7 @@ def test_rest_child_runs_at_the_configured_niceness(etcd_server, etcd, tmp_path)
     try:
         proc.wait_http()
         [child] = proc.rest_pids()
-        assert _nice(child) == min(19, _nice(proc.proc.pid) + 7)
+        assert nice(child) == min(19, nice(proc.proc.pid) + 7)
         with httpx.Client(base_url=proc.rest_url, timeout=10) as http:
             wait_until(lambda: http.get("/v1/racks").status_code == 200, 15, "the child serves")
     finally:

@@ -14,17 +14,17 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.controller.controller_harness import CONTROLLER_BIN, ControllerProc, small_cluster
+from tests.controller.controller_harness import (
+    CONTROLLER_BIN,
+    ControllerProc,
+    small_cluster,
+)
 from tests.support import seccomp_deny
+from tests.support.procfs import nice
 from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.skipif(not seccomp_deny.supported(), reason="needs x86-64 Linux and asm/unistd_64.h")
 DENY = [sys.executable, str(Path(seccomp_deny.__file__)), "setpriority,sched_setaffinity", "--"]
-
-
-def _nice(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[16])
 
 
 def test_rest_serves_when_the_sandbox_denies_its_niceness(etcd_server, etcd, tmp_path):
@@ -35,7 +35,7 @@ def test_rest_serves_when_the_sandbox_denies_its_niceness(etcd_server, etcd, tmp
         with httpx.Client(base_url=proc.rest_url, timeout=10) as http:
             wait_until(lambda: http.get("/v1/racks").status_code == 200, 15, "the REST child serves")
         [child] = proc.rest_pids()  # started once: no crash and restart
-        assert _nice(child) == _nice(proc.proc.pid)  # the filter held: the niceness was not applied
+        assert nice(child) == nice(proc.proc.pid)  # the filter held: the niceness was not applied
         wait_until(lambda: "rest.nice not applied" in proc.log_path.read_text(), 10, "the warning")
         assert "Operation not permitted" in proc.log_path.read_text()
     finally:

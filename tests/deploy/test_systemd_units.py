@@ -10,7 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.controller.controller_harness import ControllerProc, PlanWatcher, put_job, small_cluster
+from tests.controller.controller_harness import (
+    ControllerProc,
+    PlanWatcher,
+    put_job,
+    small_cluster,
+)
 from tests.deploy.tools import DEPLOY, require_tool, run_tool
 from tests.deploy.units import (
     exec_binary,
@@ -18,7 +23,7 @@ from tests.deploy.units import (
     stage_with_stub_binaries,
     unit_settings,
 )
-from tests.support import seccomp_deny
+from tests.support import procfs, seccomp_deny
 from tests.support.wait import wait_until
 
 SYSTEMD = DEPLOY / "systemd"
@@ -200,11 +205,6 @@ def test_the_controllers_syscall_filter_lets_its_rest_child_apply_nice_and_cpus(
     assert _group("@privileged").isdisjoint(allowed)
 
 
-def _nice(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[16])
-
-
 @pytest.mark.skipif(not seccomp_deny.supported(), reason="needs x86-64 Linux and asm/unistd_64.h")
 def test_the_controller_works_under_its_units_syscall_filter(etcd_server, etcd, tmp_path):
     """A real tpflex-controller (and its REST child) under the unit's system-call filter,
@@ -227,11 +227,10 @@ def test_the_controller_works_under_its_units_syscall_filter(etcd_server, etcd, 
         with httpx.Client(base_url=proc.rest_url, timeout=10) as http:
             wait_until(lambda: http.get("/v1/jobs/job1/plan").status_code == 200, 15, "REST serves the plan")
         [child] = proc.rest_pids()
-        with open(f"/proc/{child}/status") as f:
-            status = dict(ln.split(":", 1) for ln in f if ":" in ln)
-        assert status["Seccomp"].strip() == "2"  # the filter is on the child too
-        assert status["Cpus_allowed_list"].strip() == str(cpu)
-        assert _nice(child) == min(19, _nice(proc.proc.pid) + 10)  # rest.nice's default
+        child_status = procfs.status(child)
+        assert child_status["Seccomp"] == "2"  # the filter is on the child too
+        assert child_status["Cpus_allowed_list"] == str(cpu)
+        assert procfs.nice(child) == min(19, procfs.nice(proc.proc.pid) + 10)  # rest.nice's default
         log = proc.log_path.read_text()
         assert "not applied" not in log and "Traceback" not in log, log[-3000:]
     finally:
@@ -266,8 +265,7 @@ def test_the_agent_works_under_its_units_syscall_filter(etcd_server, etcd, tmp_p
             "--insecure", "--metrics-listen", "127.0.0.1:0", "--backend", "nvml", "--lease-ttl-s", "30"]
     with AgentProcess(args, env=fake.env(tmp_path / "nvml.log"), prefix=_deny_prefix("tpflex-agent.service", tmp_path)) as a, \
             grpc.insecure_channel(a.grpc_address) as ch:
-        with open(f"/proc/{a.proc.pid}/status") as f:
-            assert "Seccomp:\t2" in f.read()
+        assert procfs.status(a.proc.pid)["Seccomp"] == "2"
         wait_until(lambda: etcd.get(keys.node("s1")), 10, "s1 registered")
         stub = agent_pb2_grpc.AgentStub(ch)
         limits = lambda: [g.power_limit_w for g in stub.GetDevices(agent_pb2.GetDevicesRequest(), timeout=5).gpus]  # noqa: E731
