@@ -152,19 +152,29 @@ class ControllerProc:
                  extra: list[str] = (), env: dict[str, str] | None = None, prefix: list[str] = ()) -> None:
         """``prefix``: a command that runs the controller (e.g. tests/support/seccomp_deny.py)."""
         self.name = name
-        self.rest_port, self.trainer_port = free_ports(2)
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")
-        args = [
-            *prefix, CONTROLLER_BIN, "--name", name, "--etcd", ",".join(endpoints),
-            "--lease-ttl-s", str(ttl),
-            "--rest-listen", f"127.0.0.1:{self.rest_port}",
-            "--trainer-listen", f"127.0.0.1:{self.trainer_port}",
-            *extra,
-        ]
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("TPFLEX_")}
-        full_env.update(env or {})
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
+        self._command = [*prefix, CONTROLLER_BIN, "--name", name, "--etcd", ",".join(endpoints),
+                         "--lease-ttl-s", str(ttl)]
+        self._extra = list(extra)
+        self._env = {k: v for k, v in os.environ.items() if not k.startswith("TPFLEX_")}
+        self._env.update(env or {})
+        self._launch()
+
+    def _launch(self) -> None:
+        self.rest_port, self.trainer_port = free_ports(2)
+        self._log_from = self.log_path.stat().st_size
+        self.proc = subprocess.Popen(
+            [*self._command, "--rest-listen", f"127.0.0.1:{self.rest_port}",
+             "--trainer-listen", f"127.0.0.1:{self.trainer_port}", *self._extra],
+            stdout=self._log, stderr=subprocess.STDOUT, env=self._env)
+
+    def _lost_a_port(self) -> bool:
+        """It exited because another process bound one of its ports between their pick
+        (free_ports) and its bind: the pick-then-bind race, not a controller fault."""
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_from)
+            return b"cannot bind" in f.read()
 
     @property
     def rest_url(self) -> str:
@@ -174,7 +184,12 @@ class ControllerProc:
         import httpx
 
         deadline = time.monotonic() + timeout
+        relaunches = 2
         while time.monotonic() < deadline:
+            if self.proc.poll() is not None and relaunches and self._lost_a_port():
+                relaunches -= 1  # on two other ports
+                self._launch()
+                continue
             assert self.proc.poll() is None, f"controller {self.name} exited: {self.log()}"
             try:
                 if httpx.get(self.rest_url + "/healthz", timeout=1.0).status_code == 200:
