@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from tpflex_proto import types_pb2
+
 from tests.controller import api_harness as h
 
 
@@ -52,3 +54,26 @@ def test_bad_page_parameters_are_422_with_a_message(api):
         assert r.status_code == 422, params
         assert r.json()["error"]["code"] == "invalid_request"
         assert list(params)[0] in r.json()["error"]["message"]
+
+
+def test_gpu_pages_keep_nodes_whose_names_extend_the_cursors_node(api):
+    """GPUs page in (node, index) order. A cursor compared as a "node:index" string skips
+    every node whose name extends the cursor's node with a digit, "-" or "." (":" sorts
+    after them): "p1:0000003" > "p10:0000000"."""
+    names = ["p", "p1", "p1-x", "p1.y", "p10", "p11", "p2"]
+    api.store.put_rack(types_pb2.Rack(
+        name="rack-p", domain_size=len(names) * h.GPUS_PER_NODE, power_budget_w=1e5, gpu_tdp_w=1000.0,
+        gpu_min_w=200.0, gpu_max_w=1300.0, nodes=names, gpus_per_node=h.GPUS_PER_NODE))
+    for n in names:
+        h.register(api.store, "rack-p", n)
+        h.put_health(api.store, n, {})
+    whole = [(g["node"], g["index"]) for g in api.http.get("/v1/gpus", params={"rack": "rack-p"}).json()]
+    assert whole == [(n, i) for n in sorted(names) for i in range(h.GPUS_PER_NODE)]
+    for limit in (1, 2, 3, 4, 5, 7):
+        items, _ = _walk(api, "/v1/gpus", limit, rack="rack-p")
+        assert [(g["node"], g["index"]) for g in items] == whole, limit
+    everything = [(g["node"], g["index"]) for g in api.http.get("/v1/gpus").json()]
+    assert [(g["node"], g["index"]) for g in _walk(api, "/v1/gpus", 3)[0]] == everything
+    # a cursor of a node alone (no index) resumes at that node's first GPU
+    r = api.http.get("/v1/gpus", params={"rack": "rack-p", "after": "p10", "limit": 1})
+    assert [(g["node"], g["index"]) for g in r.json()] == [("p10", 0)]

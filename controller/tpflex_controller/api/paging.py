@@ -39,5 +39,16 @@ def page(items: Sequence[T], key: Callable[[T], str], limit: int | None, after: 
 
 
 def gpu_cursor(node: str, index: int) -> str:
-    """GPUs sort by (node, index): the cursor keeps that order as a string."""
+    """A GPU's cursor, ``node:index`` (GPUs list in (node, index) order)."""
     return f"{node}:{index:07d}"
+
+
+def parse_gpu_cursor(after: str) -> tuple[str, int]:
+    """The (node, index) a GPU cursor names; the list resumes after it. A cursor without
+    an index (``node``, or a text that is not ``node:digits``) resumes at that name's
+    first GPU. Compare the pair, not the string: string order puts ``node10:0000000``
+    before ``node1:0000001``."""
+    node, sep, index = after.rpartition(":")
+    if sep and index.isascii() and index.isdigit():
+        return node, int(index)
+    return after, -1

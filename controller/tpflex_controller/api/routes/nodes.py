@@ -13,7 +13,7 @@ from tpflex_controller.api import views
 from tpflex_controller.api.checks import unknown_gpu
 from tpflex_controller.api.deps import Admin, Deps
 from tpflex_controller.api.errors import not_found
-from tpflex_controller.api.paging import After, PageLimit, gpu_cursor, page
+from tpflex_controller.api.paging import After, PageLimit, gpu_cursor, page, parse_gpu_cursor
 from tpflex_controller.api.params import NAME_PATTERN, GpuIndex, NodeName
 from tpflex_controller.api.rows import json_list
 from tpflex_controller.store import Snapshot
@@ -51,7 +51,12 @@ def list_gpus(
     reads = deps.reads
     # with a state: only the nodes with a GPU in it (O(page) from the cache's index)
     names = reads.nodes_in_state(state) if state is not None else reads.node_names()
-    start = bisect.bisect_left(names, after.rpartition(":")[0]) if after else 0
+    # the GPUs after (node, index) in (name, index) order: the names from the cursor's
+    # node on, and in that node only the indices above the cursor's (comparing the
+    # "node:index" strings would skip whole nodes: "node10:..." < "node1:..." as ":" sorts
+    # after the digits, "-" and ".")
+    cursor = parse_gpu_cursor(after) if after else None
+    start = bisect.bisect_left(names, cursor[0]) if cursor else 0
     out: list[tuple[str, int, bytes]] = []
     more = False
     for row in _rows_from(reads, names, start):
@@ -62,7 +67,7 @@ def list_gpus(
         for g in row.gpus:
             if (state is not None and g.state != state) or (rack is not None and g.rack != rack):
                 continue
-            if after is not None and gpu_cursor(name, g.index) <= after:
+            if cursor is not None and name == cursor[0] and g.index <= cursor[1]:
                 continue
             if limit is not None and len(out) == limit:
                 more = True
