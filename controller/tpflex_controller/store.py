@@ -194,9 +194,13 @@ class Store:
     def node_power(self, node: str) -> types_pb2.NodePowerPlan | None:
         return self._get(types_pb2.NodePowerPlan, keys.power(node))
 
-    def events(self, limit: int = 100) -> list[types_pb2.Event]:
+    def events(self, limit: int = 100, job: str | None = None) -> list[types_pb2.Event]:
+        """The latest ``limit`` events (of ``job`` only, when given), oldest first."""
         kvs, _ = self.etcd.get_prefix(keys.EVENTS)
-        return list(_decode_all(types_pb2.Event, kvs[-limit:], keys.EVENTS).values())
+        if job is None:
+            return list(_decode_all(types_pb2.Event, kvs[-limit:], keys.EVENTS).values())
+        events = [e for e in _decode_all(types_pb2.Event, kvs, keys.EVENTS).values() if e.job == job]
+        return events[-limit:]
 
     # ---- operator / registration writes (any controller replica) ----
 

@@ -13,7 +13,7 @@ from tpflex_controller.api import create_app
 from tpflex_controller.api.cache import ApiStateCache
 from tpflex_controller.store import Store
 from tpflex_proto import codec, keys, types_pb2
-from tpflex_proto.etcd import Etcd, EtcdError
+from tpflex_proto.etcd import Etcd, EtcdError, Op
 
 from tests.controller import api_harness as h
 from tests.controller.api_harness import ServedApp, make_deps, write_token_file
@@ -160,3 +160,35 @@ def test_requests_beyond_the_in_flight_bound_wait_then_get_busy(etcd, tmp_path):
         holder.join(10)
         assert done["r"].status_code == 200
         assert http.get("/v1/jobs").status_code == 200  # the slot is free again
+
+
+def test_events_of_one_job_come_from_the_whole_log(etcd, tmp_path):
+    """``/v1/events?job=`` searches the whole stored log (``event_log_size`` may be up to
+    1,000,000), not only its latest 1,000 entries: a quiet job's events stay listed after
+    1,500 events of a busy one. Cached and direct reads agree."""
+    store = Store(etcd)
+    h.seed(store)  # events 1-3 of h.JOB
+    quiet = [types_pb2.Event(seq=s, at=h.NOW + s, kind="plan_committed", job="quiet", generation=s)
+             for s in range(4, 9)]
+    busy = [types_pb2.Event(seq=s, at=h.NOW + s, kind="plan_committed", job="busy", generation=s)
+            for s in range(9, 1509)]
+    events = quiet + busy
+    for i in range(0, len(events), 100):
+        etcd.txn([], [Op.put(keys.event(e.seq), codec.encode(e)) for e in events[i:i + 100]])
+    direct = ServedApp(create_app(make_deps(etcd, write_token_file(tmp_path)))).start()
+    try:
+        with _cached_app(etcd, tmp_path) as (cache, http), httpx.Client(base_url=direct.url) as ref:
+            _caught_up(cache, etcd)
+            for client in (http, ref):
+                def seqs(**params):
+                    r = client.get("/v1/events", params=params)
+                    assert r.status_code == 200, r.text
+                    return [e["seq"] for e in r.json()["events"]]
+                assert seqs(job="quiet", limit=100) == [4, 5, 6, 7, 8]
+                assert seqs(job="quiet", limit=2) == [7, 8]
+                assert seqs(job=h.JOB) == [1, 2, 3]
+                assert seqs(job="busy", limit=3) == [1506, 1507, 1508]
+                assert seqs(limit=2) == [1507, 1508]
+                assert seqs(job="nobody") == []
+    finally:
+        direct.stop()

@@ -223,10 +223,21 @@ class ApiStateCache:
     def job_override(self, job: str) -> types_pb2.JobOverride | None:
         return self._tables().snap.job_overrides.get(job)
 
-    def events(self, limit: int = 100) -> list[types_pb2.Event]:
+    def events(self, limit: int = 100, job: str | None = None) -> list[types_pb2.Event]:
+        """The latest ``limit`` events (of ``job`` only, when given: searched back through
+        the whole stored log, not only its latest entries), oldest first."""
         t = self._tables()
         with self._lock:
-            return [t.events[s] for s in sorted(t.events)[-limit:]]
+            seqs = sorted(t.events)
+            if job is None:
+                return [t.events[s] for s in seqs[-limit:]]
+            out: list[types_pb2.Event] = []
+            for s in reversed(seqs):
+                if len(out) == limit:
+                    break
+                if t.events[s].job == job:
+                    out.append(t.events[s])
+            return out[::-1]
 
     def _warm_rows(self, tables: Tables) -> None:
         """Render every node's rows and the status index once after a (re-)list, off the

@@ -20,7 +20,5 @@ def list_events(
     limit: Limit = 100,
     job: Annotated[str | None, Query(pattern=JOB_PATTERN)] = None,
 ) -> s.EventList:
-    events = deps.reads.events(limit if job is None else 1000)
-    if job is not None:
-        events = [e for e in events if e.job == job][-limit:]
+    events = deps.reads.events(limit, job)
     return s.EventList(events=[views.event_view(e) for e in events])
