@@ -3,12 +3,14 @@ never gets a 5xx, and every 4xx carries a typed error with a message."""
 
 from __future__ import annotations
 
+import socket
 import string
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tpflex_controller.api import TokenFileError, load_tokens
+from tpflex_controller.api.limits import body_scope
 
 from tests.controller import api_harness as h
 from tests.support.rest import rest_error
@@ -79,3 +81,24 @@ def test_fuzzed_requests_never_get_a_5xx(served, path, name, index, body):
     for get in (f"/v1/nodes/{name}", f"/v1/jobs/{name}/plan", f"/v1/racks/{name}"):
         resp = served.http.get(get.replace("%", "%25").replace(" ", "%20"), headers=h.reader())
         assert resp.status_code in (200, 404, 405, 422), (get, resp.text)
+
+
+def test_the_token_is_checked_before_the_body_for_a_job_named_dry_run(served):
+    """Only ``POST /v1/jobs/<job>/dry-run`` may send its body without an admin token; a job
+    may be named ``dry-run``, and ``DELETE /v1/jobs/dry-run`` is a mutation: refused 401
+    on its headers, not after waiting for a body that never comes."""
+    assert body_scope("POST", "/v1/jobs/llama/dry-run", protect_reads=False) is None
+    assert body_scope("POST", "/v1/jobs/llama/dry-run", protect_reads=True) == "reader"
+    for method, path in (("DELETE", "/v1/jobs/dry-run"), ("PUT", "/v1/jobs/dry-run/spec"),
+                         ("POST", "/v1/jobs/dry-run/reconfigure"), ("PUT", "/v1/jobs/x/dry-run"),
+                         ("POST", "/v1/nodes/n/gpus/0/dry-run"), ("POST", "/v1/jobs//dry-run")):
+        assert body_scope(method, path, protect_reads=False) == "admin", (method, path)
+    with socket.create_connection(("127.0.0.1", served.app_server.port), timeout=5) as sock:
+        sock.sendall(b"DELETE /v1/jobs/dry-run HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n")  # the body never comes
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            chunk = sock.recv(4096)  # a socket.timeout here: the server waited for the body
+            assert chunk, answer
+            answer += chunk
+    assert answer.split(b"\r\n", 1)[0].endswith(b" 401 Unauthorized"), answer

@@ -50,13 +50,20 @@ BODY_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 def body_scope(method: str, path: str, protect_reads: bool) -> str | None:
     """The token scope a request with a body needs before its body is read: ``admin``
-    for every mutation under /v1, ``reader`` for dry-run when reads are protected, None
+    for every mutation under /v1, ``reader`` for a job's dry-run when reads are protected, None
     for the others (the routes' own checks still apply)."""
     if method not in BODY_METHODS or not path.startswith("/v1/"):
         return None
-    if path.endswith("/dry-run"):
+    if method == "POST" and _is_dry_run(path):
         return "reader" if protect_reads else None
     return "admin"
+
+
+def _is_dry_run(path: str) -> bool:
+    """``/v1/jobs/<job>/dry-run``, the one route with a body that only reads (a job may be
+    named ``dry-run``: ``DELETE /v1/jobs/dry-run`` is a mutation)."""
+    parts = path.split("/")
+    return len(parts) == 5 and parts[2] == "jobs" and parts[3] != "" and parts[4] == "dry-run"
 
 
 def bearer(headers: list[tuple[bytes, bytes]]) -> str | None:
