@@ -180,7 +180,7 @@ def test_events_of_one_job_come_from_the_whole_log(etcd, tmp_path):
         with _cached_app(etcd, tmp_path) as (cache, http), httpx.Client(base_url=direct.url) as ref:
             _caught_up(cache, etcd)
             for client in (http, ref):
-                def seqs(**params):
+                def seqs(client=client, **params):
                     r = client.get("/v1/events", params=params)
                     assert r.status_code == 200, r.text
                     return [e["seq"] for e in r.json()["events"]]
