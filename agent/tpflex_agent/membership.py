@@ -2,8 +2,9 @@
 ``health/<node>`` record (the desired caps, ``power/<node>``, are ``desired.py``'s).
 
 The registration and the health record share one lease (TTL ``lease_ttl_s``, kept alive
-every TTL/3): when the agent dies both vanish after the TTL. After an etcd outage that
-outlived the lease the agent registers again under a new lease.
+every TTL/3, a failed keep-alive retried after a short back-off): when the agent dies both
+vanish after the TTL. After an etcd outage that outlived the lease the agent registers
+again under a new lease.
 """
 
 from __future__ import annotations
@@ -94,28 +95,38 @@ class Membership:
                  self.core.rack, lease, self.ttl_s)
 
     def _run(self) -> None:
+        """Register, then refresh the lease every TTL/3 until stopped.
+
+        A failed keep-alive is retried after the back-off alone, not after the back-off and
+        another TTL/3: with the default TTL 5 s and a 2 s call deadline, one keep-alive that
+        timed out would otherwise put the next refresh past the TTL, and the node would drop
+        out of the cluster (and the controller replan) on a single etcd blip. While the
+        lease is held the pause is also capped at TTL/6, so that several retries fit in the
+        two thirds of the TTL left after the failed refresh. Every success resets the
+        back-off: blips spread over the agent's life must not add up to long pauses.
+        """
         backoff, last_ok = Backoff(0.1, max(self.ttl_s / 3, 0.2)), time.monotonic()
-        while not self._stop.is_set():
+        pause = 0.0  # register at once
+        while not self._stop.wait(pause):
             try:
                 if not self.lease_id:
                     self._register()
-                    last_ok = time.monotonic()
-                    backoff.reset()
-                if self._stop.wait(self.ttl_s / 3):
-                    return
-                if self.etcd.keepalive_once(self.lease_id) > 0:
-                    last_ok = time.monotonic()
-                else:
+                elif self.etcd.keepalive_once(self.lease_id) <= 0:
                     log.warning("lease expired node=%s lease=%x", self.core.node, self.lease_id)
                     self._drop_lease()
+                    pause = 0.0  # register again under a new lease at once
+                    continue
+                last_ok, pause = time.monotonic(), self.ttl_s / 3
+                backoff.reset()
             except EtcdError as exc:
                 if time.monotonic() - last_ok > self.ttl_s and self.lease_id:
                     log.warning("lease presumed lost node=%s error=%s", self.core.node, exc)
                     self._drop_lease()
                 level = logging.INFO if isinstance(exc, EtcdUnavailable) else logging.WARNING
                 log.log(level, "etcd unreachable node=%s error=%s", self.core.node, exc)
-                if self._stop.wait(backoff.next()):
-                    return
+                pause = backoff.next()
+                if self.lease_id:  # a keep-alive retry: well inside what is left of the lease
+                    pause = min(pause, self.ttl_s / 6)
 
     def _drop_lease(self) -> None:
         with self._lock:
