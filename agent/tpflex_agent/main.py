@@ -15,6 +15,8 @@ import signal
 import sys
 import threading
 
+from tpflex_proto.tls import TlsFilesError
+
 from .backend import GpuBackend
 from .errors import GpuError
 from .settings import ConfigError, load_settings
@@ -125,20 +127,25 @@ def _serve(settings, backend: GpuBackend) -> int:
 
     core = AgentCore(settings, backend)
     registered = threading.Event()
+    etcd = membership = authority = None
+    try:  # the etcd client first: its secret and TLS files are checked before anything serves
+        etcd = _etcd_client(settings) if settings.etcd.endpoints else None
+    except ValueError as exc:
+        return _fail(str(exc))
     try:
         server, port = create_server(settings, backend, core=core)
         httpd, metrics_port = start_metrics_server(core, settings.metrics, registered)
-    except (OSError, RuntimeError) as exc:
-        return _fail(f"cannot bind: {exc}")
+    except (OSError, RuntimeError, ValueError) as exc:
+        if etcd is not None:
+            etcd.close()
+        return _fail(str(exc) if isinstance(exc, TlsFilesError) else f"cannot bind: {exc}")
     _warn_transport(settings, port)
     core.start()
     server.start()
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    etcd = membership = authority = None
-    if settings.etcd.endpoints:
-        etcd = _etcd_client(settings)
+    if etcd is not None:
         membership = Membership(etcd, core, agent_address=settings.grpc.advertised(port),
                                 metrics_address=settings.metrics.advertised(metrics_port),
                                 ttl_s=settings.etcd.lease_ttl_s, registered=registered).start()
@@ -181,16 +188,17 @@ def _warn_transport(settings, port: int) -> None:
 
 
 def _etcd_client(settings):
+    from tpflex_proto.config import read_text_file
     from tpflex_proto.etcd import Etcd, EtcdTls
 
     e = settings.etcd
-    password = None
-    if e.password_file:
-        with open(e.password_file) as f:
-            password = f.read().strip()
+    password = read_text_file(e.password_file, "etcd.password_file") if e.password_file else None
     tls = EtcdTls(e.ca_file, e.cert_file or None, e.key_file or None) if e.ca_file else None
-    return Etcd(e.endpoints, timeout=e.dial_timeout_s, user=e.username or None,
-                password=password, tls=tls)
+    try:
+        return Etcd(e.endpoints, timeout=e.dial_timeout_s, user=e.username or None,
+                    password=password, tls=tls)
+    except TlsFilesError as exc:
+        raise ValueError(f"etcd TLS (etcd.ca_file, cert_file, key_file): {exc}") from None
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from concurrent import futures
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from tpflex_proto import agent_pb2, agent_pb2_grpc, types_pb2
-from tpflex_proto.tls import ServerTls, bind_grpc, server_interceptors
+from tpflex_proto.tls import ServerTls, TlsFilesError, bind_grpc, server_interceptors
 
 from .backend import GpuBackend
 from .core import AgentCore
@@ -125,6 +125,8 @@ def create_server(
     core.grpc_health = health_servicer
     try:
         return bind_grpc(server, settings.grpc.listen, tls, service="agent")
+    except TlsFilesError as exc:
+        raise TlsFilesError(f"gRPC TLS (grpc.tls_cert_file, tls_key_file, client_ca_file): {exc}") from None
     except OSError as exc:
         raise OSError(f"cannot bind gRPC listen address {settings.grpc.listen}: {exc}") from None
 

@@ -73,6 +73,14 @@ class EtcdSection(config.EtcdClientSection):
 class _Listener(config.Listener):
     advertise_address: str = Field("", description="host:port others dial; empty = <host name>:<port>")
 
+    @field_validator("advertise_address")
+    @classmethod
+    def _advertise(cls, v: str) -> str:
+        # what the agent registers and the controller dials: a HOST:PORT with a real port
+        if v and (config.hostport(v, "advertise_address") and v.rsplit(":", 1)[1].lstrip("0") == ""):
+            raise ValueError(f"advertise_address needs a port in 1..65535, got {v!r}")
+        return v
+
     @property
     def host(self) -> str:
         return self.listen.rsplit(":", 1)[0]

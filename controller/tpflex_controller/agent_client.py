@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import grpc
 from tpflex_proto import agent_pb2, agent_pb2_grpc, backoff
+from tpflex_proto.tls import ClientCertificateFiles
 
 from tpflex_controller.cache import NodePower
 from tpflex_controller.clock import SYSTEM_CLOCK, Clock
@@ -87,7 +88,7 @@ class AgentPusher:
         backoff_initial: float = 0.1,
         backoff_max: float = 5.0,
         on_failure: Callable[[], None] | None = None,
-        credentials: grpc.ChannelCredentials | None = None,
+        credentials: grpc.ChannelCredentials | ClientCertificateFiles | None = None,
         max_channels: int = 256,
         channel_idle_s: float = 60.0,
         clock: Clock = SYSTEM_CLOCK,
@@ -284,7 +285,7 @@ class AgentPusher:
                     ("grpc.max_reconnect_backoff_ms", 1000),
                 ]
                 if self._credentials is not None:
-                    ch = grpc.secure_channel(address, self._credentials, options=options)
+                    ch = grpc.secure_channel(address, _current(self._credentials), options=options)
                 else:
                     ch = grpc.insecure_channel(address, options=options)
                 entry = self._channels[address] = [ch, 0.0, 0]
@@ -321,3 +322,11 @@ class AgentPusher:
 
 def _errors(resp: agent_pb2.ApplyPowerPlanResponse) -> str:
     return "; ".join(f"gpu {g.index}: {g.error}" for g in resp.gpus if not g.ok and g.error)
+
+
+def _current(credentials) -> grpc.ChannelCredentials:
+    """Channel credentials, or the current ones of a provider that reads its files again
+    when they change (tpflex_proto.tls.ClientCertificateFiles: a renewed client certificate
+    reaches the next channel without a restart)."""
+    get = getattr(credentials, "get", None)
+    return get() if callable(get) else credentials

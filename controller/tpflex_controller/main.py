@@ -18,12 +18,17 @@ import socket
 import sys
 import threading
 
-import grpc
 from prometheus_client import CollectorRegistry
+from tpflex_proto.config import read_text_file
 from tpflex_proto.etcd import Etcd, EtcdTls
 from tpflex_proto.informer import Informer
 from tpflex_proto.keys import Kind
-from tpflex_proto.tls import ServerTls, channel_credentials
+from tpflex_proto.tls import (
+    ClientCertificateFiles,
+    ServerTls,
+    TlsFilesError,
+    check_server_files,
+)
 
 from tpflex_controller import heap, memtrace
 from tpflex_controller.api.process import RestSupervisor
@@ -83,24 +88,28 @@ def _arg_layers(ns: argparse.Namespace) -> dict[str, dict]:
     }
 
 
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def create_etcd(s: ControllerSettings) -> Etcd:
+    """The etcd client of ``s``; ValueError naming the setting when a secret or TLS file
+    cannot be used."""
     e = s.etcd
     tls = EtcdTls(e.ca_file, e.cert_file or None, e.key_file or None) if e.ca_file else None
-    password = _read(e.password_file).decode().strip() if e.password_file else None
-    return Etcd(e.endpoints, timeout=e.dial_timeout_s, user=e.username or None, password=password, tls=tls)
+    password = read_text_file(e.password_file, "etcd.password_file") if e.password_file else None
+    try:
+        return Etcd(e.endpoints, timeout=e.dial_timeout_s, user=e.username or None, password=password, tls=tls)
+    except TlsFilesError as exc:
+        raise ValueError(f"etcd TLS (etcd.ca_file, cert_file, key_file): {exc}") from None
 
 
-def _agent_credentials(s: ControllerSettings) -> grpc.ChannelCredentials | None:
-    """mTLS towards the agents: trust agents.ca_file, present agents.cert_file."""
+def _agent_credentials(s: ControllerSettings) -> ClientCertificateFiles | None:
+    """mTLS towards the agents: trust agents.ca_file, present agents.cert_file (read again
+    when a file changes, at the next channel to an agent)."""
     a = s.agents
     if not a.ca_file:
         return None
-    return channel_credentials(a.ca_file, a.cert_file or None, a.key_file or None)
+    try:
+        return ClientCertificateFiles(a.ca_file, a.cert_file or None, a.key_file or None)
+    except TlsFilesError as exc:
+        raise ValueError(f"agents TLS (agents.ca_file, cert_file, key_file): {exc}") from None
 
 
 def _trainer_tls(s: ControllerSettings) -> ServerTls | None:
@@ -118,8 +127,14 @@ def _start_rest(
     from tpflex_controller.api import load_tokens
 
     r = s.rest
-    # read here too: a bad token file is a start-up error, not a crash-looping child
+    # read here too: a bad token file or certificate is a start-up error, not a
+    # crash-looping child
     load_tokens(r.admin_tokens_file or None, r.readonly_tokens_file or None, protect_reads=r.protect_reads)
+    if r.tls_cert_file:
+        try:
+            check_server_files(r.tls_cert_file, r.tls_key_file)
+        except TlsFilesError as exc:
+            raise ValueError(f"REST TLS (rest.tls_cert_file, tls_key_file): {exc}") from None
     family = socket.AF_INET6 if ":" in s.rest.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -231,10 +246,15 @@ def main(argv: list[str] | None = None) -> int:
     heap.limit_arenas()
     memtrace.install_if_asked()  # debug only: TPFLEX_DEBUG_MEMTRACE_FRAMES=N (memtrace.py)
     trimmer = heap.HeapTrimmer().start()  # freed C heap back to the system every 30 s
-    proc = ControllerProcess(settings)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    try:
+        proc = ControllerProcess(settings)  # reads the secret and certificate files
+    except (OSError, ValueError) as exc:
+        print(f"tpflex-controller: {exc}", file=sys.stderr)
+        trimmer.stop()
+        return 2
     try:
         proc.start()
     except (OSError, ValueError) as exc:  # ConfigError, TokenFileError, bind errors

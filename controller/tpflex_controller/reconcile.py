@@ -21,6 +21,7 @@ from tpflex_proto import keys, types_pb2
 from tpflex_proto.etcd import Etcd, EtcdError
 from tpflex_proto.informer import Batch, Change, Informer
 from tpflex_proto.keys import Kind
+from tpflex_proto.tls import ClientCertificateFiles
 
 from tpflex_controller import convert
 from tpflex_controller.agent_client import AgentPusher, PushResult
@@ -61,7 +62,7 @@ class Reconciler:
         event_log_size: int = 1000,
         history_size: int = 100,
         agent_timeout: float = 2.0,
-        agent_credentials: grpc.ChannelCredentials | None = None,
+        agent_credentials: grpc.ChannelCredentials | ClientCertificateFiles | None = None,
         default_policy: str = "ntp-pw",
         clock: Clock = SYSTEM_CLOCK,
         flap_hold_down_s: float = 0.0,

@@ -28,7 +28,7 @@ from tpflex_proto import (
 )
 from tpflex_proto.etcd import Cmp, Etcd, EtcdError, EtcdUnavailable, Op
 from tpflex_proto.informer import Informer
-from tpflex_proto.tls import ServerTls, bind_grpc, server_interceptors
+from tpflex_proto.tls import ServerTls, TlsFilesError, bind_grpc, server_interceptors
 
 from tpflex_controller.liveness import LivenessPolicy, Outcome
 from tpflex_controller.liveness_service import LivenessRefused, LivenessService
@@ -359,5 +359,7 @@ def create_grpc_server(
         add_rendezvous(server, etcd, dataclasses.replace(rendezvous, max_parked=parked))
     try:
         return bind_grpc(server, bind, tls, service="trainer")
+    except TlsFilesError as exc:
+        raise TlsFilesError(f"trainer gRPC TLS (trainer.tls_cert_file, tls_key_file, client_ca_file): {exc}") from None
     except OSError as exc:
         raise OSError(f"cannot bind the trainer gRPC server: {exc}") from None

@@ -57,9 +57,23 @@ def hostport(value: str, what: str) -> str:
 
 
 def readable(path: str, what: str) -> str:
-    if path and not os.access(path, os.R_OK):
+    if path and (os.path.isdir(path) or not os.access(path, os.R_OK)):
         raise ValueError(f"{what} {path!r} is not a readable file")
     return path
+
+
+def read_text_file(path: str, what: str) -> str:
+    """A small secret or list file as text (UTF-8, surrounding white space removed);
+    ValueError naming ``what`` when it cannot be read or is not UTF-8."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise ValueError(f"{what} {path!r} cannot be read: {exc.strerror or exc}") from None
+    try:
+        return data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} {path!r} is not UTF-8 text") from None
 
 
 def split_list(value: Any) -> Any:
@@ -81,7 +95,9 @@ LogLevel = Annotated[
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # no inf or NaN anywhere: a duration of inf passes a lower bound, then breaks what
+    # reads it (the REST child got it back as JSON null and crash-looped)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class EtcdClientSection(Section):
@@ -160,6 +176,10 @@ class ClientCaListener(Listener):
         readable(self.client_ca_file, "client_ca_file")
         if self.client_ca_file and not self.tls_cert_file:
             raise ValueError("client_ca_file needs tls_cert_file and tls_key_file")
+        if self.client_names and not self.client_ca_file:
+            # the names are those of client certificates, which only mutual TLS asks for:
+            # without a client CA every client would get in, whatever the list says
+            raise ValueError("client_names needs client_ca_file (names are checked on client certificates)")
         return self
 
 
@@ -184,6 +204,10 @@ def _read_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not valid TOML: not UTF-8 text") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path} is not valid TOML: nested too deeply") from None
 
 
 def _read_env(sections: Mapping[str, type[BaseModel]], env: Mapping[str, str]) -> dict[str, dict[str, str]]:

@@ -252,6 +252,10 @@ class Etcd:
         self.timeout = timeout
         self._target = "ipv4:" + ",".join(self.endpoints) if len(self.endpoints) > 1 else endpoints[0]
         self._tls = tls
+        if tls is not None:  # unusable files: refused here, not retried forever as UNAVAILABLE
+            from tpflex_proto.tls import check_client_files
+
+            check_client_files(tls.ca_file, tls.cert_file, tls.key_file)
         self._channel_lock = threading.Lock()
         self._channel_born = 0.0
         self._make_channel()

@@ -42,11 +42,19 @@ def test_precedence_argument_over_environment_over_file_over_default(tmp_path):
         ("[rest]\ncpus = '0,x'\n", {}, "not a CPU list item: 'x'"),
         ("[rest]\ncpus = '65536'\n", {}, "CPU 65536 is out of range"),
         ("[rest]\ncpus = '4096'\n", {}, "CPU 4096 does not exist"),
+        # a lower bound alone let inf through: the REST child got it back as JSON null
+        ("[rest]\nbusy_wait_s = inf\n", {}, "rest.busy_wait_s (from config file"),
+        ("", {"TPFLEX_TIMEOUTS__REACTION_BOUND_S": "nan"}, "finite number"),
+        ("[rest]\nadmin_tokens_file = '/'\n", {}, "'/' is not a readable file"),  # a directory
+        (b"\xff\xfe[rest]\n", {}, "not valid TOML: not UTF-8"),
+        ("a = " + "[" * 3000 + "]" * 3000 + "\n", {}, "not valid TOML"),
+        # names are checked on client certificates: without a client CA nobody is asked for one
+        ("[trainer]\nclient_names = ['tpflex-trainer']\n", {}, "client_names needs client_ca_file"),
     ],
 )
 def test_bad_values_are_refused_with_a_message(tmp_path, file_text, env, message):
     cfg = tmp_path / "c.toml"
-    cfg.write_text(file_text)
+    cfg.write_bytes(file_text if isinstance(file_text, bytes) else file_text.encode())
     with pytest.raises(ConfigError) as info:
         load_settings(config_file=str(cfg), env=env)
     assert message in str(info.value)
@@ -69,5 +77,6 @@ def test_process_exits_2_on_bad_config_and_on_a_taken_port(tmp_path, etcd_server
 
 
 def test_a_bracketed_ipv6_listen_address_from_the_environment_is_accepted():
-    s = load_settings(env={"TPFLEX_REST__LISTEN": "[::1]:8470", "TPFLEX_TRAINER__CLIENT_NAMES": '["a", "b"]'})
-    assert (s.rest.host, s.rest.port, s.trainer.client_names) == ("::1", 8470, ["a", "b"])
+    s = load_settings(env={"TPFLEX_REST__LISTEN": "[::1]:8470", "TPFLEX_ETCD__ENDPOINTS": '["[::1]:2379", "b:2"]'})
+    assert (s.rest.host, s.rest.port, s.etcd.endpoints) == ("::1", 8470, ["[::1]:2379", "b:2"])
+
