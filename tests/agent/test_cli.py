@@ -65,6 +65,11 @@ def test_the_deploy_example_has_only_known_keys():
     (["--listen", "nowhere"], {}, None, "listen must be HOST:PORT"),
     (["--etcd", "localhost:99999"], {}, None, "etcd endpoint must be HOST:PORT"),
     (["--node", "bad/name"], {}, None, "agent.node (from command line)"),
+    # what the agent registers and the controller dials
+    (["--advertise-address", "not a host port!"], {}, None, "advertise_address must be HOST:PORT"),
+    (["--advertise-address", "node7:0"], {}, None, "advertise_address needs a port in 1..65535"),
+    ([], {"TPFLEX_METRICS__ADVERTISE_ADDRESS": "node7"}, None, "metrics.advertise_address"),
+    ([], {"TPFLEX_ETCD__DIAL_TIMEOUT_S": "inf"}, None, "finite number"),
 ])
 def test_bad_configuration_exits_2_with_a_message(tmp_path, monkeypatch, capsys, argv, env, file_text, words):
     for k, v in env.items():

@@ -162,3 +162,35 @@ def test_unusable_secret_and_certificate_files_exit_2_naming_the_setting(tmp_pat
         assert run.returncode == 2, (setting, run.returncode, run.stderr[-2000:])
         assert setting in run.stderr and "Traceback" not in run.stderr, (setting, run.stderr[-2000:])
         assert "cannot bind" not in run.stderr, (setting, run.stderr[-2000:])
+
+
+def test_the_agent_refuses_unusable_files_before_it_serves(certs, tmp_path, monkeypatch, capsys):
+    """Exit 2 with the setting's name: a gRPC key that does not match its certificate was
+    reported as "cannot bind", and an etcd CA or password file that could not be used
+    raised a traceback after the agent was already serving."""
+    from tpflex_agent.main import main
+
+    for name in list(os.environ):
+        if name.startswith("TPFLEX_"):
+            monkeypatch.delenv(name)
+    junk = tmp_path / "junk.pem"
+    junk.write_text(JUNK)
+    latin = tmp_path / "password"
+    latin.write_bytes(b"p\xe4ssword\n")
+    tls = ["--backend", "sim", "--listen", "127.0.0.1:0", "--metrics-port", "0"]
+    env_tls = {"TPFLEX_GRPC__TLS_CERT_FILE": str(certs / "agent.pem"),
+               "TPFLEX_GRPC__TLS_KEY_FILE": str(certs / "agent-key.pem")}
+    cases = [
+        ({**env_tls, "TPFLEX_GRPC__TLS_KEY_FILE": str(certs / "controller-key.pem")}, "grpc.tls_cert_file"),
+        ({**env_tls, "TPFLEX_GRPC__CLIENT_CA_FILE": str(junk)}, "client_ca_file"),
+        ({**env_tls, "TPFLEX_ETCD__ENDPOINTS": "127.0.0.1:9", "TPFLEX_ETCD__CA_FILE": str(junk)}, "etcd.ca_file"),
+        ({**env_tls, "TPFLEX_ETCD__ENDPOINTS": "127.0.0.1:9", "TPFLEX_ETCD__USERNAME": "u",
+          "TPFLEX_ETCD__PASSWORD_FILE": str(latin)}, "etcd.password_file"),
+    ]
+    for env, setting in cases:
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                m.setenv(k, v)
+            assert main(tls) == 2, setting
+        err = capsys.readouterr().err
+        assert setting in err and "Traceback" not in err and "cannot bind" not in err, (setting, err)
