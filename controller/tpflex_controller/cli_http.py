@@ -19,6 +19,15 @@ class CliError(Exception):
         self.exit_code = exit_code
 
 
+class ProtocolError(CliError):
+    """The server answered something tpflexctl cannot read (a stream message that is not
+    JSON, or not of the documented shape): exit 1 like a 5xx; ``--watch`` does not
+    reconnect on it (the next stream would say the same)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 1)
+
+
 class Client:
     def __init__(self, url: str, token: str | None, timeout: float, cacert: str | None = None) -> None:
         parsed = urllib.parse.urlsplit(url)
@@ -78,17 +87,22 @@ class Client:
                 if resp.status_code >= 400:
                     resp.read()
                     raise http_error(resp)
-                yield from _events(resp.iter_lines())
+                yield from _events(resp.iter_lines(), self.base)
         except httpx.HTTPError as exc:
             raise CliError(f"lost the stream from {self.base}: {_reason(exc)}", 1) from None
 
 
-def _events(lines: Iterator[str]) -> Iterator[tuple[str, object]]:
+def _events(lines: Iterator[str], base: str) -> Iterator[tuple[str, object]]:
     name, data = "message", []
     for line in lines:
         if line == "":
             if data:
-                yield name, json.loads("\n".join(data))
+                try:
+                    decoded = json.loads("\n".join(data))
+                except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+                    raise ProtocolError(f"the server at {base} sent a {name!r} stream message that is not "
+                                        f"JSON: {_reason(exc)}") from None
+                yield name, decoded
             name, data = "message", []
         elif line.startswith("event: "):
             name = line[7:]

@@ -10,29 +10,47 @@ from collections.abc import Callable
 
 from tpflex_proto import backoff
 
-from tpflex_controller.cli_http import Client, CliError
+from tpflex_controller.cli_http import Client, CliError, ProtocolError
 
 Printer = Callable[[str], None]
 
 
 def _follow(client: Client, on_message: Callable[[str, object], None], err: Printer) -> None:
-    """Feed every stream message to ``on_message``; reconnect (jittered backoff) when the
-    stream drops; 4xx (bad token, unknown job) ends it with the error."""
-    failures = 0
+    """Feed every stream message to ``on_message``. Whenever the stream ends (dropped, or
+    ended by the controller, which it does when it loses etcd) print one line and
+    reconnect after the shared jittered back-off, which starts over only after a stream
+    that delivered data: a controller that accepts and at once ends every stream is not
+    hammered, and a fleet of watchers does not reconnect in lockstep. 4xx (bad token,
+    unknown job) and unreadable messages end the watch with the error."""
+    retry = backoff.Backoff(1.0, 10.0)
     while True:
+        why = "the controller ended the stream"
         try:
             for name, data in client.stream("/v1/console/stream"):
-                failures = 0
-                on_message(name, data)
+                if name == "error":  # the controller's view lost etcd; the stream ends next
+                    why = f"the controller ended the stream: {_error_text(data)}"
+                    continue
+                retry.reset()
+                try:
+                    on_message(name, data)
+                except (KeyError, TypeError, AttributeError, IndexError) as exc:
+                    raise ProtocolError(f"unexpected {name!r} stream message from {client.base} "
+                                        f"({exc!r})") from None
+        except ProtocolError:
+            raise
         except CliError as exc:
             if exc.exit_code == 2:
                 raise
-            failures += 1
-            delay = backoff.delay(failures, 1.0, 10.0)
-            err(f"tpflexctl: {exc}; reconnecting in {delay:.1f} s")
-            time.sleep(delay)
-            continue
-        err("tpflexctl: the controller ended the stream; reconnecting")
+            why = str(exc)
+        pause = retry.next()
+        err(f"tpflexctl: {why}; reconnecting in {pause:.1f} s")
+        time.sleep(pause)  # Ctrl-C here ends the watch (KeyboardInterrupt: exit 130)
+
+
+def _error_text(data: object) -> str:
+    """The message of the stream's ``error`` event, on one line."""
+    text = data.get("message") if isinstance(data, dict) else None
+    return " ".join(str(text if text else data).split())[:300]
 
 
 def watch_events(client: Client, args: argparse.Namespace, show_rows, out: Printer, err: Printer) -> None:
