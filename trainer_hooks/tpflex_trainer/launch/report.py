@@ -14,11 +14,17 @@ import threading
 
 import grpc
 from tpflex_proto import controller_pb2, controller_pb2_grpc
+from tpflex_proto.backoff import Backoff
 
 from tpflex_trainer.hooks.control import ControlConfig, open_channel
 from tpflex_trainer.launch.policy import Decision, describe_exit
 
 log = logging.getLogger(__name__)
+
+
+# the pause between tries: 0.2 s doubling to 2 s, jittered (tpflex_proto.backoff), so the
+# tpflex-runs of a job that all report during one controller outage do not retry in lockstep
+RETRY_INITIAL_S, RETRY_MAX_S = 0.2, 2.0
 
 
 class ControllerEvents:
@@ -67,7 +73,7 @@ class ControllerEvents:
             self._send(item)
 
     def _send(self, exit_: controller_pb2.RankExit) -> None:
-        backoff = 0.2
+        backoff = Backoff(RETRY_INITIAL_S, RETRY_MAX_S)
         for attempt in range(self.tries):
             endpoint = self.config.endpoints[attempt % len(self.config.endpoints)]
             try:
@@ -83,9 +89,8 @@ class ControllerEvents:
                     log.warning("rank exit refused node=%s gpu=%d code=%s detail=%s", exit_.node, exit_.gpu,
                                 exc.code().name, exc.details())
                     return
-            if self._stop.wait(backoff):
+            if attempt + 1 < self.tries and self._stop.wait(backoff.next()):
                 return
-            backoff = min(backoff * 2, 2.0)
         log.warning("rank exit not reported node=%s gpu=%d tries=%d", exit_.node, exit_.gpu, self.tries)
 
     def _channel(self, endpoint: str) -> grpc.Channel:
