@@ -506,6 +506,8 @@ class Etcd:
 class Watch:
     """A running watch; see :meth:`Etcd.watch_prefix`."""
 
+    _WORKED_S = 10.0  # established this long: its end starts the back-off over
+
     def __init__(self, client: Etcd, prefix: bytes, callback, start_revision, on_resync, on_error):
         self._client = client
         self._prefix = prefix
@@ -545,7 +547,11 @@ class Watch:
             yield item
 
     def _run(self) -> None:
-        backoff = Backoff(0.05, 1.0)
+        # The back-off starts over after a watch that worked: one that delivered events or
+        # stayed established for a while. Not on any response: etcd refuses a watch outside
+        # the user's role with one response both created and canceled, and a reset there
+        # re-created the watch every 25-50 ms for ever.
+        backoff, since = Backoff(0.05, 1.0), None
         while not self._stop.is_set():
             self._requests = queue.Queue()
             try:
@@ -553,14 +559,15 @@ class Watch:
                     self._request_iter(), metadata=self._client._auth_md()
                 )
                 for resp in self._call:
-                    backoff.reset()
                     if resp.compact_revision:
                         raise EtcdCompacted(resp.compact_revision)
-                    if resp.created:
-                        self.established.set()
                     if resp.canceled:
                         raise EtcdError(f"watch canceled by server: {resp.cancel_reason}")
+                    if resp.created:
+                        self.established.set()
+                        since = time.monotonic()
                     if resp.events:
+                        backoff.reset()
                         events = [
                             WatchEvent(
                                 "delete" if ev.type == kv_pb2.Event.DELETE else "put",
@@ -595,6 +602,9 @@ class Watch:
                 log.info("etcd watch interrupted prefix=%s error=%s", self._prefix.decode(), err)
                 if self._on_error:
                     self._on_error(err)
+                if since is not None and time.monotonic() - since > self._WORKED_S:
+                    backoff.reset()  # a quiet watch that had been up a while: no repeat failure
+                since = None
                 self._stop.wait(backoff.next())
             finally:
                 self._requests.put(None)

@@ -3,6 +3,7 @@ with user/password auth enabled through etcd's Auth API."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -84,5 +85,32 @@ def test_an_expired_auth_token_is_renewed_transparently(secure_etcd):
         etcd.put(KEY, b"after")
         assert etcd.get(KEY).value == b"after"
         assert etcd._metadata != first  # a new token was obtained
+    finally:
+        etcd.close()
+
+
+def test_a_watch_the_server_refuses_backs_off_and_is_never_established(secure_etcd):
+    """etcd answers a watch outside the user's role with one response that is both
+    ``created`` and ``canceled`` (permission denied). That is no working watch: it must not
+    count as established, nor reset the back-off (the watch re-created itself every
+    25-50 ms, for ever, logging each time)."""
+    etcd = _agent(secure_etcd)
+    errors: list[float] = []
+    failed = threading.Event()
+
+    def on_error(exc):
+        errors.append(time.monotonic())
+        if len(errors) >= 60:
+            failed.set()
+
+    try:
+        watch = etcd.watch_prefix("/outside/", lambda events: None, on_error=on_error)
+        failed.wait(3.0)  # the spinning watch reaches 60 refusals well within it
+        watch.cancel()
+        assert errors, "the refused watch reported no error"
+        assert not watch.established.is_set()
+        # the jittered back-off (0.05 s doubling to 1 s, at least half of each) allows at
+        # most 10 tries in 3 s
+        assert len(errors) <= 10, f"{len(errors)} refused watches in 3 s"
     finally:
         etcd.close()
