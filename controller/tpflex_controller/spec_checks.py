@@ -74,6 +74,7 @@ def check_spec(
         validate(ClusterState(racks=infos), job)
     except (PlanningError, ValueError) as exc:  # an unknown policy is a ValueError
         raise _invalid(str(exc)) from None
+    _check_degree_room(spec, job.min_tp)
     _check_gpus(spec.name, job, infos)
     _check_exclusive(spec.name, claimed(job, infos), others, infos)
     return job
@@ -117,6 +118,17 @@ def _check_units(spec: types_pb2.JobSpec) -> None:
         seen.add(u.name)
         if not 1 <= u.count <= MAX_UNITS:
             raise _invalid(f"job {name}: unit family {u.name} needs 1..{MAX_UNITS} units, got {u.count}")
+
+
+def _check_degree_room(spec: types_pb2.JobSpec, min_tp: int) -> None:
+    """A replica's TP degree is at most its smallest unit count (a unit is not split
+    across GPUs): with fewer units than ``min_tp`` no replica could ever run, and the
+    leader would commit a plan that drops every one (a reconfigure is refused alike)."""
+    small = min(spec.units, key=lambda u: u.count)
+    if small.count < min_tp:
+        raise _invalid(f"job {spec.name}: unit family {small.name} has {small.count} units, fewer than "
+                       f"min_tp {min_tp}: the TP degree is at most the smallest unit count, so no "
+                       f"replica could run")
 
 
 def _check_gpus(name: str, job: JobSpec, infos: Mapping[str, RackInfo]) -> None:

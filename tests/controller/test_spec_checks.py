@@ -140,3 +140,16 @@ def test_whatever_gets_through_every_figure_stays_within_the_physical_bound(repo
         assert 0.0 <= g.ratio <= 1.0
     if g.failure_free_samples_per_s is not None:
         assert math.isfinite(g.failure_free_samples_per_s)
+
+
+def test_a_spec_whose_smallest_unit_family_is_below_min_tp_is_refused():
+    """The TP degree is at most the smallest unit count: with 2 units and min_tp 3 the
+    leader would commit a plan that drops every replica (throughput 0)."""
+    spec = _job(units={"heads": 2, "ffn": 64})
+    spec.min_tp = 3
+    with pytest.raises(InputError, match="unit family heads has 2 units, fewer than min_tp 3"):
+        check_spec(spec, RACKS, {})
+    spec.min_tp = 2  # as many units as min_tp: runs at TP 2
+    assert check_spec(spec, RACKS, {}).min_tp == 2
+    spec = _job(units={"heads": 1})
+    assert check_spec(spec, RACKS, {}).min_tp == 1  # min_tp unset: 1
