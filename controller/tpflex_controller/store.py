@@ -44,6 +44,10 @@ class UpdateConflict(Exception):
     """A compare-and-swap kept losing to concurrent writers of the same key."""
 
 
+class RequiredKeyGone(Exception):
+    """:meth:`Store.update` with ``requires``: that key was absent at the write."""
+
+
 def _decode_all(cls: type[M], kvs: Iterable[KeyValue], prefix: str) -> dict[str, M]:
     out: dict[str, M] = {}
     for kv in kvs:
@@ -205,25 +209,33 @@ class Store:
     # ---- operator / registration writes (any controller replica) ----
 
     def update(
-        self, key: str, cls: type[M], change: Callable[[M | None], M | None], attempts: int = 8
+        self, key: str, cls: type[M], change: Callable[[M | None], M | None], attempts: int = 8,
+        *, requires: str | None = None,
     ) -> Updated[M]:
         """Read-modify-write of one key, atomic: ``change`` gets the stored value (None
         when absent or unreadable) and returns the one to store (None = delete; the very
         object it was given = leave the key as it is). The write compares the key's mod
         revision with the one read, and is retried on a lost race. Returns (old, new,
         revision) of the write that won (:class:`Updated`); :class:`UpdateConflict` after
-        ``attempts`` lost races."""
+        ``attempts`` lost races. ``requires``: a key that must exist when the write lands
+        (a job's override only while its spec does: a delete of the job removes both, and
+        an override written after it would outlive the job): :class:`RequiredKeyGone`
+        when it does not."""
         for _ in range(attempts):
             kv = self.etcd.get(key)
             old = decode_or_skip(cls, kv) if kv is not None else None
             new = change(old)
             if new is old:
                 return Updated(old, old, kv.mod_revision if kv is not None else 0)
-            guard = _unchanged(key, kv.mod_revision if kv is not None else 0)
+            guard = [_unchanged(key, kv.mod_revision if kv is not None else 0)]
+            if requires is not None:
+                guard.append(Cmp.create_revision(requires, ">", 0))
             op = Op.put(key, codec.encode(new)) if new is not None else Op.delete(key)
-            done = self.etcd.txn([guard], [op])
+            done = self.etcd.txn(guard, [op])
             if done.succeeded:
                 return Updated(old, new, done.revision)
+            if requires is not None and self.etcd.get(requires) is None:
+                raise RequiredKeyGone(f"{requires} is gone")
         raise UpdateConflict(f"{key} was changed concurrently {attempts} times in a row; retry")
 
     def put_rack(self, rack: types_pb2.Rack) -> int:

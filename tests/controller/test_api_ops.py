@@ -3,7 +3,10 @@ reconfigure, dry-run (commits nothing), auth, and impossible requests (422 with 
 
 from __future__ import annotations
 
+import threading
+
 import pytest
+from tpflex_controller.store import RequiredKeyGone
 from tpflex_proto import keys, types_pb2
 from tpflex_proto.etcd import Etcd
 
@@ -135,6 +138,37 @@ def test_reconfigure_bad_requests(api):
     _error(_post(api, RECONF, {"pins": [{"replica": True, "tp_degree": 6}]}), 422)
     _error(_post(api, RECONF, {"pins": [{"replica": 0, "tp_degree": 6.0}]}), 422)
     assert api.store.job_override(h.JOB) is None
+
+
+def test_an_override_is_written_only_while_the_job_exists(api):
+    """A reconfigure checks that the job exists, then writes its override; a delete of
+    the job in between removed the spec (and no override yet), and the override written
+    after it outlived the job: 404 to both a clear and a delete, and a job registered again
+    under the name was planned at the stale pin. The write now requires the spec."""
+    store = api.store
+    with pytest.raises(RequiredKeyGone):
+        store.update(keys.job_override("gone"), types_pb2.JobOverride,
+                     lambda old: types_pb2.JobOverride(job="gone", policy="ntp"), requires=keys.job_spec("gone"))
+    assert api.etcd.get(keys.job_override("gone")) is None
+    orphans = 0
+    for _ in range(30):  # the race, for real: a reconfigure and a delete at once
+        store.put_job(h.job_spec())
+        answers: dict[str, int] = {}
+        start = threading.Barrier(2)
+
+        def call(name, method, path, body=None, start=start, answers=answers):
+            start.wait()
+            answers[name] = api.http.request(method, path, json=body, headers=h.admin()).status_code
+
+        threads = [threading.Thread(target=call, args=("reconf", "POST", RECONF, {"pins": [{"replica": 0, "tp_degree": 6}]})),
+                   threading.Thread(target=call, args=("delete", "DELETE", f"/v1/jobs/{h.JOB}"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert answers["delete"] == 202 and answers["reconf"] in (202, 404), answers
+        orphans += api.etcd.get(keys.job_override(h.JOB)) is not None
+    assert orphans == 0, f"{orphans} of 30 races left an override without its job"
 
 
 # ---- dry-run ----

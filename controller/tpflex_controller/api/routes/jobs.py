@@ -22,7 +22,7 @@ from tpflex_controller.api.state import job_spec, planner_job
 from tpflex_controller.planner import plan
 from tpflex_controller.planner.model import GpuStatus, JobOverrides
 from tpflex_controller.spec_checks import InputError, check_spec, spec_difference
-from tpflex_controller.store import decode_or_skip
+from tpflex_controller.store import RequiredKeyGone, decode_or_skip
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 
@@ -146,10 +146,14 @@ def reconfigure(job: JobName, body: s.ReconfigureRequest, deps: Deps, _: Admin) 
     snap = deps.reads.cluster()
     model = planner_job(spec, snap)
     pins = check_pins(model, ((p.replica, p.tp_degree) for p in body.pins), convert.cluster_state(snap))
-    _, new, revision = deps.store.update(
-        keys.job_override(job), types_pb2.JobOverride,
-        lambda old: merged_override(job, None if body.clear else old, pins, body, deps.clock()),
-    )
+    try:  # only while the spec exists: an override written after a delete would outlive the job
+        _, new, revision = deps.store.update(
+            keys.job_override(job), types_pb2.JobOverride,
+            lambda old: merged_override(job, None if body.clear else old, pins, body, deps.clock()),
+            requires=keys.job_spec(job),
+        )
+    except RequiredKeyGone:
+        raise not_found(f"job {job!r} not found (deleted meanwhile)") from None
     deps.settle(revision)
     return s.ReconfigureResult(override=views.override_view(new))
 
