@@ -30,12 +30,17 @@ def _read_token(path: str | None) -> str | None:
     if not path:
         return None
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             lines = [ln.strip() for ln in f if ln.strip() and not ln.startswith("#")]
     except OSError as exc:
         raise CliError(f"cannot read token file {path}: {exc.strerror or exc}", 2) from None
+    except UnicodeDecodeError:
+        raise CliError(f"token file {path} is not UTF-8 text", 2) from None
     if not lines:
         raise CliError(f"token file {path} is empty", 2)
+    if not lines[0].isascii() or not lines[0].isprintable() or " " in lines[0]:
+        # an HTTP header carries ASCII only; the controller's tokens are so too
+        raise CliError(f"token file {path}: the token is not printable ASCII without spaces", 2)
     return lines[0]
 
 
@@ -191,18 +196,30 @@ def show_dry_run(d: dict) -> str:
 # ---- commands ----
 
 
+def _digits(text: str) -> bool:
+    """ASCII digits only, as the API takes them (``str.isdigit`` also takes '٣' and '²',
+    and ``int`` takes ' +1')."""
+    return text.isascii() and text.isdigit()
+
+
 def _pin(text: str) -> dict:
     replica, sep, degree = text.partition("=")
-    if not sep or not replica.strip().isdigit() or not degree.strip().isdigit():
+    if not sep or not _digits(replica) or not _digits(degree):
         raise argparse.ArgumentTypeError(f"expected REPLICA=TP (e.g. 1=7), got {text!r}")
     return {"replica": int(replica), "tp_degree": int(degree)}
 
 
 def _gpu(text: str) -> dict:
     node, sep, index = text.rpartition(":")
-    if not sep or not node or not index.isdigit():
+    if not sep or not node or not _digits(index):
         raise argparse.ArgumentTypeError(f"expected NODE:GPU (e.g. node-3:5), got {text!r}")
     return {"node": node, "index": int(index)}
+
+
+def _index(text: str) -> int:
+    if not _digits(text):
+        raise argparse.ArgumentTypeError(f"expected a GPU index (0, 1, ...), got {text!r}")
+    return int(text)
 
 
 def _q(part: str) -> str:
@@ -235,11 +252,15 @@ def _run_dry_run(c: Client, a: argparse.Namespace):
 
 
 def _run_set_spec(c: Client, a: argparse.Namespace):
+    def finite(text: str) -> float:
+        raise ValueError(f"{text} is not a number JSON allows")
+
     try:
-        with open(a.file) as f:
-            body = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CliError(f"cannot read the spec file {a.file}: {exc}", 2) from None
+        with open(a.file, encoding="utf-8") as f:
+            body = json.load(f, parse_constant=finite)
+    except (OSError, ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        why = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise CliError(f"cannot read the spec file {a.file}: {why}", 2) from None
     return c.call("PUT", f"/v1/jobs/{_q(a.job)}/spec", body), lambda d: (
         f"job {d['job']}: spec {'changed' if d['changed'] else 'unchanged'}. {d['note']}")
 
@@ -328,11 +349,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("shell", choices=["bash", "zsh"])
     d = sub.add_parser("drain", help="take a GPU out of every plan")
     d.add_argument("node")
-    d.add_argument("gpu", type=int)
+    d.add_argument("gpu", type=_index)
     d.add_argument("--reason", required=True)
     u = sub.add_parser("undrain", help="give a drained GPU back")
     u.add_argument("node")
-    u.add_argument("gpu", type=int)
+    u.add_argument("gpu", type=_index)
     r = sub.add_parser("reconfigure", help="pin replicas' TP degrees and/or switch policy")
     r.add_argument("job")
     r.add_argument("--pin", type=_pin, action="append", default=[], metavar="REPLICA=TP")
@@ -353,7 +374,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _count(text: str) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= 10_000:
+    if not _digits(text) or not 1 <= int(text) <= 10_000:
         raise argparse.ArgumentTypeError(f"expected a count from 1 to 10000, got {text!r}")
     return int(text)
 

@@ -30,9 +30,16 @@ class ProtocolError(CliError):
 
 class Client:
     def __init__(self, url: str, token: str | None, timeout: float, cacert: str | None = None) -> None:
-        parsed = urllib.parse.urlsplit(url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise CliError(f"invalid --url {url!r}: expected http(s)://host:port", 2)
+        bad = CliError(f"invalid --url {url!r}: expected http(s)://host:port", 2)
+        try:
+            parsed = urllib.parse.urlsplit(url)
+            parsed.port  # noqa: B018 -- raises ValueError for a port that is not a number
+            if parsed.hostname:
+                parsed.hostname.encode("idna")  # a label over 63 characters, for one
+        except (ValueError, UnicodeError):
+            raise bad from None
+        if parsed.scheme not in ("http", "https") or not parsed.netloc or not parsed.hostname:
+            raise bad
         if cacert is not None and parsed.scheme != "https":
             raise CliError(f"--cacert is for https URLs; --url is {url!r}", 2)
         self.base = url.rstrip("/")
@@ -44,7 +51,10 @@ class Client:
             verify = ssl.create_default_context(cafile=cacert) if cacert else True
         except (OSError, ValueError, ssl.SSLError) as exc:  # unreadable or malformed CA file
             raise CliError(f"cannot use --cacert {cacert}: {exc}", 2) from None
-        self.http = httpx.Client(base_url=self.base, headers=headers, timeout=timeout, verify=verify)
+        try:
+            self.http = httpx.Client(base_url=self.base, headers=headers, timeout=timeout, verify=verify)
+        except (httpx.InvalidURL, ValueError):
+            raise bad from None
 
     def close(self) -> None:
         self.http.close()

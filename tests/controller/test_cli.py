@@ -119,6 +119,38 @@ def test_usage_and_connection_errors(ctl, tmp_path):
     assert code == 2 and "invalid --url" in err
 
 
+def test_hostile_arguments_and_files_are_one_line_and_exit_2(ctl, tmp_path):
+    """Each of these ended in a Python traceback (exit 1), or, for the digits, was taken
+    and applied (drain '٣' drained GPU 3): ``int`` and ``str.isdigit`` accept more than the
+    API's ASCII digits."""
+    files = {"u.tok": "tökén€\n".encode(), "bin.tok": b"\xff\xfe\n", "nan.json": b'{"base_tp": NaN}',
+             "deep.json": b"[" * 100_000 + b"]" * 100_000}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    before = ctl.served.etcd.get_prefix(keys.PREFIX)[1]
+    cases = [
+        (["--url", "http://[::1", "status"], "invalid --url"),
+        (["--url", "http://127.0.0.1:abc", "status"], "invalid --url"),
+        (["--url", "http://" + "a" * 64, "status"], "invalid --url"),
+        (["--token-file", str(tmp_path / "u.tok"), "status"], "not printable ASCII"),
+        (["--token-file", str(tmp_path / "bin.tok"), "status"], "not UTF-8"),
+        (["set-spec", h.JOB, "--file", str(tmp_path / "deep.json")], "nested too deeply"),
+        (["set-spec", h.JOB, "--file", str(tmp_path / "nan.json")], "NaN"),
+        (["drain", "rack-a-n1", "٣", "--reason", "x"], "expected a GPU index"),
+        (["drain", "rack-a-n1", " +1", "--reason", "x"], "expected a GPU index"),
+        (["undrain", "rack-a-n1", "1_0"], "expected a GPU index"),
+        (["reconfigure", h.JOB, "--pin", "0=٤"], "expected REPLICA=TP"),
+        (["reconfigure", h.JOB, "--pin", "0=²"], "expected REPLICA=TP"),
+        (["dry-run", h.JOB, "--fail", "rack-a-n1:٢"], "NODE:GPU"),
+        (["events", "--limit", "٥"], "expected a count"),
+    ]
+    for argv, words in cases:
+        code, _, err = ctl(*argv, token=ctl.served.admin_file if argv[0] == "set-spec" else None)
+        assert code == 2, (argv, code, err)
+        assert words in err and "Traceback" not in err, (argv, err)
+    assert ctl.served.etcd.get_prefix(keys.PREFIX)[1] == before  # nothing was written
+
+
 def test_console_script_runs_as_a_process(ctl):
     exe = Path(sys.executable).with_name("tpflexctl")
     env = {**os.environ, "TPFLEX_URL": ctl.served.url, "TPFLEX_TOKEN_FILE": str(ctl.served.reader_file)}
