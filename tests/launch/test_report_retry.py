@@ -95,3 +95,18 @@ def test_an_accepted_report_is_sent_once_without_a_pause(trainer):
     servicer, endpoint = trainer
     events, pauses = _report_once(endpoint)
     assert events.sent == 1 and len(servicer.calls) == 1 and pauses == []
+
+
+def test_an_unusable_channel_loses_one_report_not_the_reporter(tmp_path, caplog):
+    """A TLS file that cannot be read (here a directory) raised out of the report thread,
+    which died: every later rank exit went unreported, without a word. Now each is logged
+    as not reported and the thread goes on."""
+    config = ControlConfig(endpoints=("127.0.0.1:9",), job="j", rank=0, call_timeout_s=1.0,
+                           tls_ca_file=str(tmp_path))
+    events = report.ControllerEvents(config, "node-a", tries=1).start()
+    for gpu in (3, 5):
+        events.rank_exited(Rank(local_rank=0, gpu=LocalGpu(gpu)), -9, Decision(True, 0.5, 0))
+    events.stop(timeout=30)  # returns once both are done
+    assert not events._thread.is_alive()
+    lost = [r.getMessage() for r in caplog.records if "rank exit not reported" in r.getMessage()]
+    assert len(lost) == 2 and "gpu=3" in lost[0] and "gpu=5" in lost[1], lost

@@ -70,7 +70,10 @@ class ControllerEvents:
 
     def _run(self) -> None:
         while (item := self._q.get()) is not None:
-            self._send(item)
+            try:
+                self._send(item)
+            except Exception as exc:  # noqa: BLE001 -- e.g. a TLS file gone: the next exits still get their try
+                log.warning("rank exit not reported node=%s gpu=%d error=%r", item.node, item.gpu, exc)
 
     def _send(self, exit_: controller_pb2.RankExit) -> None:
         backoff = Backoff(RETRY_INITIAL_S, RETRY_MAX_S)
