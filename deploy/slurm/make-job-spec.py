@@ -10,16 +10,24 @@ the first node of each domain ({node}) and the domain index ({domain}).
     make-job-spec.py --name llm-7b --nodes "$(scontrol show hostnames "$SLURM_JOB_NODELIST")" \\
         --gpus-per-node 8 --units heads=32,kv_groups=8,ffn=64,vocab=64 --local-batch 16 > job.json
 
-Needs only tpflex-proto (installed with tpflex-trainer). Bad arguments exit 2.
+Needs only tpflex-proto (installed with tpflex-trainer). Bad arguments exit 2 with a
+message naming the argument: node, rack and job names must be the ones the control plane
+accepts (a compressed Slurm list such as ``node[01-04]`` must be expanded first), each node
+once, each unit family once, at most 1024 GPUs per node.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import string
 import sys
 
 from google.protobuf import json_format
-from tpflex_proto import types_pb2
+from tpflex_proto import keys, types_pb2
+
+MAX_GPUS_PER_NODE = 1024  # tpflex-run's bound on NVML indices (0..1023)
+_NAME_RULE = "1-63 letters, digits, '.', '_' or '-', starting with a letter or digit"
 
 
 def _units(text: str) -> dict[str, int]:
@@ -28,21 +36,64 @@ def _units(text: str) -> dict[str, int]:
         name, _, count = part.partition("=")
         if not name.strip() or not count.strip().isdigit() or int(count) < 1:
             raise argparse.ArgumentTypeError(f"want NAME=COUNT[,NAME=COUNT...], got {part!r}")
+        if name.strip() in out:
+            raise argparse.ArgumentTypeError(f"unit family {name.strip()!r} given twice")
         out[name.strip()] = int(count)
     return out
 
 
+def _check_nodes(nodes: list[str]) -> None:
+    for n in nodes:
+        if not keys.name_ok(n):
+            hint = (" (a compressed Slurm node list? expand it: "
+                    "--nodes \"$(scontrol show hostnames \"$SLURM_JOB_NODELIST\")\")") if set(n) & set("[]") else ""
+            raise ValueError(f"--nodes: node name {n!r} must be {_NAME_RULE}{hint}")
+    seen: set[str] = set()
+    for n in nodes:
+        if n in seen:
+            raise ValueError(f"--nodes: node {n!r} is given twice (a GPU is one rank of one replica)")
+        seen.add(n)
+
+
+def _rack(pattern: str, node: str, domain: int) -> str:
+    """``pattern`` with {node} and {domain} (and format specs such as {domain:02d});
+    ValueError naming --rack-pattern for anything else, before formatting anything big."""
+    try:
+        for _, field, spec, conversion in string.Formatter().parse(pattern):
+            if field is None:
+                continue
+            if field not in ("node", "domain") or conversion not in (None, "s", "r") or "{" in (spec or ""):
+                raise ValueError(f"only {{node}} and {{domain}} may be used, got {{{field}}}")
+            if any(int(w) > 63 for w in re.findall(r"\d+", spec or "")):
+                raise ValueError(f"format spec {spec!r} is too wide for a rack name")
+        rack = pattern.format(node=node, domain=domain)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"--rack-pattern: cannot use {pattern!r}: {exc}") from None
+    if not keys.name_ok(rack):
+        raise ValueError(f"--rack-pattern: rack name {rack!r} must be {_NAME_RULE}")
+    return rack
+
+
 def build(name: str, nodes: list[str], gpus_per_node: int, nodes_per_domain: int, rack_pattern: str,
           units: dict[str, int], local_batch: int, policy: str) -> types_pb2.JobSpec:
+    if not keys.job_name_ok(name):
+        raise ValueError(f"--name: job name {name!r} must be 1-128 letters, digits, '.', '_' or '-', "
+                         "starting with a letter or digit")
+    if not 1 <= gpus_per_node <= MAX_GPUS_PER_NODE:  # before anything is built
+        raise ValueError(f"--gpus-per-node: {gpus_per_node} is not within 1..{MAX_GPUS_PER_NODE}")
+    _check_nodes(nodes)
     if len(nodes) % nodes_per_domain:
         raise ValueError(f"--nodes: {len(nodes)} nodes do not split into domains of {nodes_per_domain}")
     tp = gpus_per_node * nodes_per_domain
     replicas = len(nodes) // nodes_per_domain
-    spec = types_pb2.JobSpec(name=name, base_tp=tp, min_tp=1, policy=policy, local_batch=local_batch,
-                             global_batch=local_batch * replicas)
+    try:
+        spec = types_pb2.JobSpec(name=name, base_tp=tp, min_tp=1, policy=policy, local_batch=local_batch,
+                                 global_batch=local_batch * replicas)
+    except ValueError as exc:  # out of the field's range
+        raise ValueError(f"--local-batch: {exc}") from None
     for d in range(replicas):
         members = nodes[d * nodes_per_domain:(d + 1) * nodes_per_domain]
-        rack = rack_pattern.format(node=members[0], domain=d)
+        rack = _rack(rack_pattern, members[0], d)
         spec.replicas.add().stages.add(rack=rack, ranks=[
             types_pb2.GpuRef(node=n, index=g) for n in members for g in range(gpus_per_node)])
     for family, count in units.items():
@@ -67,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--nodes: no node names")
         if ns.gpus_per_node < 1 or ns.nodes_per_domain < 1 or ns.local_batch < 1:
             raise ValueError("--gpus-per-node, --nodes-per-domain and --local-batch must be >= 1")
+        if ns.gpus_per_node > MAX_GPUS_PER_NODE:
+            raise ValueError(f"--gpus-per-node: {ns.gpus_per_node} is not within 1..{MAX_GPUS_PER_NODE}")
         spec = build(ns.name, nodes, ns.gpus_per_node, ns.nodes_per_domain, ns.rack_pattern,
                      ns.units, ns.local_batch, ns.policy)
     except (ValueError, KeyError, IndexError) as exc:

@@ -42,7 +42,7 @@ def test_the_batch_script_is_valid_bash_with_one_task_per_node():
     assert d["ntasks-per-node"] == "1" and "nodes" in d and d["signal"].startswith("TERM@")
 
 
-def test_the_sbatch_example_starts_one_tpflex_run_per_node(tmp_path):
+def test_the_sbatch_example_starts_one_tpflex_run_per_node(tmp_path, dev_certs):
     bin_dir, venv, tls = tmp_path / "bin", tmp_path / "venv" / "bin", tmp_path / "tls"
     for d in (bin_dir, venv, tls):
         d.mkdir(parents=True)
@@ -51,8 +51,8 @@ def test_the_sbatch_example_starts_one_tpflex_run_per_node(tmp_path):
     _exe(bin_dir / "srun", f"#!/bin/sh\nfor a in \"$@\"; do printf '%s\\0' \"$a\"; done > {argv_file}\n")
     _exe(venv / "python", f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # this venv's interpreter
     (venv / "tpflex-run").symlink_to(Path(sys.executable).parent / "tpflex-run")
-    for name in ("ca.pem", "trainer.pem", "trainer-key.pem"):
-        (tls / name).write_text("dummy\n")
+    for name in ("ca.pem", "trainer.pem", "trainer-key.pem"):  # tpflex-run checks them at start
+        (tls / name).write_bytes((dev_certs / name).read_bytes())
     env = base_env(
         PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NAME="tpflex-train",
         SLURM_JOB_NODELIST="gpu-[a-b]", SLURM_SUBMIT_DIR=str(REPO), SLURM_GPUS_PER_NODE="h100:4",

@@ -13,6 +13,7 @@ from tpflex_trainer.launch import cli
 
 from tests.agent.support import FakeNvml, build_fake_nvml
 from tests.launch.support import RUN, Launcher, base_env, job_spec
+from tests.launch.test_cli_hostile import TEST_CA_PEM
 
 
 def run_once(tmp_path, args, env=None):
@@ -27,7 +28,7 @@ def run_once(tmp_path, args, env=None):
 def test_every_rank_gets_its_gpu_the_job_and_the_control_plane(tmp_path):
     spec = job_spec(tmp_path / "job.json", nodes={"n0": 2, "n1": 2})
     ca = tmp_path / "ca.pem"
-    ca.write_text("not checked by the launcher beyond being readable\n")
+    ca.write_text(TEST_CA_PEM)  # checked at start: a readable PEM CA
     status, run = run_once(tmp_path, ["--controller", "10.0.0.1:8471,10.0.0.2:8471", "--job-spec",
                                       str(spec.relative_to(tmp_path)), "--node", "n1", "--tls-ca", str(ca)],
                            env={"RANK": "9", "OMP_NUM_THREADS": "3"})

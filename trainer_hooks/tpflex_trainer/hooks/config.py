@@ -122,9 +122,12 @@ def _missing(name: str):
 
 def load_spec(path: str) -> types_pb2.JobSpec:
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_bytes().decode("utf-8")  # protobuf JSON is UTF-8, whatever the locale
     except OSError as exc:
         raise HooksConfigError(f"TPFLEX_JOB_SPEC: cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:  # a ValueError, not an OSError
+        raise HooksConfigError(f"TPFLEX_JOB_SPEC: {path} is not a JobSpec: not UTF-8 text "
+                               f"(byte {exc.start})") from None
     try:
         return json_format.Parse(text, types_pb2.JobSpec())
     except json_format.ParseError as exc:
@@ -132,4 +135,4 @@ def load_spec(path: str) -> types_pb2.JobSpec:
 
 
 def write_spec(spec: types_pb2.JobSpec, path: str | Path) -> None:
-    Path(path).write_text(json_format.MessageToJson(spec))
+    Path(path).write_text(json_format.MessageToJson(spec), encoding="utf-8")

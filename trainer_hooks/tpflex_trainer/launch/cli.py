@@ -15,16 +15,21 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from tpflex_proto import keys
+from tpflex_proto.tls import TlsFilesError, check_client_files
+
 from tpflex_trainer.hooks.config import HooksConfigError, load_spec
 from tpflex_trainer.hooks.control import ControlConfig, endpoints_from
 from tpflex_trainer.hooks.store_client import STORE_SCHEME
 from tpflex_trainer.launch.devices import (
+    MAX_GPUS,
     LocalGpu,
     nvml_uuids,
     parse_gpu_list,
@@ -38,6 +43,9 @@ log = logging.getLogger("tpflex_run")
 EXIT_USAGE = 2
 _TLS = (("--tls-ca", "TPFLEX_TLS_CA"), ("--tls-cert", "TPFLEX_TLS_CERT"),
         ("--tls-key", "TPFLEX_TLS_KEY"), ("--tls-server-name", "TPFLEX_TLS_SERVER_NAME"))
+# HOST:PORT as tpflex_proto.config.hostport has it (that module needs pydantic, which the
+# trainer side does not install)
+_HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
 
 
 def _positive_int(text: str) -> int:
@@ -47,6 +55,13 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _nproc(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_GPUS:  # as --gpus (0..MAX_GPUS-1); a typo must not build a huge list
+        raise argparse.ArgumentTypeError(f"must be within 1..{MAX_GPUS}, got {value}")
     return value
 
 
@@ -87,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--node", help="this node's name as its agent registers it (default: see below)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--gpus", type=_gpu_list, help="NVML indices of the GPUs to start ranks for: 0,1,2 or 0-3")
-    g.add_argument("--nproc-per-node", type=_positive_int, help="ranks for GPUs 0..N-1 (simulated GPUs)")
+    g.add_argument("--nproc-per-node", type=_nproc, help="ranks for GPUs 0..N-1 (simulated GPUs)")
     p.add_argument("--isolate-gpus", action="store_true",
                    help="CUDA_VISIBLE_DEVICES=<the rank's GPU> (it is cuda:0); default: all visible, "
                         "TPFLEX_CUDA_DEVICE names it")
@@ -125,10 +140,55 @@ class UsageError(ValueError):
     pass
 
 
+def _check_endpoints(endpoints: tuple[str, ...], flag: str) -> None:
+    for endpoint in endpoints:
+        m = _HOSTPORT.match(endpoint)
+        if not m or int(m.group(2)) > 65535:
+            raise UsageError(f"{flag}: {endpoint!r} is not HOST:PORT with a port in 0..65535")
+
+
+def _check_tls(tls: dict[str, str]) -> None:
+    """The certificate files, read and checked once here: an unusable one (a directory,
+    not PEM, a key that does not match) would otherwise fail only in the ranks and the
+    launcher's own threads, after the ranks started."""
+    ca, cert, key = tls["TPFLEX_TLS_CA"], tls["TPFLEX_TLS_CERT"], tls["TPFLEX_TLS_KEY"]
+    for flag, var in _TLS[:3]:
+        if tls[var] and not os.access(tls[var], os.R_OK):
+            raise UsageError(f"{flag}: cannot read {tls[var]}")
+    if bool(cert) != bool(key):
+        raise UsageError(f"{'--tls-cert' if cert else '--tls-key'}: --tls-cert and --tls-key go together")
+    if cert and not ca:
+        raise UsageError("--tls-cert: needs --tls-ca (the controller's CA)")
+    if not ca:
+        return
+    try:
+        check_client_files(ca)
+    except TlsFilesError as exc:
+        raise UsageError(f"--tls-ca: {exc}") from None
+    if cert:
+        try:
+            check_client_files(ca, cert, key)
+        except TlsFilesError as exc:
+            flag = "--tls-key" if str(exc).startswith("cannot read key") else "--tls-cert"
+            raise UsageError(f"{flag}: {exc}") from None
+
+
+def _log_dir(path: str | None) -> None:
+    if not path:
+        return
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--log-dir: cannot create {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--log-dir: cannot write to {path}")
+
+
 def _setting(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[RankSetting, list[LocalGpu]]:
     controller = endpoints_from(ns.controller or env.get("TPFLEX_CONTROLLER", ""))
     if not controller:
         raise UsageError("--controller: no controller endpoint (pass it or set TPFLEX_CONTROLLER)")
+    _check_endpoints(controller, "--controller")
     spec_path = ns.job_spec or env.get("TPFLEX_JOB_SPEC", "")
     if not spec_path:
         raise UsageError("--job-spec: missing (pass it or set TPFLEX_JOB_SPEC)")
@@ -136,6 +196,9 @@ def _setting(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[RankSettin
         spec = load_spec(spec_path)
     except HooksConfigError as exc:
         raise UsageError(f"--job-spec: {str(exc).split(': ', 1)[-1]}") from None
+    if not keys.job_name_ok(spec.name):
+        raise UsageError(f"--job-spec: job name {spec.name!r} must be 1-128 letters, digits, '.', '_' "
+                         "or '-', starting with a letter or digit")
     job = ns.job or env.get("TPFLEX_JOB", "") or spec.name
     if job != spec.name:
         raise UsageError(f"--job: {job!r} but the job spec is for {spec.name!r}")
@@ -146,9 +209,7 @@ def _setting(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[RankSettin
     except (IdentityError, ValueError) as exc:
         raise UsageError(str(exc) if str(exc).startswith("--") else f"--node: {exc}") from None
     tls = {var: getattr(ns, flag[2:].replace("-", "_")) or env.get(var, "") for flag, var in _TLS}
-    for flag, var in _TLS[:3]:
-        if tls[var] and not os.access(tls[var], os.R_OK):
-            raise UsageError(f"{flag}: cannot read {tls[var]}")
+    _check_tls(tls)
     gpus = [LocalGpu(i, uuids.get(i, "")) for i in indices]
     if not ns.isolate_gpus:
         for gpu in gpus:
@@ -157,6 +218,8 @@ def _setting(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[RankSettin
             except ValueError as exc:
                 raise UsageError(f"--gpus: {exc} (or pass --isolate-gpus)") from None
     store = ns.store or env.get("TPFLEX_STORE", "") or STORE_SCHEME
+    _check_endpoints(endpoints_from(store.removeprefix(STORE_SCHEME)), "--store")
+    _log_dir(ns.log_dir)  # before the "launching" line: nothing is started after a refusal
     log.info("launching node=%s node_source=%s job=%s gpus=%s gpus_from=%s store=%s", node.name,
              node.source, job, ",".join(map(str, indices)), chosen_by.replace(" ", "_"), store)
     return RankSetting(controller=controller, job=job, job_spec=str(Path(spec_path).resolve()),
@@ -184,8 +247,6 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"--preload: {exc} (TPFLEX_PRELOAD)") from None
         setting, gpus = _setting(ns, os.environ)
         log_dir = Path(ns.log_dir) if ns.log_dir else None
-        if log_dir is not None:
-            log_dir.mkdir(parents=True, exist_ok=True)
     except (UsageError, OSError) as exc:
         parser.print_usage(sys.stderr)
         print(f"tpflex-run: error: {exc}", file=sys.stderr)

@@ -54,6 +54,8 @@ def select_gpus(explicit: Sequence[int] | None, nproc: int | None, spec: types_p
     if explicit:
         chosen, source = list(explicit), "--gpus"
     elif nproc:
+        if not 1 <= nproc <= MAX_GPUS:  # before building the list: a typo must not eat the memory
+            raise ValueError(f"--nproc-per-node: {nproc} is not within 1..{MAX_GPUS}")
         chosen, source = list(range(nproc)), "--nproc-per-node"
     else:
         if not in_spec:

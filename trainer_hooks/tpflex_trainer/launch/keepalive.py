@@ -24,6 +24,7 @@ class StoreKeepAlive:
         self.client = RendezvousClient(config)
         self.retry_s = retry_s
         self.refreshed = 0
+        self.failed = 0  # unexpected errors (not the store's answers): logged, then retried
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="store-keepalive", daemon=True)
 
@@ -50,4 +51,10 @@ class StoreKeepAlive:
                 log.log(level, "rendezvous keep-alive refused job=%s error=%s", self.client.job, exc)
             except StoreUnreachable as exc:
                 log.info("rendezvous keep-alive failed job=%s error=%s", self.client.job, exc)
+            except Exception as exc:  # e.g. TLS files gone bad: say so, keep trying
+                if self._stop.is_set():
+                    return
+                self.failed += 1
+                log.warning("rendezvous keep-alive error job=%s error=%s: %s", self.client.job,
+                            type(exc).__name__, exc, exc_info=self.failed == 1)
             self._stop.wait(wait)
