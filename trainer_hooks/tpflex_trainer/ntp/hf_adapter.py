@@ -9,6 +9,7 @@ weights, from a seeded per-parameter init.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -29,7 +30,15 @@ from tpflex_trainer.ntp.hf_layers import (
     copy_to_tp_at_input,
     parameters_on_meta,
 )
-from tpflex_trainer.ntp.hf_plan import ATTN, KV, VOCAB, HfPlan, analyse
+from tpflex_trainer.ntp.hf_plan import (
+    ATTN,
+    KV,
+    VOCAB,
+    HfPlan,
+    analyse,
+    attention_heads,
+    check_base_tp,
+)
 from tpflex_trainer.ntp.layers import Group, VocabParallelEmbedding, VocabParallelOutput
 
 
@@ -42,9 +51,13 @@ def load_config(path: str | os.PathLike):
 
 
 def build_meta_model(config) -> nn.Module:
-    """The user's causal LM class with parameters on the meta device, fp32, sdpa."""
+    """The user's causal LM class with parameters on the meta device, fp32, sdpa. Built
+    from a copy of ``config``: ``from_config`` records the dtype it builds in on the config
+    it is given, and the user's config (its ``dtype`` included) is what ``export_hf``
+    writes."""
     from transformers import AutoModelForCausalLM
 
+    config = copy.deepcopy(config)
     config._attn_implementation = "sdpa"
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -80,6 +93,10 @@ class HfShard(nn.Module):
 
 class HfAdapter(ModelAdapter):
     def __init__(self, config, base_tp: int, weights_dir: str | os.PathLike | None = None) -> None:
+        # refused before HF builds the model (it divides by num_key_value_heads)
+        check_base_tp(base_tp)
+        if getattr(config, "num_attention_heads", None) is not None:
+            attention_heads(config)
         self.config = config
         self.base_tp = base_tp
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
@@ -155,7 +172,10 @@ class HfAdapter(ModelAdapter):
         specs = [s for s in self.specs if s.name in tensors]
         params = {s.name: nn.Parameter(tensors[s.name]) for s in specs}
         in_stage = {f"{self.prefix}.layers.{i}" for i in layers}
-        mine = lambda path: any(path == q or path.startswith(q + ".") for q in in_stage)  # noqa: E731
+
+        def mine(path: str) -> bool:
+            return any(path == q or path.startswith(q + ".") for q in in_stage)
+
         for path, role in self.plan.roles.items():
             if not mine(path):
                 continue

@@ -8,6 +8,7 @@ config.json + model.safetensors (or shards + ``model.safetensors.index.json`` ab
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Mapping
@@ -52,7 +53,7 @@ class SafetensorsReader:
         files = sorted(set(weight_map.values())) if weight_map else [SINGLE]
         self.handles = {f: safe_open(str(self.path / f), framework="pt") for f in files}
         if weight_map is None:
-            weight_map = {k: SINGLE for k in self.handles[SINGLE].keys()}
+            weight_map = dict.fromkeys(self.handles[SINGLE].keys(), SINGLE)
         self.weight_map = weight_map
         self.bytes_read = 0
 
@@ -80,24 +81,39 @@ class SafetensorsReader:
         return out.to(torch.float32).contiguous()
 
 
+def model_dtype(config) -> torch.dtype:
+    """The dtype the user's model is stored in (``config.dtype``, which ``save_pretrained``
+    records from the weights); fp32 when the config names no floating-point dtype."""
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
+
+
 def write_hf_dir(path: str | os.PathLike, config, tensors: Mapping[str, torch.Tensor],
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
-    """Write ``tensors`` (HF names, user layout) and the config; returns the files."""
+    """Write ``tensors`` (HF names, user layout; the runtime's fp32 master weights) in the
+    model's own dtype (``model_dtype``: a bf16 model is exported as bf16) and the config,
+    which names that dtype; ``config`` itself is not changed. Returns the files."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
+    dtype = model_dtype(config)
+    config = copy.deepcopy(config)
+    config.dtype = dtype
     config.save_pretrained(str(path))
     shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    size = total = 0
     for name in sorted(tensors):
-        t = tensors[name].contiguous()
+        t = tensors[name].to(dtype).contiguous()
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1][name] = t
         size += nbytes
+        total += nbytes
     meta = {"format": "pt"}
     if len(shards) == 1:
         save_file(shards[0], str(path / SINGLE), metadata=meta)
@@ -107,7 +123,6 @@ def write_hf_dir(path: str | os.PathLike, config, tensors: Mapping[str, torch.Te
     for name, shard in zip(names, shards, strict=True):
         save_file(shard, str(path / name), metadata=meta)
         weight_map.update({k: name for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
     (path / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     return ["config.json", *names, INDEX]
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from tpflex_trainer.ntp.config import REPLICATED, ParamSpec
-from tpflex_trainer.ntp.errors import UnsupportedModelError
+from tpflex_trainer.ntp.errors import LayoutError, UnsupportedModelError
 from tpflex_trainer.ntp.layout import Derived
 
 STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
@@ -63,9 +63,32 @@ class HfPlan:
     prefix: str = "model"  # the base model's attribute (``base_model_prefix``)
 
 
+def check_base_tp(base_tp: int) -> None:
+    """The job's base TP degree must be at least 1 (``LayoutError`` ``degree_zero``, as
+    ``layout.validate_request`` says for any model)."""
+    if base_tp < 1:
+        raise LayoutError(f"base_tp must be >= 1, got {base_tp}", code="degree_zero")
+
+
+def attention_heads(config) -> tuple[int, int]:
+    """(query heads, KV heads) of ``config``; no ``num_key_value_heads`` means one KV head
+    per query head. ``UnsupportedModelError`` unless the query heads are a positive
+    multiple of the KV heads: an attention unit is a KV group with its query heads, and a
+    remainder would leave heads out of every unit (HF's own attention refuses such a
+    config in its forward, or divides by zero building it)."""
+    n_heads = int(config.num_attention_heads)
+    kv = getattr(config, "num_key_value_heads", None)
+    n_kv = n_heads if kv is None else int(kv)
+    if n_heads < 1 or n_kv < 1 or n_heads % n_kv:
+        raise UnsupportedModelError(f"{type(config).__name__}: num_attention_heads {n_heads} is not a "
+                                    f"positive multiple of num_key_value_heads {n_kv}")
+    return n_heads, n_kv
+
+
 def choose_units(n: int, base_tp: int) -> int:
     """Units of a family of ``n`` rows: the smallest divisor of n that is at least
     4·base_tp (a balanced spread over any degree up to base_tp), else n."""
+    check_base_tp(base_tp)
     target = 4 * base_tp
     for d in range(target, n + 1):
         if n % d == 0:
@@ -101,6 +124,7 @@ def _planned_modules(model: nn.Module, plan, prefix: str) -> dict[str, str]:
 
 def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
     """The plan for a causal LM ``model`` (parameters may be on the meta device)."""
+    check_base_tp(base_tp)
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not plan:
         raise UnsupportedModelError(f"{type(config).__name__} has no base_model_tp_plan")
@@ -119,8 +143,7 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
         del plan[EMBEDDING]  # vocab-parallel below, whatever the plan says
     planned = _planned_modules(model, plan, prefix)
     modules = dict(model.named_modules())
-    n_heads = int(config.num_attention_heads)
-    n_kv = int(getattr(config, "num_key_value_heads", None) or n_heads)
+    n_heads, n_kv = attention_heads(config)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // n_heads)
     head_units = base_tp > n_kv
     parents: dict[str, dict[str, list[str]]] = {}
@@ -184,7 +207,7 @@ def _block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, hea
 def _specs(model, roles, blocks, prefix, counts, n_heads, n_kv, head_dim, head_units, config) -> list[ParamSpec]:
     std = float(getattr(config, "initializer_range", 0.02))
     per_attn_unit = 1 if head_units else n_heads // n_kv  # query heads per attention unit
-    kv_rows = head_dim if (head_units or n_heads != n_kv) else head_dim
+    kv_rows = head_dim  # a K or V unit is one KV head's rows
     specs = []
     for name, p in model.named_parameters():  # a tied output layer appears once
         module, leaf = name.rsplit(".", 1)
