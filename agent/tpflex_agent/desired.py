@@ -61,6 +61,7 @@ class PowerAuthority:
         self._serial = threading.RLock()  # one judgement or application at a time
         self.refused_pushes = 0
         self.corrections = 0  # GPUs re-written because their limit had left the desired cap
+        self._bad: tuple[int, Desired] | None = None  # the last invalid desired value seen
         self._stop = threading.Event()
         self._watch = None
         self.ready = threading.Event()
@@ -158,13 +159,35 @@ class PowerAuthority:
                 self._desired, self._rev = desired, rev
             return self._desired
 
+    def _applicable(self, desired: Desired, rev: int) -> bool:
+        """Whether ``desired`` is valid on this node's devices (else logged, once per value)."""
+        try:
+            plan_targets(self.core.node, list(desired.caps), self.core.power.devices)
+        except AgentError as exc:
+            if (rev, desired) != self._bad:
+                self._bad = (rev, desired)
+                log.warning("desired caps not applicable: the last good desired state stays node=%s "
+                            "generation=%d code=%s reason=%s", self.core.node, desired.generation,
+                            exc.code.value, exc.message)
+            return False
+        return True
+
     def _converge(self, desired: Desired | None, source: str, rev: int) -> None:
-        """Make the devices hold ``desired`` (None: keep the last good desired state)."""
+        """Make the devices hold ``desired`` (None, or a value not valid on this node's
+        devices: keep the last good desired state, and converge on it).
+
+        A new desired state is applied as a plan change (down before up, unchanged GPUs
+        untouched); the same desired state again is a check: a GPU whose enforced limit
+        has left it (changed behind the agent's back, a failed write) is written again and
+        counted as a correction."""
         with self._serial:
+            last = self.desired
+            if desired is not None and not self._applicable(desired, rev):
+                desired = None
             desired = self._remember(desired, rev)
             if desired is None:
                 return
-            force = bool(self.divergent_gpus())
+            force = desired == last and bool(self.divergent_gpus())
             try:
                 result = self.core.power.apply(desired.generation, list(desired.caps),
                                                source=f"etcd-{source}", authoritative=True, force=force)

@@ -93,6 +93,20 @@ class NvmlBackend:
         return self._handles[index]
 
     def _describe(self, i: int) -> DeviceInfo:
+        """The GPU's facts; for a GPU lost at start-up (fallen off the bus), a stand-in
+        with an empty UUID and a zero limit range, so the agent still starts: the lost GPU
+        is read and reported as a GPU lost while running is (FAILED, unreadable), and the
+        others are capped. Its facts are read again at the next start."""
+        try:
+            return self._describe_device(i)
+        except GpuError as exc:
+            if exc.code != GpuErrorCode.GPU_IS_LOST:
+                raise
+            log.warning("gpu lost at start-up: left undescribed gpu=%d error=%s", i, exc)
+            return DeviceInfo(index=i, uuid="", name="", serial="", default_limit_w=0.0,
+                              min_limit_w=0.0, max_limit_w=0.0, max_sm_clock_mhz=0)
+
+    def _describe_device(self, i: int) -> DeviceInfo:
         h = self._handles[i]
         lo, hi = _call("limit constraints", i, pynvml.nvmlDeviceGetPowerManagementLimitConstraints, h)
         return DeviceInfo(

@@ -45,6 +45,12 @@ def _invalid(msg: str) -> AgentError:
     return AgentError(AgentErrorCode.INVALID_ARGUMENT, msg)
 
 
+def described(dev: DeviceInfo) -> bool:
+    """False for a GPU that was lost when the agent started: its limits are unknown (the
+    NVML backend describes it with a zero range)."""
+    return dev.max_limit_w > 0
+
+
 def _check_cap(cap: CapRequest, node: str, dev: DeviceInfo | None, indices: str) -> None:
     if cap.node and cap.node != node:
         raise _invalid(f"cap for gpu {cap.node}/{cap.index} sent to node {node}")
@@ -52,6 +58,11 @@ def _check_cap(cap: CapRequest, node: str, dev: DeviceInfo | None, indices: str)
         raise _invalid(f"unknown GPU index {cap.index} (node {node} has {indices})")
     if not math.isfinite(cap.cap_w):
         raise _invalid(f"gpu {cap.index}: cap {cap.cap_w!r} W is not a finite number")
+    if not described(dev):
+        if cap.cap_w < 0 or cap.locked_sm_clock_mhz < 0:
+            raise _invalid(f"gpu {cap.index}: cap {cap.cap_w!r} W / locked SM clock "
+                           f"{cap.locked_sm_clock_mhz} MHz is negative")
+        return  # its range is unknown: the write says whether the device takes it
     if not dev.min_limit_w - LIMIT_TOLERANCE_W <= cap.cap_w <= dev.max_limit_w + LIMIT_TOLERANCE_W:
         raise _invalid(
             f"gpu {cap.index}: cap {cap.cap_w:g} W outside the device's range "
@@ -73,7 +84,7 @@ def resolve_plan(
     ``authoritative``: the plan is etcd's desired state, which wins over what was applied:
     an older generation (etcd restored from a snapshot, or a forged newer one applied
     before) is applied and flagged as a regression, and generation 0 means "no desired
-    caps": every GPU at its default."""
+    caps" (the key was deleted): every GPU at its default, which is no regression."""
     if generation < (0 if authoritative else 1):
         raise _invalid("generation must be >= 1")
     stale = current is not None and generation < current.generation
@@ -91,12 +102,13 @@ def resolve_plan(
                 AgentErrorCode.GENERATION_CONFLICT,
                 f"generation {generation} was already applied with different caps",
             )
-    return Resolution(generation, targets, already_applied=False, regression=stale)
+    return Resolution(generation, targets, already_applied=False, regression=stale and generation > 0)
 
 
 def plan_targets(node: str, caps: Sequence[CapRequest], devices: Sequence[DeviceInfo]) -> dict[int, ClockTarget]:
     """Every GPU's target under ``caps`` (validated all-or-nothing; unlisted GPUs at their
-    default limit, clocks unlocked)."""
+    default limit, clocks unlocked; an unlisted GPU lost since start-up, whose default is
+    unknown, has no target)."""
     by_index = {d.index: d for d in devices}
     indices = f"indices 0..{len(devices) - 1}" if devices else "no GPUs"
     seen: set[int] = set()
@@ -105,7 +117,7 @@ def plan_targets(node: str, caps: Sequence[CapRequest], devices: Sequence[Device
         if cap.index in seen:
             raise _invalid(f"gpu {cap.index} appears twice in the plan")
         seen.add(cap.index)
-    targets = {d.index: ClockTarget(d.default_limit_w, 0) for d in devices}
+    targets = {d.index: ClockTarget(d.default_limit_w, 0) for d in devices if described(d)}
     targets.update({c.index: ClockTarget(float(c.cap_w), int(c.locked_sm_clock_mhz)) for c in caps})
     return targets
 

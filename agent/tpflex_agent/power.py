@@ -34,7 +34,8 @@ class ApplyResult:
 
 class PowerControl:
     """Thread-safe. Writes are skipped for GPUs already at their target (as last set by
-    this agent), so re-applying a plan touches no device."""
+    this agent, or as read from the device when not known: after a start, or when its
+    limit was seen away from it), so re-applying a plan touches no device."""
 
     def __init__(self, backend: GpuBackend, node: str,
                  on_applied: Callable[[ApplyResult], None] | None = None) -> None:
@@ -64,7 +65,12 @@ class PowerControl:
               authoritative: bool = False, force: bool = False) -> ApplyResult:
         """Validate and apply a plan (see ``plan.resolve_plan``; ``authoritative``: etcd's
         desired state, applied even when older than the applied one). ``force``: write
-        every GPU, even one believed at its target (its enforced limit was seen elsewhere)."""
+        every GPU whose enforced limit, read from the device, is not its target (its limit
+        was seen elsewhere), even one believed at its target.
+
+        GPUs whose limit goes down are written before those whose limit goes up, judged by
+        each GPU's current limit: as last set by this agent, else read from the device (after
+        a restart the devices still hold their limits)."""
         with self._lock:
             res = resolve_plan(self.node, generation, caps, self._devices, self._applied,
                                authoritative=authoritative)
@@ -74,10 +80,9 @@ class PowerControl:
                 self.regressions += 1
                 log.warning("desired power generation went back: applying it node=%s generation=%d "
                             "applied_generation=%d", self.node, generation, self._applied.generation)
-            if force:
-                self._known.clear()
-            limits = {i: t.cap_w for i, t in self._known.items()}
-            statuses = tuple(self._apply_gpu(i, res.targets[i]) for i in apply_order(res.targets, limits))
+            limits = self._current_limits(res.targets, force)
+            statuses = tuple(self._apply_gpu(i, res.targets[i], limits.get(i))
+                             for i in apply_order(res.targets, limits))
             complete = all(s.ok for s in statuses)
             self._applied = AppliedPlan(generation, res.targets, complete)
             result = ApplyResult(generation, APPLIED if complete else PARTIAL,
@@ -94,12 +99,29 @@ class PowerControl:
         with self._lock:
             return dict(self._applied.targets) if self._applied else {}
 
-    def _apply_gpu(self, index: int, target: ClockTarget) -> GpuApply:
+    def _current_limits(self, targets, force: bool) -> dict[int, float]:
+        """Each target GPU's limit now: as last set by this agent, or read from the device
+        when unknown (or ``force``); a GPU that cannot be read is left out."""
+        limits = {}
+        for i in targets:
+            known = self._known.get(i)
+            if known is not None and not force:
+                limits[i] = known.cap_w
+                continue
+            try:
+                limits[i] = self.backend.read(i).power_limit_w
+            except GpuError:
+                continue  # unknown: written (and its failure reported) like any other
+        return limits
+
+    def _apply_gpu(self, index: int, target: ClockTarget, limit: float | None) -> GpuApply:
+        """``limit``: the GPU's current limit (None: unknown); the limit is written only
+        when it is not the target (to the milliwatt NVML works in)."""
         known = self._known.get(index)
-        cap = known.cap_w if known else 0.0
+        cap = limit if limit is not None else 0.0
         locked = known.locked_sm_clock_mhz if known else 0
         try:
-            if known is None or known.cap_w != target.cap_w:
+            if limit is None or round(limit * 1000) != round(target.cap_w * 1000):
                 cap = self.backend.set_power_limit(index, target.cap_w)
                 self._known[index] = ClockTarget(cap, locked)
             if known is None or known.locked_sm_clock_mhz != target.locked_sm_clock_mhz:
