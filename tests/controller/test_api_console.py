@@ -5,6 +5,7 @@ snapshot and its updates, dry-run pins and plan diffs."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 
 import httpx
@@ -172,3 +173,40 @@ def test_console_view_follows_racks_that_appear_change_and_go(api, console):
     assert cache.wait_revision(rev, 10)
     out = dict(view.apply([Change(Kind.RACK, "rack-c", rev, deleted=True)]))
     assert out["racks"] == {"racks": [], "removed": ["rack-c"]}
+
+
+def test_a_stream_whose_client_stops_reading_gives_its_slot_back(api, monkeypatch):
+    """Clients that open the stream and never read: once the server's socket buffers are
+    full, their sends wait; after routes.SEND_TIMEOUT_S the stream ends and its slot is
+    free again (the slots were held for ever: MAX_STREAMS such clients locked everyone out
+    with 503 busy)."""
+    monkeypatch.setattr(routes, "MAX_STREAMS", 2)
+    monkeypatch.setattr(routes, "SEND_TIMEOUT_S", 1.0)
+    host, port = api.url.removeprefix("http://").split(":")
+    stalled = []
+    for _ in range(2):
+        s = socket.create_connection((host, int(port)))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills fast; never read
+        s.sendall(f"GET /v1/console/stream HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {h.READER}\r\n\r\n".encode())
+        stalled.append(s)
+        assert s.recv(12) == b"HTTP/1.1 200"  # its slot is taken; nothing more is read
+    try:
+        def status() -> int:  # the headers only: a stream that gets a slot never ends
+            with api.http.stream("GET", "/v1/console/stream", headers=h.reader()) as r:
+                return r.status_code
+
+        wait_until(lambda: status() == 503, 10, "both slots taken")
+        seq = [100]
+
+        def churn_until_free() -> bool:
+            # events the streams must carry, 256 KB each (loopback socket buffers hold MBs);
+            # 48 at most (12 MB), well within etcd's space
+            for _ in range(8 if seq[0] < 148 else 0):
+                seq[0] += 1
+                ev = types_pb2.Event(seq=seq[0], at=h.NOW, kind="plan", job=h.JOB, cause="x" * 262_144)
+                api.etcd.put(keys.event(seq[0]), codec.encode(ev))
+            return status() == 200
+        wait_until(churn_until_free, 30, "a slot given back by a stalled stream")
+    finally:
+        for s in stalled:
+            s.close()

@@ -33,6 +33,10 @@ api = APIRouter(prefix="/console", tags=["console"])
 
 HEARTBEAT_S = 5.0  # a comment (or changed goodput) at least this often keeps proxies open
 MAX_STREAMS = 64  # console streams served at once per API process
+# a stream whose client takes no data for this long is ended and its slot given back: a
+# client that stopped reading held its slot for ever (64 of them locked every console out)
+# and made its stream keep every later change
+SEND_TIMEOUT_S = 30.0
 _ASSETS = {
     "console.js": "text/javascript", "console-map.js": "text/javascript",
     "console-actions.js": "text/javascript", "console.css": "text/css",
@@ -79,10 +83,29 @@ async def stream(request: Request, deps: Deps, scope: Scope) -> StreamingRespons
     if not counter.acquire():
         raise ApiError(ErrorCode.BUSY, f"busy: {MAX_STREAMS} console streams open; retry")
     view = ConsoleView(deps.reads, deps.steps, scope)
-    return StreamingResponse(
+    return _BoundedStream(
         _messages(view, feed, counter), media_type="text/event-stream",
         headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
     )
+
+
+class _BoundedStream(StreamingResponse):
+    """A stream each of whose sends must be taken by the client within SEND_TIMEOUT_S
+    (the server's socket buffer full for that long: the client stopped reading). Then the
+    stream ends: its messages' generator is closed at once (giving back its slot and its
+    subscription) and the connection is left for the server to close."""
+
+    async def stream_response(self, send) -> None:
+        timeout = SEND_TIMEOUT_S
+
+        async def bounded(message) -> None:
+            await asyncio.wait_for(send(message), timeout)
+
+        try:
+            await super().stream_response(bounded)
+        except TimeoutError:
+            log.warning("console stream ended: the client took no data for %g s", timeout)
+            await self.body_iterator.aclose()
 
 
 class _StreamCounter:
