@@ -78,6 +78,13 @@ def test_docs_list_exactly_the_documented_metrics():
     doc = (REPO / "docs" / "deploy.md").read_text()
     in_docs = set(re.findall(r"^\|\s*`(tpflex_\w+)`", doc, re.M))
     assert in_docs == documented
+    # and with the catalog's labels: the table said `job` where the exporter has
+    # `training_job` (Prometheus's own `job` target label), so alerts written from it matched
+    # nothing
+    rows = re.findall(r"^\|\s*`(tpflex_\w+)`\s*\|\s*\w+\s*\|([^|]*)\|", doc, re.M)
+    catalog = metric_catalog()
+    for name, labels in rows:
+        assert {x.strip() for x in labels.split(",") if x.strip()} == catalog[name].labels, name
 
 
 def test_scrape_targets_use_the_ports_of_the_example_configs():
