@@ -65,7 +65,7 @@ def _check_cap(cap: CapRequest, node: str, dev: DeviceInfo | None, indices: str)
         return  # its range is unknown: the write says whether the device takes it
     if not dev.min_limit_w - LIMIT_TOLERANCE_W <= cap.cap_w <= dev.max_limit_w + LIMIT_TOLERANCE_W:
         raise _invalid(
-            f"gpu {cap.index}: cap {cap.cap_w:g} W outside the device's range "
+            f"gpu {cap.index}: cap {cap.cap_w!r} W outside the device's range "
             f"[{dev.min_limit_w:g}, {dev.max_limit_w:g}] W"
         )
     if cap.locked_sm_clock_mhz < 0 or cap.locked_sm_clock_mhz > dev.max_sm_clock_mhz:

@@ -26,6 +26,7 @@ def test_unlisted_gpus_go_back_to_default():
 @pytest.mark.parametrize("cap,words", [
     (CapRequest("n1", 0, 950.0), "outside the device's range [200, 910] W"),
     (CapRequest("n1", 0, 150.0), "outside the device's range"),
+    (CapRequest("n1", 0, 199.9999), "cap 199.9999 W outside"),  # the cap as sent, not rounded to 200
     (CapRequest("n1", 9, 700.0), "unknown GPU index 9 (node n1 has indices 0..3)"),
     (CapRequest("n1", 0, math.nan), "not a finite number"),
     (CapRequest("n1", 0, math.inf), "not a finite number"),
