@@ -379,6 +379,13 @@ class Etcd:
         resp = self._call(self._kv.Range, etcdrpc.RangeRequest(key=_b(key)))
         return _kv(resp.kvs[0]) if resp.kvs else None
 
+    def answers(self, timeout: float) -> int:
+        """A linearizable read (it needs the raft leader and a quorum) within ``timeout``:
+        the cluster's revision, or EtcdError. A watch that has gone quiet cannot tell a
+        quiet cluster from a frozen or leaderless one; this can."""
+        resp = self._call(self._kv.Range, etcdrpc.RangeRequest(key=b"\0", keys_only=True, limit=1), timeout=timeout)
+        return resp.header.revision
+
     def get_prefix(self, prefix: str, *, keys_only: bool = False) -> tuple[list[KeyValue], int]:
         """All key-values under ``prefix`` (sorted by key) and the store revision read at."""
         p = _b(prefix)
@@ -503,6 +510,9 @@ class Etcd:
         return w
 
 
+_HAS_LEADER = ("hasleader", "true")  # etcd's rpctypes.MetadataRequireLeaderKey
+
+
 class Watch:
     """A running watch; see :meth:`Etcd.watch_prefix`."""
 
@@ -555,8 +565,11 @@ class Watch:
         while not self._stop.is_set():
             self._requests = queue.Queue()
             try:
+                # "hasleader": etcd ends the watch when its member has no raft leader (quorum
+                # lost) instead of keeping a stream that delivers nothing, which a reader
+                # would take for a quiet, current view
                 self._call = self._client._watch.Watch(
-                    self._request_iter(), metadata=self._client._auth_md()
+                    self._request_iter(), metadata=(*(self._client._auth_md() or ()), _HAS_LEADER)
                 )
                 for resp in self._call:
                     if resp.compact_revision:

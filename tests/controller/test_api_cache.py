@@ -5,6 +5,7 @@ it serves at once."""
 
 from __future__ import annotations
 
+import signal
 import threading
 from contextlib import contextmanager
 
@@ -18,6 +19,7 @@ from tpflex_proto.etcd import Etcd, EtcdError, Op
 from tests.controller import api_harness as h
 from tests.controller.api_harness import ServedApp, make_deps, write_token_file
 from tests.controller.controller_harness import eventually
+from tests.support.etcd_server import EtcdCluster
 from tests.support.rest import rest_error
 
 
@@ -192,3 +194,54 @@ def test_events_of_one_job_come_from_the_whole_log(etcd, tmp_path):
                 assert seqs(job="nobody") == []
     finally:
         direct.stop()
+
+
+def test_readiness_and_reads_answer_503_while_etcd_has_no_quorum(tmp_path):
+    """Two of three members stopped: the one left answers nothing that needs the raft
+    leader and keeps its watch streams open and silent. The watch-fed view alone took
+    that for a quiet cluster: /readyz said ready and reads answered from the stale view
+    for the whole outage. Now the watches ask for a leader ("hasleader": etcd ends them)
+    and readiness asks etcd itself."""
+    cluster = EtcdCluster(3, tmp_path / "etcd").start()
+    etcd = Etcd(cluster.endpoints[:1], timeout=2.0)  # the member that stays up
+    try:
+        h.seed(Store(etcd))
+        with _cached_app(etcd, tmp_path) as (cache, http):
+            _caught_up(cache, etcd)
+            assert http.get("/readyz").json()["leader"] == "ctl-1"
+            for i in (1, 2):
+                cluster.members[i].stop()
+            eventually(lambda: http.get("/readyz").status_code == 503, timeout=20, interval=0.2)
+            _error(http.get("/readyz"), 503)
+            eventually(lambda: http.get(f"/v1/jobs/{h.JOB}").status_code == 503, timeout=20, interval=0.2)
+            for i in (1, 2):
+                cluster.restart_member(i)
+            eventually(lambda: http.get("/readyz").status_code == 200, timeout=30, interval=0.2)
+            eventually(lambda: http.get(f"/v1/jobs/{h.JOB}").status_code == 200, timeout=30, interval=0.2)
+    finally:
+        etcd.close()
+        cluster.stop()
+
+
+def test_readiness_answers_503_while_etcd_is_frozen(tmp_path):
+    """A member stopped with SIGSTOP keeps every connection open and answers nothing: the
+    watch stays "established" and silent. Readiness asks etcd itself (a linearizable read
+    with a 1 s deadline), so it answers 503 until etcd runs again."""
+    cluster = EtcdCluster(1, tmp_path / "etcd").start()
+    etcd = Etcd(cluster.endpoints, timeout=2.0)
+    member = cluster.members[0]
+    try:
+        h.seed(Store(etcd))
+        with _cached_app(etcd, tmp_path) as (cache, http):
+            _caught_up(cache, etcd)
+            assert http.get("/readyz").status_code == 200
+            member.proc.send_signal(signal.SIGSTOP)
+            try:
+                eventually(lambda: http.get("/readyz").status_code == 503, timeout=20, interval=0.2)
+                assert "etcd does not answer" in _error(http.get("/readyz"), 503)
+            finally:
+                member.proc.send_signal(signal.SIGCONT)
+            eventually(lambda: http.get("/readyz").status_code == 200, timeout=30, interval=0.2)
+    finally:
+        etcd.close()
+        cluster.stop()

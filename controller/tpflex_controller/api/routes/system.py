@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -16,6 +20,39 @@ probes = APIRouter(tags=["system"])
 status_router = APIRouter(tags=["system"])
 
 _NOT_READY = {503: {"model": s.ErrorBody, "description": "etcd unreachable or no leader"}}
+PROBE_TIMEOUT_S = 1.0  # readiness asks etcd itself, this long at most ...
+PROBE_TTL_S = 1.0  # ... and at most this often per API process
+
+
+class _EtcdProbe:
+    """Whether etcd answers a linearizable read (it needs a raft leader and a quorum),
+    asked at most every PROBE_TTL_S. The watch-fed view alone cannot say: a leaderless or
+    frozen etcd keeps its watch streams open and silent, which looks like a quiet
+    cluster (readiness said ready for the whole of a quorum loss)."""
+
+    def __init__(self, etcd) -> None:
+        self._etcd = etcd
+        self._lock = threading.Lock()
+        self._at = -float("inf")
+        self._problem: str | None = None
+
+    def problem(self) -> str | None:
+        with self._lock:
+            if time.monotonic() - self._at >= PROBE_TTL_S:
+                try:
+                    self._etcd.answers(PROBE_TIMEOUT_S)
+                    self._problem = None
+                except EtcdError as exc:
+                    self._problem = str(exc)
+                self._at = time.monotonic()
+            return self._problem
+
+
+def _probe(deps) -> _EtcdProbe:
+    probe = getattr(deps, "_etcd_probe", None)
+    if probe is None:
+        probe = deps._etcd_probe = _EtcdProbe(deps.etcd)
+    return probe
 
 
 @probes.get("/healthz", response_model=s.Health, summary="Liveness: the process serves")
@@ -33,6 +70,9 @@ async def readyz(deps: Deps) -> s.Health | JSONResponse:
         return error_response(ErrorCode.ETCD_UNAVAILABLE, f"not ready: {exc.message}")
     if record is None:
         return error_response(ErrorCode.NOT_READY, "not ready: no controller leader is elected")
+    problem = await asyncio.to_thread(_probe(deps).problem)
+    if problem is not None:
+        return error_response(ErrorCode.ETCD_UNAVAILABLE, f"not ready: etcd does not answer ({problem})")
     return s.Health(status="ready", leader=record.id)
 
 
