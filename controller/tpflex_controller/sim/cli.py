@@ -19,6 +19,14 @@ from pathlib import Path
 from tpflex_controller.planner import Policy
 from tpflex_controller.sim import paper
 from tpflex_controller.sim.config import (
+    MAX_DAYS,
+    MAX_DOMAIN_SIZE,
+    MAX_DRAWS,
+    MAX_GPUS,
+    MAX_RATE,
+    MAX_RATE_SCALE,
+    MAX_SAMPLES,
+    MIN_FRACTION,
     PRESETS,
     SWEEP_PRESETS,
     Blast,
@@ -30,6 +38,7 @@ from tpflex_controller.sim.engine import simulate
 from tpflex_controller.sim.progress import ProgressBar
 from tpflex_controller.sim.report import (
     TIMELINE_FIELDS,
+    check_plot_path,
     plot_sweep,
     plot_timeline,
     sim_summary,
@@ -73,7 +82,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", type=Path, help="write results as JSON here")
     p.add_argument("--csv", type=Path, help="write results as CSV here")
-    p.add_argument("--plot", type=Path, help="write a PNG plot here")
+    p.add_argument("--plot", type=Path, help="write a plot here (PNG; .svg, .pdf etc. by extension)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,29 +90,35 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="simulate failures over time (discrete events)")
     run.add_argument("--preset", choices=sorted(PRESETS), default="paper-nvl32")
-    run.add_argument("--gpus", type=int)
-    run.add_argument("--domain-size", type=int, help="GPUs per NVLink domain = base TP degree")
+    run.add_argument("--gpus", type=int, help=f"at most {MAX_GPUS:,}")
+    run.add_argument("--domain-size", type=int,
+                     help=f"GPUs per NVLink domain = base TP degree (at most {MAX_DOMAIN_SIZE})")
     run.add_argument("--pp", type=int, help="pipeline stages (domains) per replica")
     run.add_argument("--gpus-per-node", type=int)
     run.add_argument("--spares", type=int, help="spare domains")
     run.add_argument("--min-tp", type=int)
-    run.add_argument("--days", type=float)
-    run.add_argument("--warmup-days", type=float)
-    run.add_argument("--rate", type=float, help="failures per GPU-hour (default: Llama 3's)")
-    run.add_argument("--rate-scale", type=float, help="multiply the rate (failure rates swing up to 7x)")
+    run.add_argument("--days", type=float, help=f"at most {MAX_DAYS:g}")
+    run.add_argument("--warmup-days", type=float, help=f"at most {MAX_DAYS:g}")
+    run.add_argument("--rate", type=float,
+                     help=f"failures per GPU-hour (default: Llama 3's; at most {MAX_RATE:g}; "
+                          f"rate x scale x GPUs x hours at most {MAX_DRAWS:,})")
+    run.add_argument("--rate-scale", type=float,
+                     help=f"multiply the rate (failure rates swing up to 7x; at most {MAX_RATE_SCALE:g})")
     run.add_argument("--hw-fraction", type=float)
-    run.add_argument("--hw-repair-days", type=_list_of(float, "days"), help="MIN[,MAX] uniform")
+    run.add_argument("--hw-repair-days", type=_list_of(float, "days"), help="MIN[,MAX] uniform, finite")
     run.add_argument("--sw-repair-hours", type=float)
     run.add_argument("--blast", choices=[b.value for b in Blast])
     run.add_argument("--placement", choices=[p.value for p in Placement])
     _common(run)
     sw = sub.add_parser("sweep", help="loss vs failed fraction (static snapshots)")
     sw.add_argument("--preset", choices=sorted(SWEEP_PRESETS), default="paper")
-    sw.add_argument("--gpus", type=int)
+    sw.add_argument("--gpus", type=int, help=f"at most {MAX_GPUS:,}")
     sw.add_argument("--pp", type=int)
-    sw.add_argument("--domain-sizes", type=_list_of(int, "integers"))
-    sw.add_argument("--fractions", type=_list_of(float, "numbers"))
-    sw.add_argument("--samples", type=int)
+    sw.add_argument("--domain-sizes", type=_list_of(int, "integers"),
+                    help=f"comma list, each at most {MAX_DOMAIN_SIZE}")
+    sw.add_argument("--fractions", type=_list_of(float, "numbers"),
+                    help=f"comma list of failed fractions, each 0 or in [{MIN_FRACTION:g}, 1)")
+    sw.add_argument("--samples", type=int, help=f"at most {MAX_SAMPLES:,}")
     sw.add_argument("--spare-fraction", type=float, help="spare domains per job domain")
     sw.add_argument("--placement", choices=["unpacked", "packed", "both"])
     _common(sw)
@@ -153,6 +168,8 @@ def sweep_config(args: argparse.Namespace):
 
 def cmd_run(args: argparse.Namespace) -> int:
     cfg = run_config(args)
+    if args.plot:
+        check_plot_path(args.plot)
     bar = None if args.no_progress else ProgressBar("simulating")
     result = simulate(cfg, bar)
     summary = sim_summary(result)
@@ -168,6 +185,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_sweep(args: argparse.Namespace) -> int:
     cfg = sweep_config(args)
+    if args.plot:
+        check_plot_path(args.plot)
     bar = None if args.no_progress else ProgressBar("sweeping")
     rows = run_sweep(cfg, bar)
     print(paper.format_sweep_table(rows))

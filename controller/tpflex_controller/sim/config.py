@@ -14,6 +14,18 @@ LLAMA3_DAYS = 54
 LLAMA3_GPUS = 16_384
 LLAMA3_RATE_PER_GPU_HOUR = LLAMA3_INTERRUPTIONS / (LLAMA3_DAYS * 24 * LLAMA3_GPUS)
 
+# Upper bounds no real study reaches; past them the simulator would run out of memory or
+# run for days, so they are refused up front (exit 2 naming the option).
+MAX_GPUS = 1 << 20  # 1,048,576 GPUs
+MAX_DOMAIN_SIZE = 4096  # GPUs per NVLink domain
+MAX_DAYS = 3650.0  # ten years (--days, --warmup-days)
+MAX_RATE = 1.0  # failures per GPU-hour
+MAX_RATE_SCALE = 1000.0
+MAX_DRAWS = 10_000_000  # expected failure draws of a run: rate x scale x GPUs x hours
+MAX_SAMPLES = 100_000
+MAX_LIST = 1000  # entries of --domain-sizes / --fractions
+MIN_FRACTION = 1e-12  # smallest failed fraction > 0 (below it no GPU of any cluster fails)
+
 
 class SimConfigError(ValueError):
     """A setting is invalid; ``param`` names it (as the CLI spells it)."""
@@ -66,8 +78,8 @@ class ClusterConfig:
         return self.min_tp or max(1, self.domain_size // 2)
 
     def validate(self) -> ClusterConfig:
-        _positive_int("--gpus", self.gpus)
-        _positive_int("--domain-size", self.domain_size)
+        _positive_int("--gpus", self.gpus, MAX_GPUS)
+        _positive_int("--domain-size", self.domain_size, MAX_DOMAIN_SIZE)
         _positive_int("--pp", self.pp)
         _positive_int("--gpus-per-node", self.gpus_per_node)
         if self.gpus % self.domain_size:
@@ -104,12 +116,13 @@ class FailureConfig:
     blast: Blast = Blast.GPU
 
     def validate(self) -> FailureConfig:
-        _non_negative("--rate", self.rate_per_gpu_hour)
-        _non_negative("--rate-scale", self.rate_scale)
+        _non_negative("--rate", self.rate_per_gpu_hour, MAX_RATE)
+        _non_negative("--rate-scale", self.rate_scale, MAX_RATE_SCALE)
         if not 0 <= self.hw_fraction <= 1:
             raise SimConfigError("--hw-fraction", f"must be in [0, 1], got {self.hw_fraction}")
         lo, hi = self.hw_repair_days
         _non_negative("--hw-repair-days", lo)
+        _non_negative("--hw-repair-days", hi)
         if hi < lo:
             raise SimConfigError("--hw-repair-days", f"max {hi} is below min {lo}")
         _non_negative("--sw-repair-hours", self.sw_repair_hours)
@@ -129,8 +142,17 @@ class SimConfig:
     def validate(self) -> SimConfig:
         self.cluster.validate()
         self.failures.validate()
-        _non_negative("--days", self.days)
-        _non_negative("--warmup-days", self.warmup_days)
+        _non_negative("--days", self.days, MAX_DAYS)
+        _non_negative("--warmup-days", self.warmup_days, MAX_DAYS)
+        f = self.failures
+        draws = f.rate_per_gpu_hour * f.rate_scale * self.cluster.gpus * 24.0 * (self.days + self.warmup_days)
+        if draws > MAX_DRAWS:
+            raise SimConfigError(
+                "--rate/--rate-scale/--days",
+                f"--gpus {self.cluster.gpus} at {f.rate_per_gpu_hour:g} x {f.rate_scale:g} failures per "
+                f"GPU-hour over {self.days + self.warmup_days:g} days (with --warmup-days) means about "
+                f"{draws:.3g} failure draws, more than the {MAX_DRAWS:,} the simulator takes",
+            )
         if not self.policies:
             raise SimConfigError("--policy", "at least one policy is needed")
         return self
@@ -166,30 +188,46 @@ class SweepConfig:
         ).validate()
 
     def validate(self) -> SweepConfig:
-        _positive_int("--gpus", self.gpus)
+        _positive_int("--gpus", self.gpus, MAX_GPUS)
         _positive_int("--pp", self.pp)
-        _positive_int("--samples", self.samples)
+        _positive_int("--samples", self.samples, MAX_SAMPLES)
+        if not 0 < len(self.domain_sizes) <= MAX_LIST:
+            raise SimConfigError("--domain-sizes", f"give 1 to {MAX_LIST} sizes, got {len(self.domain_sizes)}")
+        if not 0 < len(self.fractions) <= MAX_LIST:
+            raise SimConfigError("--fractions", f"give 1 to {MAX_LIST} fractions, got {len(self.fractions)}")
         for t in self.domain_sizes:
-            _positive_int("--domain-sizes", t)
+            _positive_int("--domain-sizes", t, MAX_DOMAIN_SIZE)
         for f in self.fractions:
-            if not 0 <= f < 1:
-                raise SimConfigError("--fractions", f"each must be in [0, 1), got {f}")
+            if not (f == 0 or MIN_FRACTION <= f < 1):
+                raise SimConfigError("--fractions", f"each must be 0 or in [{MIN_FRACTION:g}, 1), got {f}")
         _non_negative("--rack-headroom", self.rack_headroom)
         if not 0 <= self.spare_fraction < 1:
             raise SimConfigError("--spare-fraction", f"must be in [0, 1), got {self.spare_fraction}")
         if not self.policies:
             raise SimConfigError("--policy", "at least one policy is needed")
+        for t in self.domain_sizes:  # the job a domain size gives, with its spares
+            replicas = max(1, round(self.gpus / (self.pp * t)))
+            job_gpus = (replicas * self.pp + round(self.spare_fraction * replicas * self.pp)) * t
+            if job_gpus > MAX_GPUS:
+                raise SimConfigError(
+                    "--pp/--domain-sizes",
+                    f"--pp {self.pp} x TP{t} domains make a {job_gpus}-GPU cluster, more than {MAX_GPUS:,}",
+                )
         return self
 
 
-def _positive_int(param: str, value: int) -> None:
+def _positive_int(param: str, value: int, most: int | None = None) -> None:
     if not isinstance(value, int) or value < 1:
         raise SimConfigError(param, f"must be a positive integer, got {value}")
+    if most is not None and value > most:
+        raise SimConfigError(param, f"must be at most {most:,}, got {value}")
 
 
-def _non_negative(param: str, value: float) -> None:
+def _non_negative(param: str, value: float, most: float | None = None) -> None:
     if not math.isfinite(value) or value < 0:
         raise SimConfigError(param, f"must be a finite number >= 0, got {value}")
+    if most is not None and value > most:
+        raise SimConfigError(param, f"must be at most {most:g}, got {value:g}")
 
 
 # 32,000 job GPUs (125 replicas of PP8 x NVL32) plus 16 spare domains (Fig 7's NTP count)

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
+from tpflex_controller.sim.config import SimConfigError
 from tpflex_controller.sim.engine import SimResult
 from tpflex_controller.sim.sweep import SweepRow
 
@@ -69,6 +70,19 @@ def write_csv(path: Path, rows: Iterable[dict], fields: Iterable[str]) -> None:
 
 def sweep_fields() -> tuple[str, ...]:
     return tuple(SweepRow.__dataclass_fields__)
+
+
+def check_plot_path(path: Path, option: str = "--plot") -> None:
+    """Refuse a plot path whose extension matplotlib cannot write, before any work (no
+    extension: PNG). Does not import pyplot."""
+    suffix = path.suffix.lower().lstrip(".")
+    if not suffix:
+        return
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if suffix not in formats:
+        raise SimConfigError(option, f"cannot write a plot as .{suffix}; use one of .{', .'.join(sorted(formats))}")
 
 
 def _pyplot():

@@ -83,7 +83,8 @@ def sample_failed(gpus: int, fraction: float, rng: random.Random) -> list[int]:
     out = []
     g = -1
     while True:
-        g += 1 + int(math.log(1.0 - rng.random()) / log_q)
-        if g >= gpus:
+        skip = math.log(1.0 - rng.random()) / log_q  # inf when log_q underflows to ~0
+        if g + 1 + skip >= gpus:
             return out
+        g += 1 + int(skip)
         out.append(g)
