@@ -55,13 +55,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--pp 2 trains the built-in GPT; --model needs --pp 1")
     model = None
     if a.model is not None:
-        from tpflex_trainer.demo.model import demo_model
-        from tpflex_trainer.ntp.errors import NtpError
-
-        try:
-            model = demo_model(str(a.model))
-        except (NtpError, OSError, ValueError) as exc:
-            p.error(f"--model: {exc}")
+        error = _check_model_config(a.model)
+        if error is None:
+            model, error = _load_model(a.model)
+        if error is not None:
+            p.error(f"--model: {error}")
+    if a.workdir is not None:
+        error = _check_workdir(a.workdir)
+        if error is not None:
+            p.error(f"--workdir: {error}")
     workdir = a.workdir or new_workdir()
     t0 = time.monotonic()
 
@@ -101,6 +103,82 @@ def main(argv: list[str] | None = None) -> int:
         elif not ok:
             print(f"tpflex-demo: logs kept in {workdir}", file=sys.stderr)
     return 0 if ok else 1
+
+
+# The demo trains on CPU, in several processes at once: a --model above this many
+# parameters (fp32 weights + Adam state, per process) is refused before anything is built.
+MAX_MODEL_PARAMS = 1_000_000_000
+_SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads")
+
+
+def _config_errors() -> tuple[type[BaseException], ...]:
+    from tpflex_trainer.ntp.errors import NtpError
+
+    errors: list[type[BaseException]] = [NtpError, OSError, ValueError, TypeError, KeyError, AttributeError]
+    try:  # what huggingface_hub's strict config dataclasses raise (not a ValueError)
+        from huggingface_hub.errors import StrictDataclassError
+
+        errors.append(StrictDataclassError)
+    except ImportError:  # an older huggingface_hub: its errors are ValueErrors
+        pass
+    return tuple(errors)
+
+
+def _check_model_config(model_dir: Path) -> str | None:
+    """Why the config.json of ``model_dir`` cannot be a demo model (a field of the wrong
+    type, a size that is not a positive integer, more than MAX_MODEL_PARAMS parameters),
+    or None. Reads the config only: nothing is allocated."""
+    from tpflex_trainer.ntp.hf_adapter import load_config
+
+    try:
+        config = load_config(model_dir)
+    except _config_errors() as exc:
+        return _one_line(exc)
+    sizes: dict[str, int] = {}
+    for name in _SIZE_FIELDS:
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{name} in config.json must be a positive integer, got {value!r}"
+        sizes[name] = value
+    hidden, vocab = sizes.get("hidden_size", 1), sizes.get("vocab_size", 1)
+    ffn = sizes.get("intermediate_size", 4 * hidden)
+    params = 2 * vocab * hidden + sizes.get("num_hidden_layers", 1) * (4 * hidden * hidden + 3 * hidden * ffn)
+    if params > MAX_MODEL_PARAMS:
+        return (f"about {params:.3g} parameters; the demo trains on CPU and takes at most "
+                f"{MAX_MODEL_PARAMS:,} (use a small model)")
+    return None
+
+
+def _load_model(model_dir: Path):
+    """(the demo model, None), or (None, why it cannot be built)."""
+    from tpflex_trainer.demo.model import demo_model
+
+    try:
+        return demo_model(str(model_dir)), None
+    except (*_config_errors(), RuntimeError) as exc:
+        return None, _one_line(exc)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 400 else text[:397] + "..."
+
+
+def _check_workdir(workdir: Path) -> str | None:
+    """Why the demo cannot write in ``workdir`` (created if missing), or None."""
+    if workdir.exists() and not workdir.is_dir():
+        return f"{workdir} exists and is not a directory"
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+        probe = workdir / ".tpflex-demo-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        return f"cannot write in {workdir}: {exc.strerror or exc}"
+    return None
 
 
 def _keep_running(story: Story, interval_s: float = 1.0) -> bool:
