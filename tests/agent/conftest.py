@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -56,6 +57,16 @@ def stop_agent(a: RunningAgent) -> None:
 @pytest.fixture
 def agent():
     a = start_agent(sim_settings())
+    try:
+        yield a
+    finally:
+        stop_agent(a)
+
+
+@contextmanager
+def running_agent(node: str, gpus: int):
+    """An in-process simulated agent (``start_agent``), stopped on exit."""
+    a = start_agent(sim_settings(node=node, gpus=gpus))
     try:
         yield a
     finally:

@@ -12,17 +12,14 @@ from tpflex_agent.membership import Membership
 from tpflex_proto import agent_pb2, codec, keys, types_pb2
 from tpflex_proto.etcd import Etcd
 
-from tests.agent.conftest import sim_settings, start_agent, stop_agent
+from tests.agent.conftest import running_agent
 from tests.agent.support import wait_until
 
 
 @pytest.fixture
 def agent():
-    a = start_agent(sim_settings(node="m1", gpus=4))
-    try:
+    with running_agent("m1", 4) as a:
         yield a
-    finally:
-        stop_agent(a)
 
 
 def health_watcher(etcd: Etcd, node: str, predicate):

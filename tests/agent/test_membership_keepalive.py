@@ -18,7 +18,7 @@ import pytest
 from tpflex_agent.membership import Membership
 from tpflex_proto.etcd import EtcdUnavailable
 
-from tests.agent.conftest import sim_settings, start_agent, stop_agent
+from tests.agent.conftest import running_agent
 
 OK, FAIL = "ok", "fail"
 
@@ -72,11 +72,8 @@ class ScriptedEtcd:
 
 @pytest.fixture
 def agent():
-    a = start_agent(sim_settings(node="k1", gpus=2))
-    try:
+    with running_agent("k1", 2) as a:
         yield a
-    finally:
-        stop_agent(a)
 
 
 def play(agent, script: list[str | float], ttl_s: int) -> list[Call]:
