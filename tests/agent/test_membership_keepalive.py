@@ -99,7 +99,7 @@ def test_a_keepalive_that_times_out_is_retried_after_the_backoff_within_the_leas
     calls = play(agent, [OK, 1.2, OK, OK], ttl)
     assert [c.ok for c in calls] == [True, False, True, True]
     # the first back-off is at most 0.1 s; the rest is slack for a loaded machine
-    assert max(retry_gaps(calls)) < 0.4, retry_gaps(calls)
+    assert max(retry_gaps(calls)) < 0.7, retry_gaps(calls)  # the old loop: 1.08 s (back-off + TTL/3)
     oks = [c.start for c in calls if c.ok]
     gaps = [b - a for a, b in itertools.pairwise(oks)]
     assert max(gaps) < ttl - 0.3, f"refreshes {gaps} s apart, lease TTL {ttl} s"
