@@ -379,11 +379,13 @@ class Etcd:
         resp = self._call(self._kv.Range, etcdrpc.RangeRequest(key=_b(key)))
         return _kv(resp.kvs[0]) if resp.kvs else None
 
-    def answers(self, timeout: float) -> int:
-        """A linearizable read (it needs the raft leader and a quorum) within ``timeout``:
-        the cluster's revision, or EtcdError. A watch that has gone quiet cannot tell a
-        quiet cluster from a frozen or leaderless one; this can."""
-        resp = self._call(self._kv.Range, etcdrpc.RangeRequest(key=b"\0", keys_only=True, limit=1), timeout=timeout)
+    def answers(self, key: str, timeout: float) -> int:
+        """A linearizable read of ``key`` (one the user may read: with etcd auth, a key
+        outside its role is permission denied) within ``timeout``; it needs the raft leader
+        and a quorum. The cluster's revision, or EtcdError. A watch that has gone quiet
+        cannot tell a quiet cluster from a frozen or leaderless one; this can."""
+        resp = self._call(self._kv.Range, etcdrpc.RangeRequest(key=_b(key), keys_only=True, limit=1),
+                          timeout=timeout)
         return resp.header.revision
 
     def get_prefix(self, prefix: str, *, keys_only: bool = False) -> tuple[list[KeyValue], int]:

@@ -9,6 +9,7 @@ import time
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from tpflex_proto import keys
 from tpflex_proto.etcd import EtcdError
 
 from tpflex_controller.api import schemas as s
@@ -40,7 +41,7 @@ class _EtcdProbe:
         with self._lock:
             if time.monotonic() - self._at >= PROBE_TTL_S:
                 try:
-                    self._etcd.answers(PROBE_TIMEOUT_S)
+                    self._etcd.answers(keys.LEADER, PROBE_TIMEOUT_S)
                     self._problem = None
                 except EtcdError as exc:
                     self._problem = str(exc)
