@@ -40,6 +40,10 @@ class TlsFilesError(ValueError):
     """A certificate, key or CA file that cannot be used (the message names it and why)."""
 
 
+class _FilesChanged(TlsFilesError):
+    """The files changed while they were read (a rotation in progress): look again next time."""
+
+
 def _read(path: str, what: str) -> bytes:
     try:
         return read_file(path)
@@ -73,7 +77,7 @@ def _read_checked(files: list[tuple[str, str]], cert_file: str | None, key_file:
     data = [_read(path, what) for path, what in files]
     _check_pem(cert_file, key_file, ca_file)
     if [_read(path, what) for path, what in files] != data:
-        raise TlsFilesError(f"{', '.join(p for p, _ in files)} changed while being read; retried at the next use")
+        raise _FilesChanged(f"{', '.join(p for p, _ in files)} changed while being read; retried at the next use")
     return data
 
 
@@ -145,15 +149,17 @@ class ClientCertificateFiles:
         with self._lock:
             stamp = _stamps(self._paths)
             if stamp != self._stamp:
+                self._stamp = stamp
                 try:
                     self._creds = channel_credentials(*self._args)
                 except TlsFilesError as exc:
                     log.warning("tls client certificate reload failed error=%s", exc)
+                    if isinstance(exc, _FilesChanged):
+                        self._stamp = None  # mid-rotation: read them again next time
                 else:
                     self.reloads += 1
                     log.info("tls client certificate reloaded cert=%s reloads=%d", self._args[1] or "",
                              self.reloads)
-                self._stamp = stamp
             return self._creds
 
 
@@ -192,6 +198,8 @@ class CertificateFiles:
                 config = self._config()
             except TlsFilesError as exc:
                 log.warning("tls certificate reload failed cert=%s error=%s", self._tls.cert_file, exc)
+                if isinstance(exc, _FilesChanged):
+                    self._stamp = None  # mid-rotation: read them again at the next handshake
                 return None
             self.reloads += 1
             log.info("tls certificate reloaded cert=%s reloads=%d", self._tls.cert_file, self.reloads)
