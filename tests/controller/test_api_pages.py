@@ -69,11 +69,11 @@ def test_gpu_pages_keep_nodes_whose_names_extend_the_cursors_node(api):
         h.put_health(api.store, n, {})
     whole = [(g["node"], g["index"]) for g in api.http.get("/v1/gpus", params={"rack": "rack-p"}).json()]
     assert whole == [(n, i) for n in sorted(names) for i in range(h.GPUS_PER_NODE)]
-    for limit in (1, 2, 3, 4, 5, 7):
+    for limit in (1, 3, 5):  # cursors at every index of a node, and across nodes
         items, _ = _walk(api, "/v1/gpus", limit, rack="rack-p")
         assert [(g["node"], g["index"]) for g in items] == whole, limit
     everything = [(g["node"], g["index"]) for g in api.http.get("/v1/gpus").json()]
-    assert [(g["node"], g["index"]) for g in _walk(api, "/v1/gpus", 3)[0]] == everything
+    assert [(g["node"], g["index"]) for g in _walk(api, "/v1/gpus", 7)[0]] == everything
     # a cursor of a node alone (no index) resumes at that node's first GPU
     r = api.http.get("/v1/gpus", params={"rack": "rack-p", "after": "p10", "limit": 1})
     assert [(g["node"], g["index"]) for g in r.json()] == [("p10", 0)]

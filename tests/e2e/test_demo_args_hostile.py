@@ -49,7 +49,7 @@ def test_demo_refuses_a_bad_model_config(changes, words, tmp_path):
     assert not (tmp_path / "w").exists()
 
 
-@pytest.mark.parametrize("sub", ["", "sub"], ids=["a-file", "under-a-file"])
+@pytest.mark.parametrize("sub", ["sub"], ids=["under-a-file"])  # the path's parent is a file
 def test_demo_refuses_a_workdir_it_cannot_write(sub, tmp_path):
     f = tmp_path / "file"
     f.write_text("")
