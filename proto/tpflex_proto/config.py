@@ -32,7 +32,6 @@ from tpflex_proto import keys
 ENV_PREFIX = "TPFLEX_"
 ARGS_SOURCE = "command line"
 _NAME = keys.NAME_PATTERN
-_HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
 
 SettingsT = TypeVar("SettingsT", bound=BaseModel)
 Layer = Mapping[str, Mapping[str, Any]]
@@ -50,8 +49,7 @@ def valid_name(value: str) -> str:
 
 
 def hostport(value: str, what: str) -> str:
-    m = _HOSTPORT.match(value)
-    if not m or int(m.group(2)) > 65535:
+    if not keys.hostport_ok(value):
         raise ValueError(f"{what} must be HOST:PORT with a port in 0..65535, got {value!r}")
     return value
 

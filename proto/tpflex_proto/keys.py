@@ -57,6 +57,16 @@ def rack(name: str) -> str:
 JOB_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
+HOSTPORT_PATTERN = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
+
+
+def hostport_ok(value: str) -> bool:
+    """HOST:PORT (a name, an IPv4 address or a bracketed IPv6 one) with a port in 0..65535:
+    an address a service registers or is told to dial."""
+    m = HOSTPORT_PATTERN.match(value)
+    return bool(m) and int(m.group(2)) <= 65535
+
+
 def job_name_ok(name: str) -> bool:
     """A job name that is safe as one etcd key segment (and in URLs and label values):
     1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit."""

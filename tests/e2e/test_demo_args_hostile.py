@@ -6,29 +6,20 @@ that a regression cannot take the machine's memory."""
 from __future__ import annotations
 
 import json
-import resource
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.refusal import refused
 
 DEMO = str(Path(sys.executable).parent / "tpflex-demo")
 LLAMA = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "num_attention_heads": 8,
          "num_key_value_heads": 8, "intermediate_size": 128, "num_hidden_layers": 2}
 
 
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (4_000_000_000, 4_000_000_000))
-
-
 def _refused(*args: str) -> str:
-    # the timeout only guards the suite against a hang (the old code built the model first)
-    proc = subprocess.run([DEMO, *args], check=False, capture_output=True, text=True, timeout=120,
-                          preexec_fn=_limit_memory)
-    assert "Traceback" not in proc.stderr, proc.stderr
-    assert proc.returncode == 2, proc.stderr
-    return proc.stderr.strip().splitlines()[-1]
+    return refused([DEMO, *args], timeout=120).strip().splitlines()[-1]  # the old code built the model first
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import shutil
 import sys
 import tempfile
@@ -43,9 +42,6 @@ log = logging.getLogger("tpflex_run")
 EXIT_USAGE = 2
 _TLS = (("--tls-ca", "TPFLEX_TLS_CA"), ("--tls-cert", "TPFLEX_TLS_CERT"),
         ("--tls-key", "TPFLEX_TLS_KEY"), ("--tls-server-name", "TPFLEX_TLS_SERVER_NAME"))
-# HOST:PORT as tpflex_proto.config.hostport has it (that module needs pydantic, which the
-# trainer side does not install)
-_HOSTPORT = re.compile(r"^(\[[0-9a-fA-F:]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")
 
 
 def _positive_int(text: str) -> int:
@@ -142,8 +138,7 @@ class UsageError(ValueError):
 
 def _check_endpoints(endpoints: tuple[str, ...], flag: str) -> None:
     for endpoint in endpoints:
-        m = _HOSTPORT.match(endpoint)
-        if not m or int(m.group(2)) > 65535:
+        if not keys.hostport_ok(endpoint):
             raise UsageError(f"{flag}: {endpoint!r} is not HOST:PORT with a port in 0..65535")
 
 
