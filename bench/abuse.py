@@ -18,12 +18,20 @@ acks, conflicting and changed specs, unknown jobs; agent pushes with forged gene
 (2^64-1), invalid caps, resets, unknown fault kinds.
 
 Prints one JSON line: ``requests``, ``server_errors`` (HTTP 5xx other than a deliberate
-503 busy, gRPC INTERNAL/UNKNOWN, a dead process), ``invariant_violations`` (the oracle of
+503 busy, gRPC INTERNAL/UNKNOWN/DATA_LOSS, a transport error: a connection refused or
+reset, a timeout, gRPC UNAVAILABLE/DEADLINE_EXCEEDED, a reply without details; a dead
+process; each restart of the controller's REST child: ``classify_grpc``,
+``classify_rest``, ``classify_transport``, ``rest_child_errors``), ``transport_errors``
+and ``rest_child_restarts`` (those two parts of it), ``invariant_violations`` (the oracle of
 tests/reliability/invariants.py, sampled every 2 s during the run and at the end; a
 violation counts when it outlasts one reconcile), ``rss_peak_mb`` (the controller's
 VmHWM), ``rest_rss_peak_mb`` (its REST child's, where the REST requests land),
 ``decision_p99_ms_during_abuse``. Details and the decision p99 of a quiet baseline
 run first in the same process go to stderr.
+
+``TPFLEX_BENCH_PLANT=kill-rest-child`` plants a defect to see the accounting catch it: the
+bench SIGKILLs the controller's REST child once half the hostile requests are sent (the
+controller restarts it; the requests in flight fail on their connections).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -64,14 +73,33 @@ def _pct(xs: list[float], q: float) -> float:
     return round(xs[min(len(xs) - 1, round(q * (len(xs) - 1)))], 2) if xs else -1.0
 
 
+PLANTS = ("kill-rest-child",)
+
+
+def planted(env: dict | None = None) -> str | None:
+    """The defect ``TPFLEX_BENCH_PLANT`` asks this bench to plant (None: none); an unknown
+    one is an error, not a silent no-op."""
+    value = (os.environ if env is None else env).get("TPFLEX_BENCH_PLANT", "")
+    if not value:
+        return None
+    if value not in PLANTS:
+        raise ValueError(f"TPFLEX_BENCH_PLANT={value!r}: abuse.py plants one of {', '.join(PLANTS)}")
+    return value
+
+
 class Tally:
-    def __init__(self) -> None:
+    def __init__(self, half: int = 0) -> None:
         self.lock = threading.Lock()
         self.requests = 0
         self.outcomes: Counter[str] = Counter()
         self.server_errors: list[str] = []
+        self.halfway = threading.Event()  # set once ``half`` requests are counted
+        self._half = half
 
-    def add(self, kind: str, outcome: str, server_error: bool) -> None:
+    def add(self, kind: str, outcome: str, server_error: bool, transport: bool = False) -> None:
+        """One request's outcome; ``transport``: it failed on its connection or deadline
+        (always a server error: the server did not answer)."""
+        server_error = server_error or transport
         with self.lock:
             self.requests += 1
             self.outcomes[f"{kind}:{outcome}"] += 1
@@ -79,6 +107,50 @@ class Tally:
                 self.server_errors.append(f"{kind}:{outcome}")
             if server_error:
                 self.outcomes["SERVER_ERROR"] += 1
+            if transport:
+                self.outcomes["TRANSPORT_ERROR"] += 1
+            if self._half and self.requests >= self._half:
+                self.halfway.set()
+
+
+# gRPC codes that say the server failed, or that no serving process answered: a refusal of
+# hostile input is INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, ALREADY_EXISTS,
+# RESOURCE_EXHAUSTED, ... with details
+_GRPC_SERVER_ERRORS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
+_GRPC_TRANSPORT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def classify_grpc(code: grpc.StatusCode, details: str | None) -> tuple[bool, bool]:
+    """(server error, transport error) of a failed gRPC call: UNAVAILABLE (connection
+    refused or reset, the server gone; also the server's own "etcd unavailable", which a
+    healthy local etcd never is) and DEADLINE_EXCEEDED are transport errors, hence server
+    errors; INTERNAL/UNKNOWN/DATA_LOSS and a status without details are server errors."""
+    transport = code in _GRPC_TRANSPORT
+    return transport or code in _GRPC_SERVER_ERRORS or not details, transport
+
+
+def classify_rest(status: int, body: str) -> bool:
+    """Whether an HTTP reply is a server error: a 5xx other than the deliberate 503 busy."""
+    return status >= 500 and not (status == 503 and "busy" in body)
+
+
+def classify_transport(exc: httpx.HTTPError) -> tuple[str, bool]:
+    """(outcome, transport error) of a REST request that raised, always a server error (no
+    reply to read): an ``httpx`` transport failure (connection refused or reset, a
+    timeout, a protocol error, a body write that failed) is a transport error; another
+    (a reply that cannot be decoded) is not."""
+    return type(exc).__name__, isinstance(exc, httpx.TransportError)
+
+
+def rest_child_errors(before: list[int], after: list[int], alive) -> tuple[int, int]:
+    """(server errors, restarts) the controller's REST child adds: one per child started
+    after ``before`` (the pids the controller logged when the abuse began; ``after``: at
+    its end), and one more when no child is running at the end (``alive(pid)``)."""
+    if not before:
+        raise ValueError("no REST child at the start: nothing to compare with")
+    restarts = len([p for p in after if p not in before])
+    gone = not after or not alive(after[-1])
+    return restarts + int(gone), restarts
 
 
 # ---- hostile requests ----
@@ -158,26 +230,24 @@ def _agent_requests(nodes: list[str]) -> list:
     ]
 
 
-_GRPC_SERVER_ERRORS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS}
-
-
 def _grpc_call(tally: Tally, kind: str, fn, request) -> None:
     try:
         fn(request, timeout=10)
         tally.add(kind, "ok", False)
     except grpc.RpcError as exc:
         code = exc.code()
-        tally.add(kind, code.name, code in _GRPC_SERVER_ERRORS or not exc.details())
+        server, transport = classify_grpc(code, exc.details())
+        tally.add(kind, code.name, server, transport)
 
 
 def _rest_call(tally: Tally, kind: str, fn, client: httpx.Client) -> None:
     try:
         r = fn(client)
-    except httpx.HTTPError as exc:  # the server may close a connection whose body it refused
-        tally.add(kind, type(exc).__name__, False)
+    except httpx.HTTPError as exc:
+        outcome, transport = classify_transport(exc)
+        tally.add(kind, outcome, True, transport)
         return
-    busy = r.status_code == 503 and "busy" in r.text
-    tally.add(kind, str(r.status_code), r.status_code >= 500 and not busy)
+    tally.add(kind, str(r.status_code), classify_rest(r.status_code, r.text))
 
 
 def abuse(fleet: Fleet, ctl, total: int, clients: int, tally: Tally) -> None:
@@ -273,7 +343,35 @@ def _violations(fleet: Fleet, ctl) -> list[str]:
 
 
 def _alive(pid: int) -> bool:
-    return os.path.exists(f"/proc/{pid}/status")
+    """Running (a zombie, dead but not yet reaped, is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _children(pid: int) -> list[int]:
+    """The running child processes of ``pid`` (/proc; the controller's only one is its
+    REST process)."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return [k for k in kids if _alive(k)]
+
+
+def _plant_kill_rest_child(ctl, tally: Tally, stop: threading.Event, killed: list[int]) -> None:
+    """The planted defect ``kill-rest-child``: SIGKILL the REST child halfway through."""
+    while not tally.halfway.wait(0.5):
+        if stop.is_set():
+            return
+    for pid in _children(ctl.proc.pid):
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+        print(f"# planted kill-rest-child: SIGKILL pid {pid} after {tally.requests} requests", file=sys.stderr)
 
 
 def _peak_rss_mb(pid: int) -> float:
@@ -283,7 +381,7 @@ def _peak_rss_mb(pid: int) -> float:
     return -1.0
 
 
-def run(total: int, clients: int, baseline_decisions: int) -> dict:
+def run(total: int, clients: int, baseline_decisions: int, plant: str | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="tpflex-abuse-") as tmp:
         base = Path(tmp)
         cluster = EtcdCluster(1, base / "etcd").start()
@@ -299,9 +397,15 @@ def run(total: int, clients: int, baseline_decisions: int) -> dict:
             threading.Thread(target=_reporter, args=(fleet, ctl, stop), daemon=True).start()
             quiet: list[float] = []
             probe_decisions(fleet, threading.Event(), quiet, limit=baseline_decisions)
-            tally, during, found = Tally(), [], []
+            tally, during, found, killed = Tally(half=total // 2), [], [], []
+            # the REST child as the controller logged it and as /proc shows it: a restart
+            # under abuse (the listening socket survives it) is a server error
+            rest_logged, rest_running = ctl.rest_pids(), _children(ctl.proc.pid)
             helpers = [threading.Thread(target=probe_decisions, args=(fleet, stop, during), daemon=True),
                        threading.Thread(target=watch_invariants, args=(fleet, ctl, stop, found), daemon=True)]
+            if plant == "kill-rest-child":
+                helpers.append(threading.Thread(target=_plant_kill_rest_child, args=(ctl, tally, stop, killed),
+                                                daemon=True))
             for t in helpers:
                 t.start()
             t0 = time.monotonic()
@@ -310,13 +414,20 @@ def run(total: int, clients: int, baseline_decisions: int) -> dict:
             stop.set()
             for t in helpers:
                 t.join(60)
-            httpx.post(f"{ctl.rest_url}/v1/nodes/{CHURN_GPU[0]}/gpus/{CHURN_GPU[1]}/undrain",
-                       headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+            rest_errors, restarts = max(rest_child_errors(rest_logged, ctl.rest_pids(), _alive),
+                                        rest_child_errors(rest_running, _children(ctl.proc.pid), _alive))
+            try:
+                httpx.post(f"{ctl.rest_url}/v1/nodes/{CHURN_GPU[0]}/gpus/{CHURN_GPU[1]}/undrain",
+                           headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, timeout=30)
+            except httpx.TransportError as exc:  # counted: the REST process is gone
+                print(f"# undrain after the abuse failed: {exc!r}", file=sys.stderr)
             found += _violations(fleet, ctl)
             alive = ctl.proc.poll() is None and all(a.proc.poll() is None for a in fleet.agents.values())
             result = {
                 "requests": tally.requests,
-                "server_errors": tally.outcomes["SERVER_ERROR"] + (0 if alive else 1),
+                "server_errors": tally.outcomes["SERVER_ERROR"] + rest_errors + (0 if alive else 1),
+                "transport_errors": tally.outcomes["TRANSPORT_ERROR"],
+                "rest_child_restarts": restarts,
                 "invariant_violations": len(found),
                 "rss_peak_mb": _peak_rss_mb(ctl.proc.pid),
                 "rest_rss_peak_mb": max((_peak_rss_mb(pid) for pid in ctl.rest_pids() if _alive(pid)), default=None),
@@ -326,7 +437,8 @@ def run(total: int, clients: int, baseline_decisions: int) -> dict:
                       "decisions_during_abuse": len(during), "decision_p50_ms_during_abuse": _pct(during, 0.5),
                       "decision_p99_ms_quiet": _pct(quiet, 0.99), "decision_p50_ms_quiet": _pct(quiet, 0.5),
                       "decision_p99_ratio_abuse_vs_quiet": round(_pct(during, 0.99) / max(_pct(quiet, 0.99), 1e-9), 2),
-                      "processes_alive": alive, "violations": found[:10], "server_error_samples": tally.server_errors,
+                      "processes_alive": alive, "planted": plant, "rest_children_killed": killed,
+                      "violations": found[:10], "server_error_samples": tally.server_errors,
                       "outcomes": dict(sorted(tally.outcomes.items()))}
             print(json.dumps(detail), file=sys.stderr)
             return result
@@ -345,7 +457,11 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.requests < 1 or a.clients < 1:
         p.error("--requests and --clients must be >= 1")
-    print(json.dumps(run(a.requests, a.clients, a.baseline_decisions)))
+    try:
+        plant = planted()
+    except ValueError as exc:
+        p.error(str(exc))
+    print(json.dumps(run(a.requests, a.clients, a.baseline_decisions, plant)))
     return 0
 
 
