@@ -55,6 +55,7 @@ class Scenario:
     checkpoint_dir: str = ""
     bucket_bytes: int = 32 * 1024
     start_checkpoint: str | None = None
+    env: tuple[tuple[str, str], ...] = ()  # set in every worker before its runtime (test hooks)
 
 
 def local_batch(rt: NtpRuntime, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,12 +143,14 @@ def _set_faults(sc: Scenario, me: Member) -> None:
 def run_scenario(rank: int, world_size: int, sc: Scenario) -> dict:
     members = list(sc.members)
     me = members[rank]
+    os.environ.update(dict(sc.env))
     _set_faults(sc, me)
     rt = NtpRuntime(sc.cfg, sc.base_tp, me, adam=AdamSettings(lr=LR), seed=SEED, bucket_bytes=sc.bucket_bytes)
     first = rt.start(sc.placements, {m: i for i, m in enumerate(members)}, sc.start_checkpoint)
     reports = [_summary(first)]
     changes = {c.step: c for c in sc.changes}
     losses: dict[int, float] = {}
+    grad_norms: dict[int, float] = {}  # the global gradient norm of each step, as the runtime computed it
     step = first.step
     while step < sc.steps:
         if step == sc.save_at:
@@ -182,9 +185,10 @@ def run_scenario(rank: int, world_size: int, sc: Scenario) -> dict:
         if rt.active:
             tokens, targets = local_batch(rt, step)
             losses[step] = rt.train_step(tokens, targets)
+            grad_norms[step] = rt.last_grad_norm
         step += 1
     overlap = (rt.sync.reduced_in_backward, len(rt.sync.buckets)) if rt.active else None
     states = unit_states(rt) if rt.active else {}
     rt.close()
-    return {"member": tuple(me), "losses": losses, "reports": reports, "overlap": overlap, "states": states,
+    return {"member": tuple(me), "losses": losses, "grad_norms": grad_norms, "reports": reports, "overlap": overlap, "states": states,
             "step": step}

@@ -4,10 +4,15 @@ peer recovery. Real gloo processes on loopback."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import pytest
-from tpflex_trainer.ntp.config import GPTConfig
+import torch
+from tpflex_trainer.ntp.config import GPTConfig, param_specs
 from tpflex_trainer.ntp.layout import Member, ReplicaPlacement
-from tpflex_trainer.ntp.reference import reference_losses
+from tpflex_trainer.ntp.reference import reference_losses, reference_run
+from tpflex_trainer.ntp.runtime import GRAD_SCALE_ENV
 
 from tests.support.ports import free_port, free_ports
 from tests.trainer.harness import run_workers
@@ -16,7 +21,9 @@ from tests.trainer.scenarios import LR, SEED, Change, Scenario, global_batch, ru
 pytestmark = pytest.mark.slow
 
 CFG = GPTConfig(n_layers=2, hidden=32, n_heads=8, n_kv_groups=4, ffn_hidden=64, ffn_block=8, vocab=64, vocab_block=8, seq_len=16)
-REL_TOL = 1e-5
+REL_TOL = 1e-5  # losses and gradient norms
+# final state, relative L2 over the whole model (every copy of every unit)
+STATE_TOL = {"param": 1e-5, "exp_avg": 1e-5, "exp_avg_sq": 1e-5}
 
 
 def rp(replica: int, slots, batch: int = 2) -> ReplicaPlacement:
@@ -31,25 +38,80 @@ def reference(steps: int, batch_at) -> list[float]:
     return reference_losses(CFG, SEED, [global_batch(CFG, s, batch_at(s)) for s in range(steps)], lr=LR)
 
 
-def assert_parity(results: dict, ref: list[float], steps: int) -> None:
-    by_step: dict[int, set[float]] = {}
+@dataclass(frozen=True)
+class Reference:
+    """The dense single-process run: per-step loss and gradient norm, final state."""
+
+    losses: list[float]
+    grad_norms: list[float]
+    state: dict[str, dict[str, torch.Tensor]]  # kind -> parameter -> full tensor
+
+
+def reference_full(steps: int, batch_at) -> Reference:
+    return Reference(*reference_run(CFG, SEED, [global_batch(CFG, s, batch_at(s)) for s in range(steps)], lr=LR))
+
+
+def _per_step(results: dict, key: str) -> dict[int, set[float]]:
+    out: dict[int, set[float]] = {}
     for res in results.values():
-        for step, loss in res["losses"].items():
-            by_step.setdefault(step, set()).add(loss)
-    assert sorted(by_step) == list(range(steps))
-    for step in range(steps):
-        values = by_step[step]
-        assert len(values) == 1, f"active members disagree on the loss at step {step}: {values}"
-        loss = values.pop()
-        assert abs(loss - ref[step]) <= REL_TOL * abs(ref[step]), (step, loss, ref[step])
-    assert ref[-1] < ref[0]  # it trains
+        for step, value in res[key].items():
+            out.setdefault(step, set()).add(value)
+    return out
+
+
+def state_rel_l2(results: dict, ref: Reference, kind: str) -> float:
+    """||job - reference|| / ||reference|| over every copy of every unit the active
+    members hold at the end (weights or one Adam moment), in float64."""
+    rows = {s.name: s.unit_rows for s in param_specs(CFG)}
+    diff = norm = 0.0
+    for res in results.values():
+        for (k, name, unit), got in res["states"].items():
+            if k == kind:
+                want = ref.state[kind][name][unit * rows[name] : (unit + 1) * rows[name]].double()
+                diff += float((torch.from_numpy(got).double() - want).pow(2).sum())
+                norm += float(want.pow(2).sum())
+    return math.sqrt(diff / norm)
+
+
+def parity_failures(results: dict, ref: Reference, steps: int, first: int = 0) -> list[str]:
+    """Everything that breaks parity with the reference (empty when the run matches):
+    every step's loss and global gradient norm (the same float on every active member),
+    and the final weights and both Adam moments of every unit the job holds at the end."""
+    bad = []
+    for key, want in (("losses", ref.losses), ("grad_norms", ref.grad_norms)):
+        by_step = _per_step(results, key)
+        if sorted(by_step) != list(range(first, steps)):
+            bad.append(f"{key}: steps {sorted(by_step)}, expected {first}..{steps - 1}")
+            continue
+        for step in range(first, steps):
+            values = by_step[step]
+            if len(values) != 1:
+                bad.append(f"{key}[{step}]: active members disagree: {values}")
+            elif abs(next(iter(values)) - want[step]) > REL_TOL * abs(want[step]):
+                bad.append(f"{key}[{step}]: {next(iter(values))} vs reference {want[step]}")
+    held = {(name, unit) for res in results.values() for (k, name, unit) in res["states"] if k == "param"}
+    every = {(s.name, u) for s in param_specs(CFG) for u in range(s.n_units)}
+    if held != every:
+        bad.append(f"final state: units missing {sorted(every - held)[:5]}, unknown {sorted(held - every)[:5]}")
+        return bad
+    for kind, tol in STATE_TOL.items():
+        rel = state_rel_l2(results, ref, kind)
+        if rel > tol:
+            bad.append(f"final {kind}: relative L2 {rel:.3g} > {tol:g}")
+    return bad
+
+
+def assert_parity(results: dict, ref: Reference, steps: int, first: int = 0) -> None:
+    failures = parity_failures(results, ref, steps, first)
+    assert not failures, "parity failures:\n" + "\n".join(failures)
+    assert ref.losses[-1] < ref.losses[0]  # it trains
 
 
 def test_tp4_and_tp3_from_the_start():
     start = (rp(0, range(4)), rp(1, range(3)))
     sc = Scenario(CFG, 4, start, steps=20, members=members_of(*start))
     results = run_workers(run_scenario, len(sc.members), (sc,))
-    assert_parity(results, reference(20, lambda s: 4), 20)
+    assert_parity(results, reference_full(20, lambda s: 4), 20)
     # gradient sync overlaps backward: the replica at t_min (no moves) starts every
     # bucket's all-reduce from the autograd hooks, and there are several buckets
     for res in results.values():
@@ -66,7 +128,7 @@ def test_live_transition_4_4_to_4_3_and_back():
         changes=(Change(8, drained), Change(14, start)),
     )
     results = run_workers(run_scenario, len(sc.members), (sc,))
-    assert_parity(results, reference(20, lambda s: 4), 20)
+    assert_parity(results, reference_full(20, lambda s: 4), 20)
     drained_member = next(r for r in results.values() if r["member"] == (1, 3, 0))  # (replica, slot, stage)
     assert set(drained_member["losses"]) == set(range(8)) | set(range(14, 20))
     to_43, back = results[0]["reports"][1:]
@@ -80,14 +142,14 @@ def test_three_degrees_in_one_job():
     start = (rp(0, range(4)), rp(1, range(3)), rp(2, (1, 3)))
     sc = Scenario(CFG, 4, start, steps=8, members=members_of(*start))
     results = run_workers(run_scenario, len(sc.members), (sc,))
-    assert_parity(results, reference(8, lambda s: 6), 8)
+    assert_parity(results, reference_full(8, lambda s: 6), 8)
 
 
 def test_unequal_local_batches_plain_ntp():
     start = (rp(0, range(4), batch=4), rp(1, range(3), batch=3))
     sc = Scenario(CFG, 4, start, steps=8, members=members_of(*start))
     results = run_workers(run_scenario, len(sc.members), (sc,))
-    assert_parity(results, reference(8, lambda s: 7), 8)
+    assert_parity(results, reference_full(8, lambda s: 7), 8)
 
 
 def test_peer_recovery_of_a_dead_rank():
@@ -100,7 +162,7 @@ def test_peer_recovery_of_a_dead_rank():
     )
     results = run_workers(run_scenario, len(sc.members), (sc,), expect_exits=1)
     assert len(results) == 7 and all(r["member"] != tuple(dead) for r in results.values())
-    assert_parity(results, reference(10, lambda s: 4), 10)
+    assert_parity(results, reference_full(10, lambda s: 4), 10)
     recovery = results[0]["reports"][1]
     assert recovery["source"] == "live" and recovery["step"] == 6
     assert recovery["peer_units"] > 0
@@ -119,7 +181,7 @@ def test_peer_recovery_after_a_rank_dies_mid_step():
     )
     results = run_workers(run_scenario, len(sc.members), (sc,), expect_exits=1, timeout_s=25)
     assert all(r["reports"][1]["step_failed"] != "completed" for r in results.values())
-    assert_parity(results, reference(8, lambda s: 4), 8)
+    assert_parity(results, reference_full(8, lambda s: 4), 8)
     assert results[0]["reports"][2]["peer_units"] > 0
 
 
@@ -130,7 +192,7 @@ def test_a_member_without_state_gets_its_units_from_peers():
     sc = Scenario(CFG, 4, start, steps=8, members=members_of(*start),
                   changes=(Change(5, start, restart=Member(1, 2)),))
     results = run_workers(run_scenario, len(sc.members), (sc,))
-    assert_parity(results, reference(8, lambda s: 4), 8)
+    assert_parity(results, reference_full(8, lambda s: 4), 8)
     rejoin = results[0]["reports"][1]
     # its sharded units exist only on the other replica; the replicated ones in its own
     assert rejoin["source"] == "live" and rejoin["peer_units"] == rejoin["units_moved"] - 1 > 0
@@ -141,7 +203,7 @@ def test_torn_step_resumes_from_the_newest_holders():
     sc = Scenario(CFG, 4, start, steps=8, members=members_of(*start),
                   changes=(Change(6, start, stale=Member(1, 0)),))
     results = run_workers(run_scenario, len(sc.members), (sc,))
-    assert_parity(results, reference(8, lambda s: 4), 8)
+    assert_parity(results, reference_full(8, lambda s: 4), 8)
     torn = results[0]["reports"][1]
     assert torn["step"] == 6 and torn["peer_units"] > 0
 
@@ -155,7 +217,7 @@ def _drain_shrink_and_return(rank: int, world_size: int, port_shrink: int, port_
     from tpflex_trainer.ntp.runtime import NtpRuntime
 
     from tests.trainer.harness import init_gloo
-    from tests.trainer.scenarios import local_batch
+    from tests.trainer.scenarios import local_batch, unit_states
 
     full, drained = (rp(0, range(4)), rp(1, range(4))), (rp(0, range(4)), rp(1, range(3)))
     everyone = list(members_of(*full))
@@ -163,7 +225,7 @@ def _drain_shrink_and_return(rank: int, world_size: int, port_shrink: int, port_
     leaving = Member(1, 3)
     rt = NtpRuntime(CFG, 4, me, adam=AdamSettings(lr=LR), seed=SEED)
     rt.start(full, {m: i for i, m in enumerate(everyone)})
-    losses = {}
+    losses, norms = {}, {}
     for step in range(10):
         if step == 4:
             rt.apply_plan(drained, {m: i for i, m in enumerate(everyone)})
@@ -177,11 +239,26 @@ def _drain_shrink_and_return(rank: int, world_size: int, port_shrink: int, port_
             report = rt.apply_plan(full, {m: i for i, m in enumerate(everyone)})
         if rt.active and dist.is_initialized():
             losses[step] = rt.train_step(*local_batch(rt, step))
-    return {"member": tuple(me), "losses": losses, "back": report.source, "moved": report.units_moved}
+            norms[step] = rt.last_grad_norm
+    return {"member": tuple(me), "losses": losses, "grad_norms": norms, "states": unit_states(rt) if rt.active else {},
+            "back": report.source, "moved": report.units_moved}
 
 
 def test_drain_to_a_smaller_default_group_and_back():
     results = run_workers(_drain_shrink_and_return, 8, tuple(free_ports(2)), timeout_s=60)
-    assert_parity(results, reference(10, lambda s: 4), 10)
+    assert_parity(results, reference_full(10, lambda s: 4), 10)
     assert set(results[7]["losses"]) == set(range(4)) | set(range(8, 10))
     assert results[0]["back"] == "live" and results[0]["moved"] > 0
+
+
+def test_a_run_with_sharded_gradients_times_3_fails_parity():
+    """Adam hides a uniform gradient scale in the losses (they stay within tolerance); the
+    gradient norms and the Adam moments do not. TP 2+1: the extra member's gradients take
+    the pre- and post-sync moves."""
+    start = (rp(0, range(2)), rp(1, (0,)))
+    sc = Scenario(CFG, 2, start, steps=4, members=members_of(*start), env=((GRAD_SCALE_ENV, "3"),))
+    results = run_workers(run_scenario, len(sc.members), (sc,))
+    failures = parity_failures(results, reference_full(4, lambda s: 4), 4)
+    assert not [f for f in failures if f.startswith("losses")], failures  # blind to it
+    for what in ("grad_norms[0]", "grad_norms[3]", "final exp_avg:", "final exp_avg_sq:"):
+        assert any(f.startswith(what) for f in failures), (what, failures)

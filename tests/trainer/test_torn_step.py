@@ -13,7 +13,7 @@ from tpflex_trainer.ntp.torn import FaultHook, InjectedFault, rollback_step
 from tests.support.ports import free_port
 from tests.trainer.harness import run_workers
 from tests.trainer.scenarios import Change, Scenario, run_scenario
-from tests.trainer.test_parity import CFG, assert_parity, members_of, reference, rp
+from tests.trainer.test_parity import CFG, assert_parity, members_of, reference_full, rp
 
 START = (rp(0, range(2)), rp(1, range(2)))
 DEGRADED = (rp(0, (1,)), rp(1, range(2)))
@@ -56,7 +56,7 @@ def test_torn_step_is_replayed_without_a_checkpoint():
         assert replay["source"] == "live" and replay["step"] == TORN_AT, replay
         assert replay["behind"] == [], replay  # the members ahead undid their update instead
         assert res["step"] == STEPS
-    assert_parity(results, reference(STEPS, lambda s: 4), STEPS)
+    assert_parity(results, reference_full(STEPS, lambda s: 4), STEPS)
 
     got, want = _final_states(results), _final_states(uninterrupted)
     assert set(got) == set(want)  # every unit of every parameter, weights and both moments

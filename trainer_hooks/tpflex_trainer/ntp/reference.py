@@ -44,6 +44,34 @@ def reference_loss(cfg: GPTConfig, p: dict[str, torch.Tensor], tokens: torch.Ten
     return F.cross_entropy(logits.reshape(-1, cfg.vocab), targets.reshape(-1))
 
 
+def reference_run(
+    cfg: GPTConfig,
+    seed: int,
+    batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+) -> tuple[list[float], list[float], dict[str, dict[str, torch.Tensor]]]:
+    """Train on each (tokens, targets) global batch in turn. Returns the loss before each
+    update, the global 2-norm of each step's gradients (what the job's ``grad_norm``
+    computes, before any clipping) and the final state as ``read_full_state`` gives a
+    job's: {"param"/"exp_avg"/"exp_avg_sq": {name: tensor}}."""
+    params = reference_params(cfg, seed)
+    opt = torch.optim.Adam(params.values(), lr=lr, betas=betas, eps=eps, foreach=False)
+    losses, norms = [], []
+    for tokens, targets in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = reference_loss(cfg, params, tokens, targets)
+        loss.backward()
+        norms.append(math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in params.values())))
+        opt.step()
+        losses.append(loss.item())
+    state = {"param": {n: p.detach().clone() for n, p in params.items()}}
+    for kind in ("exp_avg", "exp_avg_sq"):
+        state[kind] = {n: opt.state[p][kind].detach().clone() for n, p in params.items()}
+    return losses, norms, state
+
+
 def reference_losses(
     cfg: GPTConfig,
     seed: int,
@@ -53,16 +81,7 @@ def reference_losses(
     eps: float = 1e-8,
 ) -> list[float]:
     """Train on each (tokens, targets) global batch in turn; the loss before each update."""
-    params = reference_params(cfg, seed)
-    opt = torch.optim.Adam(params.values(), lr=lr, betas=betas, eps=eps, foreach=False)
-    losses = []
-    for tokens, targets in batches:
-        opt.zero_grad(set_to_none=True)
-        loss = reference_loss(cfg, params, tokens, targets)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return reference_run(cfg, seed, batches, lr, betas, eps)[0]
 
 
 def reference_state(
@@ -73,20 +92,8 @@ def reference_state(
     betas: tuple[float, float] = (0.9, 0.999),
     eps: float = 1e-8,
 ) -> tuple[list[float], dict[str, dict[str, torch.Tensor]]]:
-    """Like ``reference_losses``, plus the final state as ``read_full_state`` gives a
-    job's: {"param"/"exp_avg"/"exp_avg_sq": {name: tensor}}."""
-    params = reference_params(cfg, seed)
-    opt = torch.optim.Adam(params.values(), lr=lr, betas=betas, eps=eps, foreach=False)
-    losses = []
-    for tokens, targets in batches:
-        opt.zero_grad(set_to_none=True)
-        loss = reference_loss(cfg, params, tokens, targets)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    state = {"param": {n: p.detach().clone() for n, p in params.items()}}
-    for kind in ("exp_avg", "exp_avg_sq"):
-        state[kind] = {n: opt.state[p][kind].detach().clone() for n, p in params.items()}
+    """Like ``reference_losses``, plus the final state (``reference_run``)."""
+    losses, _, state = reference_run(cfg, seed, batches, lr, betas, eps)
     return losses, state
 
 
