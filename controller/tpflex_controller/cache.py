@@ -126,6 +126,8 @@ class ClusterView:
         self.plans: dict[str, PlanRecord] = {}
         self.power: dict[str, tuple[NodePower, int]] = {}
         self.acks: dict[str, dict[int, int]] = {}
+        # per job, how many ranks hold each latest acked generation (acked_generation)
+        self._ack_counts: dict[str, dict[int, int]] = {}
         self.event_seqs: deque[int] = deque()
         self.event_log_size = event_log_size
         self.state = ClusterState(
@@ -186,6 +188,21 @@ class ClusterView:
             return 0
         return sum(1 for g in info.gpus if self.state.usable(g))
 
+    def acked_generation(self, job: str, ranks: int, generation: int) -> int:
+        """The highest generation (at most ``generation``, the current plan's) that at least
+        ``ranks`` ranks of ``job`` have acked: each rank's ack is its latest generation, so
+        that many ranks run that generation or a newer one (the rollout's ``acked`` phase
+        counts the same way); 0 when fewer have acked anything, ``generation`` for a plan
+        without ranks. O(distinct acked generations), not O(ranks)."""
+        if ranks <= 0:
+            return generation
+        held = 0
+        for gen, count in sorted(self._ack_counts.get(job, {}).items(), reverse=True):
+            held += count
+            if held >= ranks:
+                return min(gen, generation)
+        return 0
+
     def take_changes(self, job: str) -> Changes:
         """The nodes whose GPUs (status, speed, power pin) or liveness changed for ``job``
         since the previous call, for incremental re-planning; a changed rack changes the
@@ -231,6 +248,7 @@ class ClusterView:
         self.snap.plans.pop(job, None)
         self.snap.plan_parts.pop(job, None)
         self.acks.pop(job, None)
+        self._ack_counts.pop(job, None)
         self._key_revs[keys.job_plan(job)] = rev
         for node, np in power.items():
             at = (power_revs or {}).get(node, rev)
@@ -520,12 +538,15 @@ class ClusterView:
 
     def _fold_ack(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
         acks = self.acks.setdefault(k.name, {})
+        counts = self._ack_counts.setdefault(k.name, {})
         if deleted:
-            acks.pop(k.number, None)
+            _uncount(counts, acks.pop(k.number, None))
             return []
         ack = msg if msg is not None else decode_or_skip(types_pb2.Ack, self._kv(key, value, 0))
         if ack is not None:
+            _uncount(counts, acks.get(k.number))
             acks[k.number] = ack.generation
+            counts[ack.generation] = counts.get(ack.generation, 0) + 1
         return []
 
     _FOLDS = {
@@ -544,6 +565,17 @@ class ClusterView:
 
 
 decode_plan = planstore.decode_plan
+
+
+def _uncount(counts: dict[int, int], generation: int | None) -> None:
+    """One rank fewer at ``generation`` (None: the rank had no ack)."""
+    if generation is None:
+        return
+    left = counts.get(generation, 0) - 1
+    if left > 0:
+        counts[generation] = left
+    else:
+        counts.pop(generation, None)
 
 
 def _set(table: dict, key, value) -> None:

@@ -31,6 +31,9 @@ CAUSES = (
 # the ``phase`` label of tpflex_reconfiguration_seconds: time from detection to ...
 PHASES = ("committed", "power_applied", "acked")
 
+# the ``kind`` label of tpflex_rank_failures_total (liveness.Outcome kinds that restart groups)
+RANK_FAILURE_KINDS = ("soft", "hard", "hang")
+
 # the ``result`` label of tpflex_reconcile_total (workqueue.Result)
 RECONCILE_RESULTS = ("ok", "conflict", "etcd_error", "unplannable", "error")
 
@@ -59,6 +62,19 @@ class ControllerMetrics:
         registry.register(self.gpu_power_cap_watts)
         self.plan_generation = Gauge(
             "tpflex_plan_generation", "Current plan generation of a job", ["training_job"], registry=registry
+        )
+        self.plan_acked_generation = Gauge(
+            "tpflex_plan_acked_generation",
+            "Highest plan generation of the job that as many ranks as its current plan runs have"
+            " acked (0 until then); below tpflex_plan_generation while a rollout waits for acks",
+            ["training_job"],
+            registry=registry,
+        )
+        self.rack_domain_size = Gauge(
+            "tpflex_rack_domain_size",
+            "GPUs in the rack's NVLink domain (racks/<rack> domain_size)",
+            ["rack"],
+            registry=registry,
         )
         self.reconfigurations = Counter(
             "tpflex_reconfigurations_total",
@@ -124,23 +140,34 @@ class ControllerMetrics:
     def job_seen(self, job: str, replicas: int) -> None:
         """Pre-create a job's bounded label sets at zero."""
         self.plan_generation.labels(training_job=job)
+        self.plan_acked_generation.labels(training_job=job)
         self.expected_throughput_ratio.labels(training_job=job)
         self.suspended_pins.labels(training_job=job)
         for cause in CAUSES:
             self.reconfigurations.labels(training_job=job, cause=cause)
+        for kind in RANK_FAILURE_KINDS:
+            self.rank_failures.labels(training_job=job, kind=kind)
         for r in range(replicas):
             self.replica_tp_degree.labels(training_job=job, replica=str(r))
 
     def job_gone(self, job: str, replicas: int) -> None:
-        for gauge in (self.plan_generation, self.expected_throughput_ratio, self.suspended_pins):
+        for gauge in (self.plan_generation, self.plan_acked_generation, self.expected_throughput_ratio,
+                      self.suspended_pins):
             _remove(gauge, job)
         for cause in CAUSES:
             _remove(self.reconfigurations, job, cause)
+        for kind in RANK_FAILURE_KINDS:
+            _remove(self.rank_failures, job, kind)
         for r in range(replicas):
             _remove(self.replica_tp_degree, job, str(r))
 
+    def rack_observed(self, rack: str, healthy_gpus: int, domain_size: int) -> None:
+        self.rack_healthy_gpus.labels(rack=rack).set(healthy_gpus)
+        self.rack_domain_size.labels(rack=rack).set(domain_size)
+
     def rack_gone(self, rack: str) -> None:
         _remove(self.rack_healthy_gpus, rack)
+        _remove(self.rack_domain_size, rack)
 
     def plan_observed(
         self, job: str, generation: int, ratio: float, degrees: Iterable[tuple[int, int]],

@@ -111,6 +111,8 @@ class Reconciler:
         self._own_revs: set[int] = set()
         self._power_seen: dict[str, NodePower] = {}  # gauges set when idle
         self._racks_seen: set[str] = set()  # racks whose healthy-GPU gauge is due (when idle)
+        self._acks_due: set[str] = set()  # jobs whose acked-generation gauge is due (when idle)
+        self._plan_ranks: dict[str, tuple[int, int]] = {}  # job -> (plan generation, its ranks)
         self._ranks: dict[str, tuple[PlanResult, int]] = {}  # job -> its last plan's ranks
         self._thread = threading.Thread(target=self._run, name="reconcile", daemon=True)
 
@@ -165,6 +167,8 @@ class Reconciler:
                 self._flush_power_metrics()
             if self._racks_seen and self._inbox.empty():
                 self._flush_rack_metrics()
+            if self._acks_due and self._inbox.empty():
+                self._flush_ack_metrics()
             if self._inbox.empty():
                 self._idle_work()
             if self._freeze_after_pass and not len(self._queue):
@@ -240,10 +244,12 @@ class Reconciler:
         for job, rec in view.plans.items():
             if rec.proto is not None:
                 self.metrics.plan_proto_observed(job, rec.proto)
+        self._acks_due.update(view.plans)
+        self._plan_ranks.clear()
         for node, (power, _) in view.power.items():
             self.metrics.power_observed(node, power.caps)
-        for rack in view.racks:
-            self.metrics.rack_healthy_gpus.labels(rack=rack).set(view.healthy_gpus(rack))
+        for rack, info in view.racks.items():
+            self.metrics.rack_observed(rack, view.healthy_gpus(rack), info.domain_size)
         self.ready.set()
         self._freeze_after_pass = True
         log.info("controller state loaded revision=%d jobs=%d racks=%d", rev, len(view.snap.jobs), len(view.racks))
@@ -322,8 +328,10 @@ class Reconciler:
                 self.metrics.power_observed(name, rec[0].caps)
         elif kind is Kind.JOB_ACK:
             acked.setdefault(name, set()).add(k.number)
+            self._acks_due.add(name)
         elif kind is Kind.JOB_PLAN and name in self.view.plans and self.view.plans[name].proto is not None:
             self.metrics.plan_proto_observed(name, self.view.plans[name].proto)
+            self._acks_due.add(name)
         elif kind is Kind.JOB_SPEC and name in self.view.snap.jobs:
             self.metrics.job_seen(name, len(self.view.snap.jobs[name].replicas))
 
@@ -399,6 +407,7 @@ class Reconciler:
         for kind, key, value, mod_rev in folded:
             for j, cause in self.view.fold(kind, key, value, mod_rev):
                 self._mark(j, cause, at, mod_rev)
+        self._acks_due.add(job)
         log.info("job re-read after conflict job=%s revision=%d keys=%d", job, rev, len(folded))
 
     @gc_paused
@@ -450,11 +459,13 @@ class Reconciler:
         degrees = changed_degrees(p)
         ratio = p.result.expected_throughput_ratio
         self.metrics.plan_observed(p.job, commit.generation, ratio, degrees, len(p.result.suspended_pins))
+        self._acks_due.add(p.job)
         log.info(
             "plan committed job=%s generation=%d cause=%s ratio=%.4f nodes=%d",
             p.job, commit.generation, p.cause, p.result.expected_throughput_ratio, len(power),
         )
         ranks = self._rank_count(p.job, p.result)
+        self._plan_ranks[p.job] = (commit.generation, ranks)
         rollout = Rollout(p.job, commit.generation, event, {n: np.generation for n, np in power.items()}, ranks)
         for phase in self._rollouts.start(rollout, p.detected_at, committed_at):
             if phase is not Phase.DETECTED:
@@ -508,14 +519,31 @@ class Reconciler:
         return count
 
     def _flush_rack_metrics(self) -> None:
-        """The healthy-GPU gauges of the racks whose GPUs or nodes changed (off the
-        decision's path: a rack's count walks its GPUs, 72 in an NVL72)."""
+        """The healthy-GPU and domain-size gauges of the racks whose GPUs or nodes changed
+        (off the decision's path: a rack's count walks its GPUs, 72 in an NVL72)."""
         seen, self._racks_seen = self._racks_seen, set()
         for rack in seen:
-            if rack in self.view.racks:
-                self.metrics.rack_healthy_gpus.labels(rack=rack).set(self.view.healthy_gpus(rack))
+            info = self.view.racks.get(rack)
+            if info is not None:
+                self.metrics.rack_observed(rack, self.view.healthy_gpus(rack), info.domain_size)
             else:  # a deleted rack's series goes with it
                 self.metrics.rack_gone(rack)
+
+    def _flush_ack_metrics(self) -> None:
+        """``tpflex_plan_acked_generation`` of the jobs whose acks or plan changed (every
+        replica folds both, so a standby exports the leader's value): the generation that
+        as many ranks as the current plan runs have acked (ClusterView.acked_generation)."""
+        due, self._acks_due = self._acks_due, set()
+        for job in due:
+            rec = self.view.plans.get(job)
+            if rec is None or job not in self.view.snap.jobs:
+                self._plan_ranks.pop(job, None)
+                continue
+            known = self._plan_ranks.get(job)
+            if known is None or known[0] != rec.generation:
+                known = self._plan_ranks[job] = (rec.generation, _plan_rank_count(rec))
+            acked = self.view.acked_generation(job, known[1], rec.generation)
+            self.metrics.plan_acked_generation.labels(training_job=job).set(acked)
 
     def _flush_power_metrics(self) -> None:
         """The cap gauges of the nodes whose power plans this process wrote (off the
@@ -567,6 +595,7 @@ class Reconciler:
         """A deleted job's per-job state leaves with its plan (a cluster that creates and
         deletes jobs must not keep each one's last plan alive)."""
         self._ranks.pop(job, None)
+        self._plan_ranks.pop(job, None)
         self._conflict_nodes.pop(job, None)
         self._encoder.forget(job)
 
@@ -603,3 +632,10 @@ class Reconciler:
         self._unplannable[job] = reason
         self.metrics.unplannable_jobs.set(len(self._unplannable))
 
+
+def _plan_rank_count(rec) -> int:
+    """The ranks a stored plan runs (its GPUs over every stage of every replica), from the
+    decoded proto where the view has it, else from the decision (``PlanRecord``)."""
+    if rec.result is None and rec.proto is not None:
+        return sum(len(st.gpus) for rep in rec.proto.replicas for st in rep.stages)
+    return rank_count(rec.decision())

@@ -8,7 +8,9 @@ import subprocess
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
-from tpflex_controller.metrics import CAUSES, PHASES, ControllerMetrics
+from tpflex_controller.cache import ClusterView
+from tpflex_controller.metrics import CAUSES, PHASES, RANK_FAILURE_KINDS, ControllerMetrics
+from tpflex_proto import codec, keys, types_pb2
 
 from tests.controller.controller_harness import (
     controller_on_job,
@@ -43,7 +45,71 @@ def test_metrics_follow_a_gpu_failure(etcd_server, etcd):
         # the cap gauges of a commit are set when the loop is next idle (off the decision)
         eventually(lambda: value("tpflex_gpu_power_cap_watts", {"node": "rack1-n01", "gpu": "0"})
                    == boosted[("rack1-n01", 0)])
+        assert value("tpflex_rack_domain_size", {"rack": "rack1"}) == 4.0
+        for kind in RANK_FAILURE_KINDS:  # pre-created at zero: an alert's rate sees a first failure
+            assert value("tpflex_rank_failures_total", {"training_job": "job1", "kind": kind}) == 0.0
     assert value("tpflex_controller_is_leader") == 0.0
+
+
+def _ack(etcd, rank: int, generation: int) -> None:
+    etcd.put(keys.job_ack("job1", rank), codec.encode(types_pb2.Ack(job="job1", rank=rank, generation=generation)))
+
+
+def test_acked_generation_follows_the_acks_of_the_plans_ranks(etcd_server, etcd):
+    """tpflex_plan_acked_generation on a real etcd: 0 before acks, the generation once every
+    rank acked it, and after a failure the new generation once as many ranks as the new
+    plan runs (7: one GPU failed) acked it."""
+    with controller_on_job(etcd_server, etcd) as (_, watcher, ctl):
+        value = ctl.registry.get_sample_value
+        acked = lambda: value("tpflex_plan_acked_generation", {"training_job": "job1"})  # noqa: E731
+        plan = watcher.wait_generation(1)
+        assert sum(len(st.gpus) for rep in plan.replicas for st in rep.stages) == 8
+        eventually(lambda: value("tpflex_plan_generation", {"training_job": "job1"}) == 1.0)
+        assert acked() == 0.0
+        for rank in range(8):
+            _ack(etcd, rank, 1)
+        eventually(lambda: acked() == 1.0)
+        fail_gpu(etcd, "rack1-n00", 2, {1})
+        watcher.wait_generation(2)
+        eventually(lambda: value("tpflex_plan_generation", {"training_job": "job1"}) == 2.0)
+        assert acked() == 1.0  # generation 2 committed, not acked: the alert's condition
+        for rank in (0, 1, 2, 3, 4, 6, 7):  # rank 5 ran on the failed GPU
+            _ack(etcd, rank, 2)
+        eventually(lambda: acked() == 2.0)
+
+
+def _fold_ack(view: ClusterView, rank: int, generation: int | None) -> None:
+    key = keys.job_ack("j", rank)
+    if generation is None:
+        view.fold("delete", key, b"", 0)
+    else:
+        view.fold("put", key, codec.encode(types_pb2.Ack(job="j", rank=rank, generation=generation)), 0)
+
+
+def test_acked_generation_counts_ranks_by_their_latest_ack():
+    """ClusterView.acked_generation: the highest generation that ``ranks`` ranks have
+    reached (each rank's latest ack), never above the plan's; 0 while too few acked."""
+    view = ClusterView()
+    assert view.acked_generation("j", 3, 1) == 0
+    assert view.acked_generation("j", 0, 4) == 4  # a plan without ranks has nothing to wait for
+    for rank in range(3):
+        _fold_ack(view, rank, 1)
+    assert view.acked_generation("j", 4, 1) == 0  # 3 of 4 ranks
+    assert view.acked_generation("j", 3, 1) == 1
+    _fold_ack(view, 0, 2)
+    _fold_ack(view, 1, 2)
+    assert view.acked_generation("j", 3, 2) == 1  # rank 2 still runs generation 1
+    assert view.acked_generation("j", 2, 2) == 2
+    _fold_ack(view, 2, 3)  # a rank that skipped generation 2
+    assert view.acked_generation("j", 3, 3) == 2
+    assert view.acked_generation("j", 3, 2) == 2
+    assert view.acked_generation("j", 1, 2) == 2  # never above the current plan's generation
+    _fold_ack(view, 2, 3)  # the same ack again counts once
+    assert view.acked_generation("j", 3, 3) == 2
+    _fold_ack(view, 0, None)  # a deleted ack counts no more
+    assert view.acked_generation("j", 3, 3) == 0
+    assert view.acked_generation("j", 2, 3) == 2
+    assert view.acked_generation("other", 1, 1) == 0
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
