@@ -9,10 +9,17 @@ import re
 import pytest
 
 from tests.deploy.promql import analyse, problems
-from tests.deploy.tools import DEPLOY, metric_catalog, require_tool, run_tool
+from tests.deploy.tools import (
+    DEPLOY,
+    dashboard_panel_exprs,
+    dashboard_panels,
+    dashboard_variable_exprs,
+    metric_catalog,
+    require_tool,
+    run_tool,
+)
 
 DASHBOARD = DEPLOY / "grafana" / "tpflex-dashboard.json"
-LABEL_VALUES = re.compile(r"^label_values\((.+),\s*(\w+)\)$")
 # Grafana's built-in interval variables, replaced by a duration so promtool can parse.
 GRAFANA_INTERVALS = re.compile(r"\$(?:__rate_interval|__interval|__range)\b")
 
@@ -22,32 +29,16 @@ def _dashboard() -> dict:
 
 
 def _panels(dash: dict) -> list[dict]:
-    flat = []
-    for panel in dash["panels"]:
-        flat.append(panel)
-        flat.extend(panel.get("panels", []))
-    return flat
+    return dashboard_panels(dash)
 
 
 def _panel_exprs(dash: dict) -> list[str]:
-    return [t["expr"] for p in _panels(dash) for t in p.get("targets", [])]
-
-
-def _variable_exprs(dash: dict) -> list[str]:
-    exprs = []
-    for var in dash["templating"]["list"]:
-        if var["type"] != "query":
-            continue
-        query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
-        match = LABEL_VALUES.match(query)
-        assert match, f"variable {var['name']}: unsupported query {query!r}"
-        exprs.append(f"max by ({match.group(2)}) ({match.group(1)})")
-    return exprs
+    return dashboard_panel_exprs(dash)
 
 
 def _all_exprs() -> list[str]:
     dash = _dashboard()
-    return _panel_exprs(dash) + _variable_exprs(dash)
+    return _panel_exprs(dash) + dashboard_variable_exprs(dash)
 
 
 def test_dashboard_is_json_with_a_stable_uid_and_a_datasource_variable():
@@ -68,7 +59,31 @@ def test_dashboard_shows_goodput_tp_degree_power_caps_and_reconfiguration_latenc
         "tpflex_replica_tp_degree",
         "tpflex_gpu_power_cap_watts",
         "tpflex_reconfiguration_seconds_bucket",
+        "tpflex_job_goodput_ratio",  # measured, next to the planned ratio
+        "tpflex_rank_failures_total",
+        "tpflex_plan_acked_generation",
+        "tpflex_rack_domain_size",
     } <= used
+
+
+def test_no_query_turns_a_missing_series_into_zero():
+    """``or vector(0)`` made "Degraded racks" and "Plans not acked" read 0 while the series
+    they compare were not exported at all: a missing series must show as no data."""
+    for expr in _all_exprs():
+        assert not re.search(r"\bor\s+vector\s*\(", expr), expr
+        assert "absent" not in expr, expr
+
+
+def test_the_goodput_panel_and_stats_show_measured_next_to_planned():
+    by_title = {p["title"]: p for p in _panels(_dashboard())}
+    stats = {t: analyse(p["targets"][0]["expr"]).metrics for t, p in by_title.items() if p["type"] == "stat"}
+    assert stats["Measured goodput"] == {"tpflex_job_goodput_ratio"}
+    assert stats["Planned throughput"] == {"tpflex_job_expected_throughput_ratio"}
+    assert stats["Rank failures (1 h)"] == {"tpflex_rank_failures_total"}
+    goodput = [p for p in by_title.values() if p["type"] == "timeseries"
+               and {"tpflex_job_goodput_ratio", "tpflex_job_expected_throughput_ratio"}
+               <= set().union(*(analyse(t["expr"]).metrics for t in p["targets"]))]
+    assert len(goodput) == 1
 
 
 def test_panels_do_not_overlap():

@@ -9,6 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.deploy.promql import problems, rule_exprs
 from tests.deploy.tools import DEPLOY, REPO, metric_catalog, require_tool, run_tool
@@ -19,6 +20,8 @@ REQUIRED_ALERTS = {
     "TpflexGpuPowerLimitAboveCap",
     "TpflexPlanNotAcked",
     "TpflexControllerNoLeader",
+    "TpflexJobGoodputLow",
+    "TpflexRankFailuresFrequent",
 }
 
 
@@ -99,18 +102,51 @@ def test_scrape_targets_use_the_ports_of_the_example_configs():
     assert set(re.findall(r'"[\w.-]+:(\d+)"', agent_targets)) == {metrics_port}
 
 
-def test_metrics_marked_as_exported_are_in_the_service_code():
-    """Drift check: a metric the catalog calls exported is named in its exporter's code;
-    "assumed" ones are the requests to the controller listed in docs/deploy.md."""
+def test_every_catalogued_metric_is_named_in_its_exporters_code():
+    """Drift check: every metric the catalog lists is named in its exporter's code; none
+    is "assumed" (used by an alert or panel with nothing exporting it: such an alert can
+    never fire). test_prometheus_live.py checks the running stack exports each one."""
+    code = REPO / "controller" / "tpflex_controller"
     sources = {
-        "controller": REPO / "controller" / "tpflex_controller" / "metrics.py",
-        "agent": REPO / "agent" / "tpflex_agent" / "metrics.py",
+        "controller": [code / "metrics.py", code / "steps.py"],
+        "agent": [REPO / "agent" / "tpflex_agent" / "metrics.py"],
     }
     catalog = tomllib.loads((PROM / "metrics.toml").read_text())["metric"]
     for metric in catalog:
-        assert metric["status"] in {"issue-2", "agent", "assumed"}, metric["name"]
-        if metric["status"] != "assumed":
-            assert f'"{metric["name"]}"' in sources[metric["exported_by"]].read_text(), metric["name"]
+        assert metric["status"] in {"issue-2", "issue-39", "agent"}, metric["name"]
+        text = "".join(p.read_text() for p in sources[metric["exported_by"]])
+        assert f'"{metric["name"]}"' in text, metric["name"]
+
+
+def _alert_cases() -> dict[str, list[list]]:
+    """alerts_test.yml: per alert name, the exp_alerts of each of its evaluations."""
+    cases: dict[str, list[list]] = {}
+    for test in yaml.safe_load((PROM / "alerts_test.yml").read_text())["tests"]:
+        for case in test.get("alert_rule_test", []):
+            cases.setdefault(case["alertname"], []).append(case.get("exp_alerts") or [])
+    return cases
+
+
+def test_every_alert_has_a_unit_test_where_it_fires_and_one_where_it_does_not():
+    """Each alert's expression returns data for the condition it names (a case with
+    expected alerts) and none outside it (a case without), as promtool evaluates them
+    (test_alert_unit_tests_pass)."""
+    rules = yaml.safe_load((PROM / "alerts.yml").read_text())["groups"]
+    alerts = [r["alert"] for g in rules for r in g["rules"] if "alert" in r]
+    cases = _alert_cases()
+    for alert in alerts:
+        assert any(cases.get(alert, [])), f"{alert}: no unit test in which it fires"
+        assert any(not c for c in cases.get(alert, [])), f"{alert}: no unit test in which it stays silent"
+    assert set(cases) <= set(alerts), f"unit tests of alerts that do not exist: {set(cases) - set(alerts)}"
+
+
+def test_only_the_no_leader_alert_turns_a_missing_series_into_a_value():
+    """``or vector(0)`` is allowed where absence must fire (no controller scraped at all is
+    no leader), never where it would hide a series nothing exports."""
+    rules = yaml.safe_load((PROM / "alerts.yml").read_text())["groups"]
+    users = [r.get("alert") or r.get("record") for g in rules for r in g["rules"]
+             if re.search(r"\bor\s+vector\s*\(", r["expr"])]
+    assert users == ["TpflexControllerNoLeader"]
 
 
 def test_scrape_config_needs_no_honor_labels_and_the_catalog_has_no_job_label():

@@ -1,17 +1,29 @@
 """A real Prometheus (Debian's package) scrapes a running controller and agent over HTTPS
 with its client certificate, using deploy/prometheus/prometheus.yml with only the targets
-and intervals rewritten; tpflex_ series are then queried through Prometheus' HTTP API."""
+and intervals rewritten; tpflex_ series are then queried through Prometheus' HTTP API.
+
+With a job on the agent's rack (its ranks acking, reporting steps, one GPU drained), every
+metric name that alerts.yml and the Grafana dashboard use is exported, and the shipped
+TpflexPlanNotAcked rule evaluates true while a rank withholds its ack (false once it acks)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
+import yaml
+from tpflex_agent.sim import SimGpuSpec
+from tpflex_controller import synthetic
+from tpflex_proto import codec, controller_pb2, controller_pb2_grpc, keys, types_pb2
+from tpflex_proto.tls import channel_credentials
 
-from tests.deploy.tools import DEPLOY, require_tool
-from tests.security.stack import Proc, Stack, start_stack, wait_until
+from tests.deploy.promql import analyse, rule_exprs
+from tests.deploy.tools import DEPLOY, dashboard_exprs, require_tool
+from tests.security.stack import ADMIN_TOKEN, PASSWORDS, Proc, Stack, start_stack, wait_until
 from tests.support.ports import free_port
 
 PROM = DEPLOY / "prometheus"
@@ -31,6 +43,7 @@ def _stage(dest: Path, certs: Path, stack: Stack) -> Path:
     text = (PROM / "prometheus.yml").read_text()
     text = _rewrite(text, "scrape_interval: 15s", "scrape_interval: 1s")
     text = _rewrite(text, "scrape_timeout: 10s", "scrape_timeout: 1s")
+    text = _rewrite(text, "evaluation_interval: 30s", "evaluation_interval: 1s")
     text = _rewrite(text, '["ctl1.example.org:8470", "ctl2.example.org:8470"]', f'["127.0.0.1:{stack.rest_port}"]')
     text = _rewrite(text, '["10.0.0.11:2379", "10.0.0.12:2379", "10.0.0.13:2379"]', f'["{stack.etcd.endpoint}"]')
     (dest / "prometheus.yml").write_text(text)
@@ -87,3 +100,93 @@ def test_prometheus_scrapes_controller_and_agent_over_https(live):
     up = wait_until(lambda: _query(url, 'up{job=~"tpflex-.*|etcd"} == 1', proc), 30, "every target up")
     wait_until(lambda: len(_query(url, 'up{job=~"tpflex-.*|etcd"} == 1', proc)) == 3, 30,
                f"3 targets up, have {up}")
+
+
+JOB = "job-live"
+
+
+def _alert_expr(name: str) -> str:
+    """The expression of alert ``name`` in the shipped alerts.yml."""
+    text = (PROM / "alerts.yml").read_text()
+    names = re.findall(r"^\s*- alert: (\w+)", text, re.M)
+    exprs = rule_exprs(text)
+    assert len(names) == len(exprs) and name in names
+    return exprs[names.index(name)]
+
+
+def _used_metric_names() -> list[str]:
+    """Every metric name in the rule files of deploy/prometheus/ (alerts and recording
+    rules) and in the queries (panels and variables) of the dashboards in deploy/grafana/."""
+    exprs = []
+    for path in sorted(PROM.glob("*.yml")):
+        if "groups" in (yaml.safe_load(path.read_text()) or {}):
+            exprs += rule_exprs(path.read_text())
+    assert exprs and dashboard_exprs()
+    return sorted(set().union(*(analyse(e).metrics for e in exprs + dashboard_exprs())))
+
+
+def _pending(url: str, alert: str, job: str) -> bool:
+    r = httpx.get(f"{url}/api/v1/alerts", timeout=2)
+    return any(a["labels"].get("alertname") == alert and a["labels"].get("training_job") == job
+               and a["state"] in ("pending", "firing") for a in r.json()["data"]["alerts"])
+
+
+def test_every_metric_the_alerts_and_dashboard_use_is_exported_and_a_withheld_ack_fires(live):
+    url, stack, proc = live
+    # the sim GPUs' limits (the agent's own series, as Prometheus scraped them)
+    max_w = wait_until(lambda: _query(url, "max(tpflex_gpu_power_max_limit_watts)", proc), 30,
+                       "the agent's max power limit")
+    tdp, low, high = SimGpuSpec().tdp_w, SimGpuSpec().min_limit_w, float(max_w[0]["value"][1])
+    etcd = stack.etcd.client(cert="controller", user="tpflex-controller", password=PASSWORDS["tpflex-controller"])
+    try:
+        rack = types_pb2.Rack(name="rack-sec", domain_size=2, power_budget_w=2 * high, gpu_tdp_w=tdp,
+                              gpu_min_w=low, gpu_max_w=high, nodes=[stack.agent_node], gpus_per_node=2)
+        etcd.put(keys.rack("rack-sec"), codec.encode(rack))
+        etcd.put(keys.job_spec(JOB), codec.encode(synthetic.job(JOB, ["rack-sec"], 2)))
+    finally:
+        etcd.close()
+    not_acked = _alert_expr("TpflexPlanNotAcked")
+    firing = lambda: _query(url, not_acked, proc)  # noqa: E731
+    channel = grpc.secure_channel(f"localhost:{stack.trainer_port}",
+                                  channel_credentials(str(stack.certs / "ca.pem")))
+    try:
+        trainer = controller_pb2_grpc.TrainerStub(channel)
+        wait_until(lambda: _query(url, f'tpflex_plan_generation{{training_job="{JOB}"}} == 1', proc), 30,
+                   "generation 1 of the job in Prometheus")
+        # rank 0 acks generation 1, rank 1 withholds its ack: the alert's expression has data
+        trainer.AckPlan(types_pb2.Ack(job=JOB, rank=0, generation=1), timeout=5)
+        for step in (1, 2, 3):  # two steps at the base degree: a measured goodput ratio
+            trainer.ReportStep(controller_pb2.StepReport(
+                job=JOB, rank=0, replica=0, step=step, generation=1, step_seconds=0.01, samples=8,
+                tp_degree=2, base_tp=2), timeout=5)
+        result = wait_until(firing, 30, f"{not_acked!r} returning data while rank 1 withholds its ack")
+        assert [(r["metric"]["training_job"], r["value"][1]) for r in result] == [(JOB, "1")]
+        acked = _query(url, f'tpflex_plan_acked_generation{{training_job="{JOB}"}}', proc)
+        assert [r["value"][1] for r in acked] == ["0"]
+        # the shipped rule, loaded by Prometheus from alerts.yml, evaluates true (pending: for 5m)
+        wait_until(lambda: _pending(url, "TpflexPlanNotAcked", JOB), 30, "TpflexPlanNotAcked pending")
+        # a drained GPU: generation 2 boosts the other one (a power plan: cap series)
+        with stack.http() as http:
+            r = http.post(f"/v1/nodes/{stack.agent_node}/gpus/1/drain", json={"reason": "live metrics"},
+                          headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+            assert r.status_code == 202, r.text
+        wait_until(lambda: _query(url, f'tpflex_plan_generation{{training_job="{JOB}"}} == 2', proc), 30,
+                   "generation 2 of the job in Prometheus")
+        used = _used_metric_names()
+        print(f"\nmetric names used by deploy/prometheus/*.yml and deploy/grafana/*.json ({len(used)}):")
+        print("\n".join(f"  {name}" for name in used))
+        pattern = "|".join(used)
+
+        def missing() -> list[str]:
+            found = _query(url, f'count by (__name__) ({{__name__=~"{pattern}"}})', proc)
+            return sorted(set(used) - {r["metric"]["__name__"] for r in found})
+        wait_until(lambda: not missing(), 30, "every used metric name in Prometheus",
+                   fail=lambda: AssertionError(f"not exported by the live stack: {missing()}"))
+        print(f"every one exported by the live stack: {', '.join(used)}")
+        # the one rank of generation 2 acks it: the expression is empty again
+        trainer.AckPlan(types_pb2.Ack(job=JOB, rank=0, generation=2), timeout=5)
+        wait_until(lambda: _query(url, f'tpflex_plan_acked_generation{{training_job="{JOB}"}} == 2', proc), 30,
+                   "acked generation 2 in Prometheus")
+        assert firing() == []
+    finally:
+        channel.close()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -65,3 +67,42 @@ def stage_etc_tpflex(dest: Path, certs: Path) -> Path:
         text = (DEPLOY / "config" / name).read_text()
         (dest / name).write_text(text.replace("/etc/tpflex/", f"{dest}/"))
     return dest
+
+
+GRAFANA = DEPLOY / "grafana"
+_LABEL_VALUES = re.compile(r"^label_values\((.+),\s*(\w+)\)$")
+
+
+def dashboard_panels(dash: dict) -> list[dict]:
+    """A dashboard's panels, those inside rows included."""
+    flat = []
+    for panel in dash["panels"]:
+        flat.append(panel)
+        flat.extend(panel.get("panels", []))
+    return flat
+
+
+def dashboard_panel_exprs(dash: dict) -> list[str]:
+    return [t["expr"] for p in dashboard_panels(dash) for t in p.get("targets", [])]
+
+
+def dashboard_variable_exprs(dash: dict) -> list[str]:
+    """Each query variable's ``label_values(expr, label)`` as ``max by (label) (expr)``."""
+    exprs = []
+    for var in dash["templating"]["list"]:
+        if var["type"] != "query":
+            continue
+        query = var["query"]["query"] if isinstance(var["query"], dict) else var["query"]
+        match = _LABEL_VALUES.match(query)
+        assert match, f"variable {var['name']}: unsupported query {query!r}"
+        exprs.append(f"max by ({match.group(2)}) ({match.group(1)})")
+    return exprs
+
+
+def dashboard_exprs() -> list[str]:
+    """Every PromQL query of every dashboard in deploy/grafana/ (panels, then variables)."""
+    out = []
+    for path in sorted(GRAFANA.glob("*.json")):
+        dash = json.loads(path.read_text())
+        out += dashboard_panel_exprs(dash) + dashboard_variable_exprs(dash)
+    return out
