@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -40,6 +41,17 @@ def test_the_batch_script_is_valid_bash_with_one_task_per_node():
     assert subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True).returncode == 0
     d = _directives()
     assert d["ntasks-per-node"] == "1" and "nodes" in d and d["signal"].startswith("TERM@")
+    # a failed node must not end the job (Slurm's default): tpflex re-plans around it
+    assert "no-kill" in d and d["no-kill"] == ""
+
+
+def test_checkpoints_default_to_a_directory_a_resubmitted_job_finds():
+    """The default checkpoint directory is named after the job, not its id (a new id per
+    submission would start every resubmitted job from scratch), and is on the submit
+    directory's file system (shared by the nodes), not a node's local disk."""
+    default = re.search(r"^CHECKPOINT_DIR=\$\{CHECKPOINT_DIR:-(.+)\}$", SBATCH.read_text(), re.M).group(1)
+    assert default.startswith("$SLURM_SUBMIT_DIR/") and "$SLURM_JOB_NAME" in default
+    assert "SLURM_JOB_ID" not in default
 
 
 def test_the_sbatch_example_starts_one_tpflex_run_per_node(tmp_path, dev_certs):
@@ -48,7 +60,8 @@ def test_the_sbatch_example_starts_one_tpflex_run_per_node(tmp_path, dev_certs):
         d.mkdir(parents=True)
     argv_file = tmp_path / "srun.argv"
     _exe(bin_dir / "scontrol", "#!/bin/sh\nprintf 'gpu-a\\ngpu-b\\n'\n")
-    _exe(bin_dir / "srun", f"#!/bin/sh\nfor a in \"$@\"; do printf '%s\\0' \"$a\"; done > {argv_file}\n")
+    _exe(bin_dir / "srun", f"#!/bin/sh\nfor a in \"$@\"; do printf '%s\\0' \"$a\"; done > {argv_file}\n"
+                           f"env -0 > {tmp_path / 'srun.env'}\n")
     _exe(venv / "python", f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # this venv's interpreter
     (venv / "tpflex-run").symlink_to(Path(sys.executable).parent / "tpflex-run")
     for name in ("ca.pem", "trainer.pem", "trainer-key.pem"):  # tpflex-run checks them at start
@@ -57,6 +70,7 @@ def test_the_sbatch_example_starts_one_tpflex_run_per_node(tmp_path, dev_certs):
         PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NAME="tpflex-train",
         SLURM_JOB_NODELIST="gpu-[a-b]", SLURM_SUBMIT_DIR=str(REPO), SLURM_GPUS_PER_NODE="h100:4",
         TPFLEX_VENV=str(venv.parent), TLS_DIR=str(tls), JOB_DIR=str(tmp_path / "job"),
+        CHECKPOINT_DIR=str(tmp_path / "checkpoints" / "tpflex-train"),
         TPFLEX_CONTROLLER="127.0.0.1:1", TRAIN_SCRIPT=CHILD[1], UNITS="heads=8,ffn=8", LOCAL_BATCH="4")
     batch = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60)
     assert batch.returncode == 0, batch.stderr
@@ -68,7 +82,13 @@ def test_the_sbatch_example_starts_one_tpflex_run_per_node(tmp_path, dev_certs):
 
     argv = argv_file.read_bytes().split(b"\0")[:-1]
     argv = [a.decode() for a in argv]
-    assert "--ntasks-per-node=1" in argv and "--kill-on-bad-exit=0" in argv
+    assert "--ntasks-per-node=1" in argv and "--kill-on-bad-exit=0" in argv and "--no-kill" in argv
+    # checkpoints on, for every rank (the variables the trainer hooks' settings read), in a
+    # directory the script made
+    srun_env = dict(x.split("=", 1) for x in (tmp_path / "srun.env").read_text().split("\0") if "=" in x)
+    assert srun_env["TPFLEX_CHECKPOINT_DIR"] == str(tmp_path / "checkpoints" / "tpflex-train")
+    assert int(srun_env["TPFLEX_CHECKPOINT_EVERY"]) > 0
+    assert (tmp_path / "checkpoints" / "tpflex-train").is_dir()
     launcher = next(i for i, a in enumerate(argv) if a.endswith("/tpflex-run"))
     own, command = cli._split(argv[launcher + 1:])
     cli._parser().parse_args(own)  # arguments tpflex-run accepts
