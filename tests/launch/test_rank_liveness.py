@@ -139,15 +139,19 @@ def test_a_killed_rank_is_restarted_and_the_job_goes_on_without_a_checkpoint(tmp
                                             betas=DEMO_ADAM.betas, eps=DEMO_ADAM.eps)
     assert max(rel_diff(losses[s], ref_losses[s]) for s in range(STEPS)) < 1e-5
     assert run["step"] == STEPS
-    killed_vs_ref = {k: state_rel_l2(run["state"][k], ref_state[k]) for k in ("param", "exp_avg")}
+    kinds = ("param", "exp_avg", "exp_avg_sq")
+    killed_vs_ref = {k: state_rel_l2(run["state"][k], ref_state[k]) for k in kinds}
     # and with the same job run uninterrupted (same layout, same reduction order): the
     # recovery lost nothing, so the final states agree far below the layout's rounding.
     # The soft failure kept the layout: the plan the job ended with places all 8 GPUs
     plan = run["plan"]
     assert plan is not None and sorted(len(g) for g in _plan_gpus(plan)) == [4, 4], plan
     clean = _run_uninterrupted(tmp_path, run["spec"], plan)
-    clean_vs_ref = {k: state_rel_l2(clean[k], ref_state[k]) for k in ("param", "exp_avg")}
-    killed_vs_clean = {k: state_rel_l2(run["state"][k], clean[k]) for k in ("param", "exp_avg", "exp_avg_sq")}
+    clean_vs_ref = {k: state_rel_l2(clean[k], ref_state[k]) for k in kinds}
+    killed_vs_clean = {k: state_rel_l2(run["state"][k], clean[k]) for k in kinds}
     print(f"killed_vs_ref={killed_vs_ref} clean_vs_ref={clean_vs_ref} killed_vs_clean={killed_vs_clean}")
-    assert killed_vs_ref["param"] <= 1e-4 and clean_vs_ref["param"] <= 1e-4
+    # weights and both Adam moments against the reference (a wrong gradient scale leaves the
+    # losses and, through Adam, nearly the weights in tolerance, not the moments); seen:
+    # param 3.7e-06, exp_avg 1.0e-05, exp_avg_sq 7.2e-06 (both runs)
+    assert max(killed_vs_ref.values()) <= 1e-4 and max(clean_vs_ref.values()) <= 1e-4, (killed_vs_ref, clean_vs_ref)
     assert max(killed_vs_clean.values()) <= 1e-6, killed_vs_clean
