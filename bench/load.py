@@ -18,7 +18,11 @@ and the rack budget, contiguous generations): ``invariant_violations``.
 
 Prints one JSON line: ``nodes``, ``decisions_checked``, ``decisions_wrong``,
 ``invariant_violations``, ``failure_to_commit_p99_ms`` (health write of a failed GPU the
-job's plan uses -> the first plan of that job without it, seen by a watcher),
+job's plan uses -> the first plan of that job without it, seen by a watcher; a failure no
+plan reflects within ``--reflect-deadline-s`` is a miss, counted in
+``failures_unreflected`` and in the p99s as the deadline, or as its latency when a plan
+reflected it later; one recovered within the deadline before a plan reflected it counts
+in ``failures_superseded``: ``failure_to_commit``),
 ``rss_after_warmup_mb`` (controller VmRSS after the first minute of injection),
 ``rss_start_mb`` / ``rss_end_mb`` (controller VmRSS after the first plans / at the end; the
 controller process only: the REST API runs in its child process, whose VmRSS is
@@ -46,6 +50,11 @@ judged on) and the controller's log; ``TPFLEX_LOAD_DUMP=<file>`` pickles the che
 judge them again offline; ``TPFLEX_MEMTRACE_FRAMES=N`` (controller/.../memtrace.py) reaches
 the controller and slows it down: an honest way to make it lag (issue 14).
 
+``TPFLEX_BENCH_PLANT=drop-failure`` plants a defect to see the accounting catch it: the
+injector's first failure of a GPU a job uses goes into its ledger but not into etcd (the
+health records it writes leave that GPU healthy, and it is never recovered), as a failure
+lost on its way to the controller; ``failures_unreflected`` counts it.
+
 Default ``--minutes 1`` (the issue's figures: ``--minutes 10``). Loopback only; every
 process it starts is stopped at the end; bounded in count and time.
 """
@@ -63,6 +72,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 from tpflex_controller import convert, synthetic
@@ -89,9 +99,15 @@ def _pct(xs: list[float], q: float) -> float:
 class NodeFleet:
     """Simulated nodes: leases, registrations, health records; failures injected here."""
 
-    def __init__(self, etcd: Etcd, racks: list[types_pb2.Rack]) -> None:
+    def __init__(self, etcd: Etcd, racks: list[types_pb2.Rack], plant: str | None = None,
+                 plant_nodes: frozenset[str] = frozenset()) -> None:
         self.etcd = etcd
         self.node_rack = {n: r.name for r in racks for n in r.nodes}
+        # the planted defect ``drop-failure``: the first failure on one of ``plant_nodes``
+        # is recorded in the ledger (events) but never written to etcd, and never recovered
+        self.plant = plant
+        self._plant_nodes = plant_nodes
+        self.dropped: set[tuple[str, int]] = set()
         self.leases: dict[str, int] = {}
         self.failed: dict[str, set[int]] = {n: set() for n in self.node_rack}
         self.seq = 0
@@ -127,12 +143,15 @@ class NodeFleet:
         keeper, self._keeper = self._keeper, None
         return keeper.stop() if keeper is not None else {}
 
+    def _recoverable(self, node: str) -> bool:
+        return any((node, g) not in self.dropped for g in self.failed[node])
+
     def inject(self, rng: random.Random) -> None:
         """Fail a healthy GPU, or recover a failed one (about half each)."""
-        down = [n for n, f in self.failed.items() if f] if rng.random() < 0.5 else []
+        down = [n for n, f in self.failed.items() if self._recoverable(n)] if rng.random() < 0.5 else []
         if down:
             node = rng.choice(down)
-            gpu = rng.choice(sorted(self.failed[node]))
+            gpu = rng.choice(sorted(g for g in self.failed[node] if (node, g) not in self.dropped))
             self.failed[node].discard(gpu)
             failure = False
         else:
@@ -145,8 +164,12 @@ class NodeFleet:
             failure = True
         if node in self.lost:  # its lease lapsed: no agent writes its health any more
             return
+        if failure and self.plant == "drop-failure" and not self.dropped and node in self._plant_nodes:
+            self.dropped.add((node, gpu))
+            print(f"# planted drop-failure: {node} GPU {gpu} failed in the ledger, not in etcd", file=sys.stderr)
         self.seq += 1
-        health = synthetic.failed_health(node, GPUS_PER_NODE, self.failed[node], self.seq)
+        written = {g for g in self.failed[node] if (node, g) not in self.dropped}
+        health = synthetic.failed_health(node, GPUS_PER_NODE, written, self.seq)
         t = time.monotonic()
         try:
             rev = self.etcd.put(keys.health(node), codec.encode(health), lease=self.leases[node])
@@ -236,6 +259,20 @@ def _seed(etcd: Etcd, nodes: int) -> tuple[list[types_pb2.Rack], dict[str, types
         etcd.put(keys.job_spec(spec.name), codec.encode(spec))
         jobs[spec.name] = spec
     return racks, jobs
+
+
+PLANTS = ("drop-failure",)
+
+
+def planted(env: dict | None = None) -> str | None:
+    """The defect ``TPFLEX_BENCH_PLANT`` asks this bench to plant (None: none); an unknown
+    one is an error, not a silent no-op."""
+    value = (os.environ if env is None else env).get("TPFLEX_BENCH_PLANT", "")
+    if not value:
+        return None
+    if value not in PLANTS:
+        raise ValueError(f"TPFLEX_BENCH_PLANT={value!r}: load.py plants one of {', '.join(PLANTS)}")
+    return value
 
 
 def _default_rest_nice() -> int:
@@ -381,27 +418,74 @@ def _uses(plan: types_pb2.Plan, node: str, gpu: int) -> bool:
     return any(g.node == node and g.index == gpu for rep in plan.replicas for st in rep.stages for g in st.gpus)
 
 
-def _failure_to_commit_ms(log: PlanLog, fleet: NodeFleet, checker: DecisionChecker,
-                          windows: list[tuple[float, float]] | None = None, inside: bool = True) -> list[float]:
-    """Per failure of a GPU the job's current plan uses: ms from the health write until the
-    first plan of that job without the GPU (the first plan that reflects the failure); only
-    failures written inside one of (or outside all of) ``windows`` (monotonic start, end)
-    when given."""
-    out = []
-    for rev, t, node, _, failure, gpu in fleet.events:
+class Reflection(NamedTuple):
+    """Failure -> commit over a set of failures (``failure_to_commit``)."""
+
+    samples_ms: list[float]  # one per failure judged; a miss counts as the deadline (or later)
+    unreflected: int  # misses: failures no plan reflected within the deadline
+    superseded: int  # recovered within the deadline before a plan reflected them
+
+
+def failure_to_commit(events, plans: dict[str, list], job_racks: dict[str, set[str]],
+                      node_rack: dict[str, str], deadline_s: float,
+                      windows: list[tuple[float, float]] | None = None, inside: bool = True) -> Reflection:
+    """Per failure of a GPU the job's current plan uses (``events``: the injector's ledger,
+    (revision, monotonic time, node, failed set after, is failure, GPU); ``plans``: job ->
+    (commit revision, arrival time, plan) in commit order): ms from the health write until
+    the first plan of that job without the GPU, the first that reflects the failure, up to
+    the GPU's next failure. A failure no plan reflects within ``deadline_s`` is a miss: it
+    counts in ``unreflected`` and as a sample of its latency if a plan reflected it later,
+    else of the deadline, so a failure never reflected raises the p99 instead of vanishing
+    from it (whether or not the watch lasted until its deadline: the bench watches until
+    the controller settles). One recovered within the deadline before any plan reflected it
+    (the controller may decide on the state after both) counts in ``superseded`` only.
+    Only failures written inside one of (or outside all of) ``windows`` (monotonic start,
+    end) when given."""
+    if not deadline_s > 0:
+        raise ValueError(f"deadline_s must be > 0, got {deadline_s!r}")
+    samples: list[float] = []
+    unreflected = superseded = 0
+    later: dict[str, list] = {}  # node -> its events, in order
+    for e in events:
+        later.setdefault(e[2], []).append(e)
+    seen: dict[str, int] = {}
+    for rev, t, node, _, failure, gpu in events:
+        k = seen[node] = seen.get(node, -1) + 1  # this event's place in its node's list
         if not failure or (windows is not None and any(a <= t <= b for a, b in windows) != inside):
             continue
-        for j, rs in checker.job_racks.items():
-            if fleet.node_rack[node] not in rs:
+        # the GPU's recovery and its next failure, from the ledger
+        recovered_at, refailed_rev = None, None
+        for e in later[node][k + 1:]:
+            if recovered_at is None and gpu not in e[3]:
+                recovered_at = e[1]
+            elif recovered_at is not None and gpu in e[3]:
+                refailed_rev = e[0]
+                break
+        for j, rs in job_racks.items():
+            if node_rack[node] not in rs:
                 continue
-            plans = log.plans.get(j, [])
-            current = next((p for r, _, p in reversed(plans) if r < rev), None)
+            job_plans = plans.get(j, [])
+            current = next((p for r, _, p in reversed(job_plans) if r < rev), None)
             if current is None or not _uses(current, node, gpu):
                 continue  # nothing to decide: the plan does not use the GPU
-            nxt = next((arr for r, arr, p in plans if r > rev and not _uses(p, node, gpu)), None)
-            if nxt is not None:
-                out.append((nxt - t) * 1000)
-    return out
+            nxt = next((arr for r, arr, p in job_plans
+                        if r > rev and (refailed_rev is None or r < refailed_rev) and not _uses(p, node, gpu)), None)
+            ms = (nxt - t) * 1000 if nxt is not None else None
+            if ms is not None and ms <= deadline_s * 1000:
+                samples.append(ms)
+            elif recovered_at is not None and recovered_at - t <= deadline_s:
+                superseded += 1
+            else:
+                unreflected += 1
+                samples.append(max(ms or 0.0, deadline_s * 1000))
+    return Reflection(samples, unreflected, superseded)
+
+
+def _failure_to_commit_ms(log: PlanLog, fleet: NodeFleet, checker: DecisionChecker, deadline_s: float,
+                          windows: list[tuple[float, float]] | None = None, inside: bool = True) -> Reflection:
+    """``failure_to_commit`` over the run's ledger and the plans the watcher saw."""
+    return failure_to_commit(fleet.events, log.plans, checker.job_racks, fleet.node_rack, deadline_s,
+                             windows, inside)
 
 
 def rest_windows(on: list, off_s: float) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
@@ -501,7 +585,8 @@ def _run(args, workdir: Path) -> dict:
     fleet = None
     try:
         racks, jobs = _seed(etcd, args.nodes)
-        fleet = NodeFleet(etcd, racks)
+        job_racks = {st.rack for spec in jobs.values() for rep in spec.replicas for st in rep.stages}
+        fleet = NodeFleet(etcd, racks, args.plant, frozenset(n for r in racks if r.name in job_racks for n in r.nodes))
         fleet.register()
         fleet.start_keepalive(cluster.endpoints)
         nodelog = NodeLog(etcd, fleet.lost)
@@ -593,7 +678,9 @@ def _run(args, workdir: Path) -> dict:
         for v in violations[:10]:
             print(f"# invariant violated: {v}", file=sys.stderr)
         checks_s = time.monotonic() - checks_at  # the offline checks (one CPU-bound thread here)
-        f2c = _failure_to_commit_ms(log, fleet, checker)
+        deadline = args.reflect_deadline_s
+        reflection = _failure_to_commit_ms(log, fleet, checker, deadline)
+        f2c = reflection.samples_ms
         window = (rest["start"], rest["end"]) if "end" in rest else None
         saturated = (rest["saturated_start"], rest["saturated_end"]) if "saturated_end" in rest else None
         loaded = [w for w in (window, saturated) if w is not None]
@@ -601,10 +688,11 @@ def _run(args, workdir: Path) -> dict:
         # them, interleaved over one stretch, so that both sides see the same drift of this
         # machine (a run's first and second halves differed by up to 3x in p99 on their own)
         on, off = rest_windows(rest.get("open", {}).get("windows", []), args.rest_on_off[1])
-        f2c_quiet = _failure_to_commit_ms(log, fleet, checker, off, inside=True) if off else []
-        f2c_rest = _failure_to_commit_ms(log, fleet, checker, on, inside=True) if on else []
-        f2c_outside = _failure_to_commit_ms(log, fleet, checker, loaded, inside=False)
-        f2c_saturated = _failure_to_commit_ms(log, fleet, checker, [saturated], inside=True) if saturated else []
+        f2c_quiet = _failure_to_commit_ms(log, fleet, checker, deadline, off, inside=True).samples_ms if off else []
+        f2c_rest = _failure_to_commit_ms(log, fleet, checker, deadline, on, inside=True).samples_ms if on else []
+        f2c_outside = _failure_to_commit_ms(log, fleet, checker, deadline, loaded, inside=False).samples_ms
+        f2c_saturated = (_failure_to_commit_ms(log, fleet, checker, deadline, [saturated], inside=True).samples_ms
+                         if saturated else [])
         paced, closed, healthz = rest.get("open", {}), rest.get("closed", {}), rest.get("healthz", {})
         alive = ctl.poll() is None
         ctl_log = (workdir / "controller.log").read_text(errors="replace")
@@ -626,6 +714,9 @@ def _run(args, workdir: Path) -> dict:
             "minutes": args.minutes, "events_per_minute": args.rate, "events": len(fleet.events),
             "gpus": args.nodes * GPUS_PER_NODE, "racks": len(racks), "jobs": len(jobs),
             "failure_to_commit_p50_ms": _pct(f2c, 0.5),
+            "failure_to_commit_max_ms": round(max(f2c), 2) if f2c else -1.0,
+            "failures_unreflected": reflection.unreflected, "failures_superseded": reflection.superseded,
+            "failures_judged": len(f2c), "reflect_deadline_s": deadline, "planted": fleet.plant,
             "failure_to_commit_p99_ms_without_rest_load": _pct(f2c_quiet, 0.99),
             "failure_to_commit_p99_ms_during_rest_load": _pct(f2c_rest, 0.99),
             "failure_to_commit_p50_ms_without_rest_load": _pct(f2c_quiet, 0.5),
@@ -704,7 +795,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="niceness of the paced REST load's generator (it stands for clients on other"
                    " machines; default 0: it competes for this machine's CPUs like any process)")
     p.add_argument("--seed", type=int, default=8)
+    p.add_argument("--reflect-deadline-s", type=float, default=30.0,
+                   help="a failure no plan reflects within this many seconds is a miss: it counts in"
+                   " failures_unreflected and as this deadline (or its later latency) in the p99s"
+                   " (default %(default)s)")
     args = p.parse_args(argv)
+    if not (0 < args.reflect_deadline_s <= 600):
+        p.error("--reflect-deadline-s: need 0 < seconds <= 600")
+    try:
+        args.plant = planted()
+    except ValueError as exc:
+        p.error(str(exc))
     if args.rest_seconds is None:
         args.rest_seconds = min(360.0, args.minutes * 60 * 0.6)
     if args.rest_on_off is None:  # at least three cycles, at most 20 s each: a slow patch
@@ -730,7 +831,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="tpflex-load-") as d:
         result = _run(args, Path(d))
     print(json.dumps(result))
-    return 0 if result["decisions_wrong"] == 0 and result["invariant_violations"] == 0 else 1
+    ok = result["decisions_wrong"] == 0 and result["invariant_violations"] == 0 and result["failures_unreflected"] == 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
