@@ -188,7 +188,8 @@ def run_scenario(rank: int, world_size: int, sc: Scenario) -> dict:
             grad_norms[step] = rt.last_grad_norm
         step += 1
     overlap = (rt.sync.reduced_in_backward, len(rt.sync.buckets)) if rt.active else None
+    grad_bytes = rt.sync.moved_bytes() if rt.active else None  # the last step's, counted at the send
     states = unit_states(rt) if rt.active else {}
     rt.close()
-    return {"member": tuple(me), "losses": losses, "grad_norms": grad_norms, "reports": reports, "overlap": overlap, "states": states,
-            "step": step}
+    return {"member": tuple(me), "losses": losses, "grad_norms": grad_norms, "reports": reports, "overlap": overlap,
+            "grad_bytes": grad_bytes, "states": states, "step": step}

@@ -73,6 +73,23 @@ def member_bytes(cfg: GPTConfig, degree: int) -> int:
     return sum(unit[f] * n // degree for f, n in counts.items())
 
 
+def grad_bytes_bound(cfg: GPTConfig, degree: int, t_min: int) -> int:
+    """Fewest gradient bytes a replica at ``degree`` moves in its TP group per step when the
+    job's smallest degree is ``t_min``, from the shapes: core rank p reduces partition p
+    (balanced sizes of the family's units over t_min) and can hold at most
+    min(partition, its balanced share) of it; every other unit's gradient goes to its core
+    and back, and the replicated gradients (plus the loss) go to each extra rank once."""
+    counts = {"kv_groups": cfg.n_kv_groups, "ffn": cfg.ffn_hidden // cfg.ffn_block, "vocab": cfg.vocab // cfg.vocab_block}
+    unit = unit_bytes(cfg)
+    total = 0
+    for fam, n in counts.items():
+        sizes = sorted((n // degree + (i < n % degree) for i in range(degree)), reverse=True)
+        parts = sorted((n // t_min + (i < n % t_min) for i in range(t_min)), reverse=True)
+        off_core = n - sum(min(parts[p], sizes[p]) for p in range(t_min))
+        total += 2 * off_core * unit[fam] // 3  # a gradient is one of the payload's 3 tensors
+    return total + (degree - t_min) * (unit["replicated"] // 3 + 4)
+
+
 def wire_bytes(results: dict, report: int, replica: int | None = None) -> int:
     """Bytes the members (of ``replica``, or all) put on the wire in a reshard: measured
     at the send (``ReshardReport.bytes_sent``)."""
@@ -147,6 +164,11 @@ def test_tp4_and_tp3_from_the_start():
         if res["member"][0] == 1:
             reduced_early, buckets = res["overlap"]
             assert buckets > 1 and reduced_early == buckets
+    # the gradient bytes the TP-4 replica's members sent in the last step's pre- and
+    # post-sync moves (counted at the send) are the fewest the shapes allow; the TP-3
+    # replica (t_min) moves none
+    sent = {rep: sum(r["grad_bytes"] for r in results.values() if r["member"][0] == rep) for rep in (0, 1)}
+    assert sent == {0: grad_bytes_bound(CFG, 4, 3), 1: 0}
 
 
 def test_live_transition_4_4_to_4_3_and_back():

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,6 @@ class _Bucket:
     reduce: object = None
     post: object = None
     post_out: torch.Tensor | None = None
-    pre_bytes: int = field(default=0)
 
 
 class GradSync:
@@ -90,7 +89,6 @@ class GradSync:
         for chunk in _split_buckets(sharded, bucket_bytes):
             b = _Bucket(chunk, self._flat_for(chunk))
             b.routes = bucket_routes([s for s, _ in chunk], layout, mine, group_rank, counted, self.device)
-            b.pre_bytes = 4 * sum(b.routes.send_splits)
             self.buckets.append(b)
         self.repl = _Bucket(replicated + partial, self._flat_for(replicated + partial, extra=1))
         start = sum(p.numel() for _, p in replicated)
@@ -106,7 +104,11 @@ class GradSync:
         self.next_reduce = 0
         self.finish_seconds = 0.0  # time the last step spent in finish() (not overlapped)
         self.reduced_in_backward = 0  # buckets of the last step whose all-reduce started in backward
-        self.sent_bytes = 0  # pre-sync bytes this member handed to the TP group, cumulative
+        # bytes this member handed to its TP group's moves, counted at the send (the tensors
+        # given to all_to_all_single): pre-sync and post-sync, cumulative; and both of the last step
+        self.sent_bytes = 0
+        self.post_sent_bytes = 0
+        self.step_sent_bytes = 0
 
     # ------------------------------------------------------------------ construction
     def _flat_for(self, params: list[tuple[ParamSpec, nn.Parameter]], extra: int = 0) -> torch.Tensor:
@@ -140,6 +142,7 @@ class GradSync:
             b.pre = b.reduce = b.post = None
         self.next_pre = self.next_reduce = 0
         self.reduced_in_backward = 0
+        self.step_sent_bytes = 0
 
     def _on_grad(self, param: nn.Parameter) -> None:
         bucket = self.bucket_of[param]
@@ -161,6 +164,7 @@ class GradSync:
         r = b.routes
         send = b.flat.index_select(0, r.send_idx)
         self.sent_bytes += send.numel() * send.element_size()
+        self.step_sent_bytes += send.numel() * send.element_size()
         b.recv = torch.empty(sum(r.recv_splits), dtype=torch.float32, device=self.device)
         b.pre = dist.all_to_all_single(b.recv, send, r.recv_splits, r.send_splits,
                                        group=self.groups.tp_grad, async_op=True)
@@ -249,6 +253,8 @@ class GradSync:
                 for rank, chunk in enumerate(send.split(r.recv_splits)):
                     pieces += [chunk, self.repl.flat] if rank in self.repl_peers else [chunk]
                 send = torch.cat(pieces)
+        self.post_sent_bytes += send.numel() * send.element_size()
+        self.step_sent_bytes += send.numel() * send.element_size()
         b.post_out = torch.empty(sum(recv_splits), dtype=torch.float32, device=self.device)
         b.post = dist.all_to_all_single(b.post_out, send, recv_splits, send_splits,
                                         group=self.groups.tp_grad, async_op=True)
@@ -302,19 +308,11 @@ class GradSync:
         if not sharded_only:
             self.repl.flat[:-1].mul_(factor)
 
-    def pre_sync_bytes(self) -> int:
-        """Bytes this member sends in the pre-sync move per step."""
-        return sum(b.pre_bytes for b in self.buckets)
-
     def moved_bytes(self) -> int:
-        """Bytes this member sends per step in the pre- and post-sync moves together
-        (both directions of the TP-group traffic, replicated gradients included)."""
-        total = 0
-        for b in self.buckets:
-            if self.moves:
-                send, _ = self._post_splits(b)
-                total += 4 * (sum(b.routes.send_splits) + sum(send))
-        return total
+        """Bytes this member sent in the last step's pre- and post-sync moves together
+        (both directions of the TP-group traffic, replicated gradients included), counted
+        at the send: the sizes of the tensors handed to the collectives, not the routes'."""
+        return self.step_sent_bytes
 
     def close(self) -> None:
         for h in self.handles:
