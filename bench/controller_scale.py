@@ -34,7 +34,17 @@ Prints one JSON line:
 - ``failure_to_commit_max_ms`` / ``_max_ms_1pct_failed``: the worst of each phase's
   failures (a p99 of 60 samples is the second worst); in the second phase, the first
   failure after the controller's restart, which finds what the restart left to do.
+- A failure counts as committed only at the first generation whose plan drops its GPU (the
+  watcher folds the plan's parts: ``tpflex_proto.planstore``); ``commits_not_dropping`` /
+  ``_1pct_failed``: generations committed meanwhile that kept it; a failure no generation
+  drops within ``--deadline-s`` is a miss, ``failures_unreflected`` / ``_1pct_failed``,
+  and counts as the deadline in the percentiles (exit status 1).
 Goals (issue 2): p99 failure->commit <= 100 ms, full re-plan <= 50 ms.
+
+``--racks`` / ``--failures`` make a small run. ``TPFLEX_BENCH_PLANT=fail-other-gpu`` plants a
+defect to see the check catch it: the first failure is written for another GPU of the node
+than the one timed, so every generation after it keeps the timed GPU (the controller
+drops the other one).
 """
 
 from __future__ import annotations
@@ -60,7 +70,7 @@ from tpflex_controller.metrics import ControllerMetrics
 from tpflex_controller.planner import plan
 from tpflex_controller.planner.model import ClusterState, GpuStatus
 from tpflex_controller.reconcile import Reconciler
-from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto import codec, keys, planstore, types_pb2
 from tpflex_proto.etcd import Etcd, Op
 
 from tests.support.etcd_server import EtcdCluster
@@ -68,6 +78,7 @@ from tests.support.etcd_server import EtcdCluster
 RACKS, NODES_PER_RACK, GPUS_PER_NODE = 3641, 18, 4
 TP = NODES_PER_RACK * GPUS_PER_NODE
 FAILURES = 60
+PLANTS = ("fail-other-gpu",)
 PUTS = 200
 REPLANS = 9
 JOB = "big"
@@ -79,24 +90,83 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 class _PlanArrivals:
-    def __init__(self, etcd: Etcd) -> None:
+    """Each plan generation of one job as an independent etcd watcher sees it: when its
+    header arrived, and (``expect_drop``) whether it drops the GPU a failure was written
+    for: the header and the parts (one per replica, ``tpflex_proto.planstore``) are folded
+    as they arrive, and each new generation's part holding that GPU's rack is looked at
+    when its header arrives (its parts are in etcd by then: they are written first)."""
+
+    def __init__(self, etcd: Etcd, job: str = JOB) -> None:
         self._cv = threading.Condition()
+        self.job = job
         self.latest = 0
         self.arrived: dict[int, float] = {}
         self.revision = 0  # etcd revision of the latest generation's commit
-        self._watch = etcd.watch_prefix(keys.job_plan(JOB), self._on_events)
+        self._parts = planstore.PartIndex()
+        self._rack_positions: dict[str, set[int]] = {}  # from the parts seen
+        self._query: tuple[str, str, int, int] | None = None  # rack, node, GPU, after generation
+        self._dropped: tuple[int, float] | None = None
+        self.kept = 0  # generations after the query's that still use its GPU
+        self._watch = etcd.watch_prefix(keys.job_prefix(job), self._on_events)
         self._watch.established.wait(10)
 
     def _on_events(self, events) -> None:
         now = time.perf_counter()
         for ev in events:
-            if ev.kind == "put" and ev.key == keys.job_plan(JOB):
-                gen = types_pb2.Plan.FromString(ev.value).generation
-                with self._cv:
-                    self.arrived[gen] = now
-                    self.revision = max(self.revision, ev.mod_revision)
-                    self.latest = max(self.latest, gen)
-                    self._cv.notify_all()
+            pk = planstore.parse_key(ev.key)
+            if pk is None or pk.job != self.job or pk.kind == "history":
+                continue
+            with self._cv:
+                if pk.kind == "part":
+                    if ev.kind == "delete":
+                        self._parts.remove(pk.generation, pk.position)
+                    else:
+                        self._parts.add(pk.generation, pk.position, ev.value)
+                        for rack in _racks_of(planstore.decode_plan(ev.value, ev.key)):
+                            self._rack_positions.setdefault(rack, set()).add(pk.position)
+                    continue
+                if ev.kind != "put":
+                    continue
+                head = planstore.decode_plan(ev.value, ev.key)
+                gen = head.generation
+                self.arrived[gen] = now
+                self.revision = max(self.revision, ev.mod_revision)
+                self.latest = max(self.latest, gen)
+                q = self._query
+                if q is not None and gen > q[3] and self._dropped is None:
+                    if self._uses(head, *q[:3]):
+                        self.kept += 1
+                    else:
+                        self._dropped = (gen, now)
+                self._cv.notify_all()
+
+    def _uses(self, head: types_pb2.Plan, rack: str, node: str, gpu: int) -> bool:
+        """Whether generation ``head`` plans GPU (node, gpu) of ``rack`` (under the lock)."""
+        if not head.split:  # a whole plan in one key
+            return _plan_uses(head, node, gpu)
+        for pos in self._rack_positions.get(rack, ()):
+            best = max((g for g in self._parts.gens.get(pos, ()) if g <= head.generation), default=0)
+            value = self._parts.values.get((best, pos))
+            if value is None:
+                raise RuntimeError(f"generation {head.generation}: replica {pos} missing")
+            if _plan_uses(planstore.decode_plan(value, "part"), node, gpu):
+                return True
+        return False
+
+    def expect_drop(self, rack: str, node: str, gpu: int) -> None:
+        """Before a failure of GPU (node, gpu) of ``rack`` is written: look for the first
+        generation after the latest one that drops it."""
+        with self._cv:
+            self._query, self._dropped, self.kept = (rack, node, gpu, self.latest), None, 0
+
+    def wait_drop(self, timeout: float) -> tuple[int, float] | None:
+        """(generation, arrival) of the first generation since ``expect_drop`` that drops
+        its GPU; None if none arrived within ``timeout`` seconds (a miss). Generations
+        that kept the GPU meanwhile are counted in ``kept``."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._dropped is not None, timeout)
+            got, self._query = self._dropped, None
+            return got
 
     def wait(self, generation: int, timeout: float = 30.0) -> float:
         with self._cv:
@@ -106,6 +176,14 @@ class _PlanArrivals:
 
     def close(self) -> None:
         self._watch.cancel()
+
+
+def _racks_of(plan: types_pb2.Plan) -> set[str]:
+    return {st.rack for rep in plan.replicas for st in rep.stages}
+
+
+def _plan_uses(plan: types_pb2.Plan, node: str, gpu: int) -> bool:
+    return any(g.node == node and g.index == gpu for rep in plan.replicas for st in rep.stages for g in st.gpus)
 
 
 class _TxnSizes:
@@ -134,8 +212,8 @@ class _TxnSizes:
                 self._done.set()
 
 
-def _seed(etcd: Etcd) -> list[types_pb2.Rack]:
-    racks = [synthetic.rack(f"r{i:04d}", NODES_PER_RACK, GPUS_PER_NODE) for i in range(RACKS)]
+def _seed(etcd: Etcd, count: int = RACKS) -> list[types_pb2.Rack]:
+    racks = [synthetic.rack(f"r{i:04d}", NODES_PER_RACK, GPUS_PER_NODE) for i in range(count)]
     synthetic.store_cluster(etcd, racks)
     spec = synthetic.job(JOB, [r.name for r in racks], TP, units={"heads": 144, "ffn": 576, "vocab": 288})
     etcd.put(keys.job_spec(JOB), codec.encode(spec))
@@ -184,24 +262,39 @@ def _full_replan_ms(etcd: Etcd, racks: list[types_pb2.Rack], rng: random.Random)
 
 
 def _failure_to_commit(etcd: Etcd, racks, rng: random.Random, arrivals: _PlanArrivals,
-                       marks: dict[int, dict[str, float]], failed: set[str]) -> list[float]:
-    """FAILURES failures on racks sampled from ``racks``, one at a time; each one's
-    failure->commit in ms (``marks``: its stage times; ``failed``: gets its rack)."""
-    samples = []
-    gen = arrivals.latest
-    for i, r in enumerate(rng.sample(racks, FAILURES)):
+                       marks: dict[int, dict[str, float]], failed: set[str], count: int = FAILURES,
+                       deadline_s: float = 30.0, plant: str | None = None) -> tuple[list[float], int, int]:
+    """``count`` failures on racks sampled from ``racks``, one at a time; each one's
+    failure->commit in ms, up to the first generation whose plan drops the failed GPU (a
+    generation that keeps it, committed for another reason, does not count); a failure no
+    generation drops within ``deadline_s`` is a miss, counted as the deadline. Returns
+    (samples, misses, generations that kept the failed GPU); ``marks``: each timed
+    failure's stage times; ``failed``: gets its rack."""
+    samples, missed, kept = [], 0, 0
+    for i, r in enumerate(rng.sample(racks, count)):
         node = rng.choice(list(r.nodes))
-        health = synthetic.failed_health(node, GPUS_PER_NODE, {rng.randrange(GPUS_PER_NODE)}, seq=i + 1)
-        value = codec.encode(health)
+        index = rng.randrange(GPUS_PER_NODE)
+        # the planted defect: the first failure is written for another GPU of the node
+        written = (index + 1) % GPUS_PER_NODE if plant == "fail-other-gpu" and i == 0 else index
+        if written != index:
+            print(f"# planted fail-other-gpu: {node} GPU {written} written failed, GPU {index} timed",
+                  file=sys.stderr)
+        value = codec.encode(synthetic.failed_health(node, GPUS_PER_NODE, {written}, seq=i + 1))
+        arrivals.expect_drop(r.name, node, index)
         t0 = time.perf_counter()
         etcd.put(keys.health(node), value)
         put_done = time.perf_counter()
-        gen += 1
-        seen = arrivals.wait(gen)
+        got = arrivals.wait_drop(deadline_s)
+        kept += arrivals.kept
+        failed.add(r.name)
+        if got is None:
+            missed += 1
+            samples.append(deadline_s * 1000)
+            continue
+        gen, seen = got
         samples.append((seen - t0) * 1000)
         marks[gen] = {"t0": t0, "put_returned": put_done, "bench_saw_plan": seen}
-        failed.add(r.name)
-    return samples
+    return samples, missed, kept
 
 
 def _print_stages(path: str, marks: dict[int, dict[str, float]]) -> None:
@@ -322,16 +415,28 @@ def main(argv: list[str] | None = None) -> int:
                     help="per-stage timestamps of each failure's path (bench/controller_stages.py)")
     ap.add_argument("--profile", metavar="FILE",
                     help="py-spy the controller process during the failures (raw stacks to FILE)")
+    ap.add_argument("--racks", type=int, default=RACKS,
+                    help="NVL72 racks, one replica each (default %(default)s: 262,152 GPUs)")
+    ap.add_argument("--failures", type=int, default=FAILURES,
+                    help="failures timed in each phase (default %(default)s)")
+    ap.add_argument("--deadline-s", type=float, default=30.0,
+                    help="a failure no generation drops within this many seconds is a miss"
+                    " (failures_unreflected), counted as the deadline (default %(default)s)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     if args.controller:
         return _controller(args.controller.split(","), args.stages)
+    if not (1 <= args.failures <= args.racks <= 20_000 and 0 < args.deadline_s <= 600):
+        ap.error("need 1 <= --failures <= --racks <= 20000 and 0 < --deadline-s <= 600")
+    plant = os.environ.get("TPFLEX_BENCH_PLANT") or None
+    if plant not in (None, *PLANTS):
+        ap.error(f"TPFLEX_BENCH_PLANT={plant!r}: controller_scale.py plants one of {', '.join(PLANTS)}")
     rng = random.Random(7)
     with EtcdCluster(1) as cluster:
         etcd = Etcd(cluster.endpoints, timeout=10.0)
         t0 = time.perf_counter()
-        racks = _seed(etcd)
-        print(f"# seeded {RACKS} racks in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+        racks = _seed(etcd, args.racks)
+        print(f"# seeded {len(racks)} racks in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
         replan_ms, replan_warm_ms, replan_failed = _full_replan_ms(etcd, racks, rng)
         arrivals = _PlanArrivals(etcd)
         seeded_revision = etcd.status().header.revision
@@ -346,7 +451,8 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(1.0)  # py-spy attaches
             marks: dict[int, dict[str, float]] = {}
             failed: set[str] = set()  # the racks failed so far
-            samples = _failure_to_commit(etcd, racks, rng, arrivals, marks, failed)
+            samples, missed, kept = _failure_to_commit(etcd, racks, rng, arrivals, marks, failed,
+                                                       args.failures, args.deadline_s, plant)
             if spy is not None:
                 spy.send_signal(signal.SIGINT)
                 spy.wait(30)
@@ -358,7 +464,11 @@ def main(argv: list[str] | None = None) -> int:
             _settled(arrivals)
             print(f"# {prefailed} GPUs failed, plan committed", file=sys.stderr)
             clean = [r for r in racks if r.name not in touched and r.name not in failed]
-            samples_1pct = _failure_to_commit(etcd, clean, rng, arrivals, {}, failed)
+            if len(clean) < args.failures:
+                raise SystemExit(f"only {len(clean)} racks without a failure left for --failures "
+                                 f"{args.failures}: use more --racks or fewer --failures")
+            samples_1pct, missed_1pct, kept_1pct = _failure_to_commit(etcd, clean, rng, arrivals, {}, failed,
+                                                                      args.failures, args.deadline_s)
             sizes = _TxnSizes(etcd, seeded_revision, arrivals.revision)
         finally:
             _stop_controller(controller)
@@ -369,8 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         _print_stages(args.stages + ".controller", marks)
     p50 = statistics.median(samples)
     print(json.dumps({
-        "racks": RACKS,
-        "gpus": RACKS * TP,
+        "racks": len(racks),
+        "gpus": len(racks) * TP,
         "failure_to_commit_p50_ms": round(p50, 2),
         "failure_to_commit_p99_ms": round(_pct(samples, 0.99), 2),
         "full_replan_ms": round(replan_ms, 2),
@@ -388,8 +498,13 @@ def main(argv: list[str] | None = None) -> int:
         "failure_to_commit_max_ms": round(max(samples), 2),
         "failure_to_commit_max_ms_1pct_failed": round(max(samples_1pct), 2),
         "prefailed_gpus": prefailed,
+        # a failure counts when a generation drops its GPU; generations that kept it are
+        # counted, and a failure none dropped within the deadline is a miss (timed as it)
+        "failures_unreflected": missed, "failures_unreflected_1pct_failed": missed_1pct,
+        "commits_not_dropping": kept, "commits_not_dropping_1pct_failed": kept_1pct,
+        "deadline_s": args.deadline_s, "planted": plant,
     }))
-    return 0
+    return 1 if missed or missed_1pct else 0
 
 
 if __name__ == "__main__":
