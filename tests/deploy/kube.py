@@ -59,7 +59,10 @@ class Objects:
         volumes = {v["name"]: v for v in pod_spec(workload).get("volumes", [])}
         files = set()
         for m in container.get("volumeMounts", []):
-            v = volumes[m["name"]]
+            v = volumes.get(m["name"])
+            if v is None:  # a StatefulSet's volumeClaimTemplate: a volume, not files we know
+                assert m["name"] in {t["metadata"]["name"] for t in workload["spec"].get("volumeClaimTemplates", [])}
+                continue
             sources = v["projected"]["sources"] if "projected" in v else [v]
             for s in sources:
                 if "configMap" in s or "secret" in s:

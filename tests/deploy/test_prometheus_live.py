@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import grpc
@@ -23,7 +25,17 @@ from tpflex_proto.tls import channel_credentials
 
 from tests.deploy.promql import analyse, rule_exprs
 from tests.deploy.tools import DEPLOY, dashboard_exprs, require_tool
-from tests.security.stack import ADMIN_TOKEN, PASSWORDS, Proc, Stack, start_stack, wait_until
+from tests.security.stack import (
+    ADMIN_TOKEN,
+    AGENT_READY,
+    BIN,
+    PASSWORDS,
+    Proc,
+    Stack,
+    agent_toml,
+    start_stack,
+    wait_until,
+)
 from tests.support.ports import free_port
 
 PROM = DEPLOY / "prometheus"
@@ -190,3 +202,39 @@ def test_every_metric_the_alerts_and_dashboard_use_is_exported_and_a_withheld_ac
         assert firing() == []
     finally:
         channel.close()
+
+
+def _probe(stack: Stack, addr: str) -> subprocess.CompletedProcess:
+    """deploy/docker/grpc-health-probe.py as the agent pod's readiness probe runs it
+    (30-agent.yaml), with the agent's certificate."""
+    c = stack.certs
+    return subprocess.run(
+        [sys.executable, str(DEPLOY / "docker" / "grpc-health-probe.py"), f"--addr={addr}",
+         f"--ca={c / 'ca.pem'}", f"--cert={c / 'agent.pem'}", f"--key={c / 'agent-key.pem'}",
+         "--server-name=tpflex-agent", "--service=tpflex.v1.Agent", "--timeout=3"],
+        capture_output=True, text=True, timeout=30)
+
+
+def test_the_agent_pods_readiness_probe_checks_grpc_health_over_mtls(live):
+    """The exec readiness probe of deploy/kubernetes/30-agent.yaml against real agents: an
+    agent that accepts the CN tpflex-agent (as that ConfigMap does) answers SERVING (exit
+    0); one that accepts only the controller refuses it (exit 1, PERMISSION_DENIED); a
+    stopped agent is not ready (exit 1)."""
+    _, stack, _ = live
+    config = stack.base / "agent-probe.toml"
+    text = agent_toml(stack.certs, stack.base / "secrets", stack.etcd.endpoint, "probe-node")
+    config.write_text(text.replace('client_names = ["tpflex-controller"]',
+                                   'client_names = ["tpflex-controller", "tpflex-agent"]', 1))
+    assert "tpflex-agent\"]" in config.read_text()
+    agent = Proc([str(BIN / "tpflex-agent"), "--config", str(config)])
+    try:
+        m = agent.wait_line(AGENT_READY, 30)
+        addr = f"127.0.0.1:{m.group(3)}"
+        ready = _probe(stack, addr)
+        assert ready.returncode == 0 and "SERVING" in ready.stdout, ready.stdout + ready.stderr
+        refused = _probe(stack, f"127.0.0.1:{stack.agent_grpc.rsplit(':', 1)[1]}")
+        assert refused.returncode == 1 and "PERMISSION_DENIED" in refused.stderr, refused.stdout + refused.stderr
+    finally:
+        agent.stop()
+    gone = _probe(stack, addr)
+    assert gone.returncode == 1 and "UNAVAILABLE" in gone.stderr, gone.stdout + gone.stderr
