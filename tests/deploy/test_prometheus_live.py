@@ -4,7 +4,8 @@ and intervals rewritten; tpflex_ series are then queried through Prometheus' HTT
 
 With a job on the agent's rack (its ranks acking, reporting steps, one GPU drained), every
 metric name that alerts.yml and the Grafana dashboard use is exported, and the shipped
-TpflexPlanNotAcked rule evaluates true while a rank withholds its ack (false once it acks)."""
+TpflexPlanNotAcked rule evaluates true while a rank withholds its ack (false once it acks);
+TpflexRackDegradedTooLong's expression returns the rack with the drained GPU."""
 
 from __future__ import annotations
 
@@ -184,6 +185,10 @@ def test_every_metric_the_alerts_and_dashboard_use_is_exported_and_a_withheld_ac
             assert r.status_code == 202, r.text
         wait_until(lambda: _query(url, f'tpflex_plan_generation{{training_job="{JOB}"}} == 2', proc), 30,
                    "generation 2 of the job in Prometheus")
+        # the other alert that could never fire before: the drained GPU degrades rack-sec
+        degraded = _alert_expr("TpflexRackDegradedTooLong")
+        result = wait_until(lambda: _query(url, degraded, proc), 30, f"{degraded!r} returning the drained rack")
+        assert [(r["metric"]["rack"], r["value"][1]) for r in result] == [("rack-sec", "1")]
         used = _used_metric_names()
         print(f"\nmetric names used by deploy/prometheus/*.yml and deploy/grafana/*.json ({len(used)}):")
         print("\n".join(f"  {name}" for name in used))
