@@ -65,13 +65,24 @@ def test_llama_gqa_kill_drain_repair(tmp_path):
     kill = reshards(summary, "recovery 3")
     assert {r["bytes_moved"] for r in kill} == {one_member}  # exactly the lost member's units
     assert all(r["peer_units"] > 0 and r["source"] == "live" for r in kill)
-    assert sum(r["bytes_sent"] for r in kill) == one_member
+    replicated = 12 * sum(t.numel() for n, t in load_file(model / "model.safetensors").items() if t.ndim == 1)
+    # every reshard's bytes on the wire (counted at the send) against what the change made
+    # move, from the config shapes: the lost member's units (kill 0:3), a returning slot's
+    # units plus the replicated parameters (it comes back holding nothing)
+    wanted = {"recovery 3": one_member, "boundary 8": one_member + replicated, "boundary 10": one_member + replicated}
+    sent = {at: {tuple(r["member"][:2]): r["bytes_sent"] for r in reshards(summary, at)}
+            for at in {r["at"] for r in summary["reshards"]} - {"start"}}
+    assert set(sent) == {*wanted, "boundary 6"}
+    assert {at: sum(sent[at].values()) for at in wanted} == wanted
+    # drain 1:2 (a core rank) takes replica 1 to TP 3 = t_min: the drained member sends its
+    # whole share; the extra (slot 3) becomes core rank 2, which holds partition 2 exactly, so
+    # it may pass on its own units, at most its share; nobody else sends anything
+    drain = sent["boundary 6"]
+    assert drain[(1, 2)] == one_member and drain[(1, 3)] <= one_member
+    assert sum(drain.values()) == drain[(1, 2)] + drain[(1, 3)]
     for r in summary["reshards"]:
         assert r["source"] == "live" or r["at"] == "start"
-        assert r["bytes_moved"] == r["lower_bound_bytes"] or r["at"] == "start"
-    back = reshards(summary, "boundary 10")  # the killed slot returns as a fresh process
-    replicated = 12 * sum(t.numel() for n, t in load_file(model / "model.safetensors").items() if t.ndim == 1)
-    assert {r["bytes_moved"] for r in back} == {one_member + replicated}
+        assert r["at"] == "start" or r["bytes_moved"] == sum(sent[r["at"]].values())  # the plan's figure agrees
 
 
 def test_qwen3_tied_tp_above_the_kv_groups(tmp_path):
