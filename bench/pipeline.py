@@ -7,11 +7,16 @@ alternating the two layouts:
   keep their layouts.
 ``healthy_replica_step_ratio`` is replica 0's step time in the degraded job over the
 uniform one. ``activation_bytes_per_step`` counts the bytes every stage root put on the
-wire to another stage in the degraded job (activations forward, their gradients back);
-``activation_bytes_lower_bound`` is computed from the shapes alone: each micro-batch's
-activation [rows, seq, hidden] fp32 must cross each stage boundary once forward and once
-back. ``all_pairs_bytes`` is what sending from every member of a stage to every member
-of the next would cost. Timings on 2 oversubscribed cores are noisy.
+wire to another stage in the degraded job (activations forward, their gradients back),
+counted at the send; ``activation_bytes_lower_bound`` is computed from the shapes alone:
+each micro-batch's activation [rows, seq, hidden] fp32 must cross each stage boundary once
+forward and once back. ``broadcast_bytes_per_step`` counts what each receiving root then
+broadcast inside its own TP group (degree - 1 copies per tensor, counted at the
+broadcast), against ``broadcast_bytes_bound`` from the shapes and degrees.
+``all_pairs_bytes`` is what sending from every member of a stage to every member of the
+next would cost (no broadcasts needed); ``all_pairs_ratio`` compares it with everything
+the stages' transfers cost, broadcasts included. Timings on 2 oversubscribed cores are
+noisy.
 
 Prints one JSON line. Run: PYTHONPATH=. .venv/bin/python bench/pipeline.py
 """
@@ -66,20 +71,22 @@ def _worker(rank: int, world_size: int) -> dict:
     rt.start(MODES["uniform"], world)
     times: dict[str, list[float]] = {m: [] for m in MODES}
     sent = {m: 0 for m in MODES}
+    broadcast = {m: 0 for m in MODES}
     for _ in range(ROUNDS):
         for mode, plan in MODES.items():
             rt.apply_plan(plan, world)
             if not rt.active:
                 continue
             for i in range(WARMUP + MEASURED):
-                before = rt.pipe.sent_bytes
+                before, before_bcast = rt.pipe.sent_bytes, rt.pipe.broadcast_bytes
                 t0 = time.perf_counter()
                 rt.train_step(*_batch(rt, i))
                 if i >= WARMUP:
                     times[mode].append(time.perf_counter() - t0)
                     sent[mode] += rt.pipe.sent_bytes - before
+                    broadcast[mode] += rt.pipe.broadcast_bytes - before_bcast
     rt.close()
-    return {"member": tuple(me), "times": times, "sent": sent}
+    return {"member": tuple(me), "times": times, "sent": sent, "broadcast": broadcast}
 
 
 def _step_s(results: dict, mode: str, replica: int | None = None) -> float:
@@ -92,35 +99,43 @@ def _step_s(results: dict, mode: str, replica: int | None = None) -> float:
     return statistics.median(per_step.values())
 
 
-def _bounds(plan: tuple[ReplicaPlacement, ...]) -> tuple[int, int]:
-    """(lower bound, all-pairs bytes) per step from the shapes: per replica and stage
-    boundary, each of its samples' activations once forward and once back."""
+def _bounds(plan: tuple[ReplicaPlacement, ...]) -> tuple[int, int, int]:
+    """(lower bound, all-pairs bytes, broadcast bytes) per step from the shapes: per
+    replica and stage boundary, each of its samples' activations once forward and once
+    back; all pairs: from each member of one side to each of the other; broadcasts: the
+    activation to the next stage's other members, the gradient to this stage's."""
     row = CFG.seq_len * CFG.hidden * 4
-    lower = pairs = 0
+    lower = pairs = bcast = 0
     for r in {p.replica for p in plan}:
         stages = sorted((p for p in plan if p.replica == r), key=lambda p: p.stage)
         for a, b in zip(stages, stages[1:], strict=False):
             lower += 2 * a.local_batch * row
             pairs += 2 * a.local_batch * row * a.degree * b.degree
-    return lower, pairs
+            bcast += a.local_batch * row * ((b.degree - 1) + (a.degree - 1))
+    return lower, pairs, bcast
 
 
 def main() -> None:
     results = run_workers(_worker, len(MEMBERS), timeout_s=900)
     steps = ROUNDS * MEASURED
-    lower, pairs = _bounds(MODES["degraded"])
+    lower, pairs, bcast_bound = _bounds(MODES["degraded"])
     uniform_healthy = _step_s(results, "uniform", replica=0)
     degraded_healthy = _step_s(results, "degraded", replica=0)
     measured = sum(r["sent"]["degraded"] for r in results.values()) // steps
+    broadcast = sum(r["broadcast"]["degraded"] for r in results.values()) // steps
     print(json.dumps({
         "uniform_step_s": round(_step_s(results, "uniform"), 5),
         "one_stage_degraded_step_s": round(_step_s(results, "degraded"), 5),
         "healthy_replica_step_ratio": round(degraded_healthy / uniform_healthy, 4),
         "activation_bytes_per_step": int(measured),
         "activation_bytes_lower_bound": int(lower),
+        "broadcast_bytes_per_step": int(broadcast),
+        "broadcast_bytes_bound": int(bcast_bound),
         "all_pairs_bytes": int(pairs),
+        "all_pairs_ratio": round(pairs / (measured + broadcast), 4),
         "uniform_activation_bytes_per_step": sum(r["sent"]["uniform"] for r in results.values()) // steps,
         "uniform_activation_bytes_lower_bound": _bounds(MODES["uniform"])[0],
+        "uniform_broadcast_bytes_per_step": sum(r["broadcast"]["uniform"] for r in results.values()) // steps,
         "setup": f"gloo CPU, {len(MEMBERS)} procs, 2 replicas x PP{PP} x TP{T}, GPT {CFG.n_layers} layers "
                  f"hidden {CFG.hidden}, batch {BATCH}/replica in {MICRO} micro-batches; degraded: "
                  "stage 0 of replica 1 at TP1, its batch 4",
