@@ -2,8 +2,9 @@
 step time of one dense process with torch.optim.AdamW, of the job at uniform TP 4+4 and at
 nonuniform TP 4+3 (``tpflex-train``, slot 3 of replica 1 drained before step 1), the
 healthy replica's step-time ratio (nonuniform vs uniform), the gradient bytes its TP group
-moves per step (both directions, measured from the sync's buffers) against a lower bound
-computed here from the unit counts and the config shapes, the safetensors load into the
+moved in the last step (both directions, counted at the send: the tensors each member
+handed to the pre- and post-sync all_to_all, ``GradSync.moved_bytes``) against a lower
+bound computed here from the unit counts and the config shapes, the safetensors load into the
 layout (slices per member) and the export to a HF directory.
 
 On this machine (2 shared cores, 8 processes) compute is time-shared, so the step times

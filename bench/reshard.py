@@ -1,10 +1,13 @@
 """Resharding cost: a GPT-like model's replica goes from TP ``from_tp`` to ``to_tp``
 (planned drain of the last slots; the departing members send their units, survivors keep
-theirs). Bytes moved are measured on the send buffers of every member and compared with
-the lower bound (one copy of each unit a member needs and does not hold). ``reshard_s`` is
-the data movement of the reshard (batched P2P of the units + assembling the new local
-state, slowest rank), ``full_reload_s`` the same for a naive full reload (broadcast of the
-whole model + Adam state to every member, then slicing), measured in the same processes;
+theirs). Bytes moved are counted at the send (the P2P buffers of every member) and compared
+with a bound from the change and the config's shapes: every unit the departing members
+held (read from their state) must leave them, at a unit's payload size computed here from
+``CFG`` (weights and two Adam moments, fp32). ``planned_bytes`` is the reshard plan's own
+figure. ``reshard_s`` is the data movement of the reshard (batched P2P of the units +
+assembling the new local state, slowest rank), ``full_reload_s`` the same for a naive
+full reload (broadcast of the whole model + Adam state to every member, then slicing),
+measured in the same processes;
 ``apply_plan_s`` is the whole reconfiguration (agreement, new process groups, transfer,
 rebuild) with its phases. gloo on CPU, one process per rank, all on this machine's cores.
 
@@ -17,10 +20,11 @@ import json
 import sys
 import time
 
-from tpflex_trainer.ntp.config import GPTConfig
+from tpflex_trainer.ntp.config import REPLICATED, GPTConfig
 from tpflex_trainer.ntp.layout import Member, ReplicaPlacement
 
 from tests.trainer.harness import run_workers
+from tests.trainer.test_parity import unit_bytes
 
 # GPT-like: 72 heads (MHA, head_dim 4), FFN 4x hidden, every family has >= 72 units
 CFG = GPTConfig(n_layers=2, hidden=288, n_heads=72, n_kv_groups=72, ffn_hidden=1152, ffn_block=8,
@@ -66,15 +70,17 @@ def _worker(rank: int, world_size: int, from_tp: int, to_tp: int) -> dict:
     world = {m: i for i, m in enumerate(members)}
     rt = NtpRuntime(CFG, from_tp, members[rank], seed=0)
     rt.start((ReplicaPlacement(0, tuple(range(from_tp))),), world)
-    departing = sum(rt.unit_bytes[f] * len(u) for f, u in rt.layout.member(members[rank]).units.items()) if rank >= to_tp else 0
+    shapes = unit_bytes(CFG)
+    held = {f: len(u) for f, u in rt.state.units.items() if f != REPLICATED}  # survivors hold those
+    departing = sum(shapes[f] * n for f, n in held.items()) if rank >= to_tp else 0
     reload_s = _full_reload(rt)
     dist.barrier()
     report = rt.apply_plan((ReplicaPlacement(0, tuple(range(to_tp))),), world)
     apply_s = _max_over_ranks(report.seconds)
     phases = {k: round(_max_over_ranks(v), 4) for k, v in sorted(report.phases.items())}
     rt.close()
-    return {"sent": report.bytes_sent, "planned": report.bytes_moved, "lower": report.lower_bound_bytes,
-            "departing": departing, "apply_s": apply_s, "phases": phases, "reload_s": reload_s}
+    return {"sent": report.bytes_sent, "planned": report.bytes_moved, "departing": departing,
+            "apply_s": apply_s, "phases": phases, "reload_s": reload_s}
 
 
 def main() -> None:
@@ -87,8 +93,8 @@ def main() -> None:
             "from_tp": from_tp,
             "to_tp": to_tp,
             "bytes_moved": sum(r["sent"] for r in res),
-            "lower_bound_bytes": res[0]["lower"],
-            "departing_units_bytes": sum(r["departing"] for r in res),
+            "lower_bound_bytes": sum(r["departing"] for r in res),
+            "planned_bytes": res[0]["planned"],
             "reshard_s": res[0]["phases"]["transfer_s"],
             "full_reload_s": round(res[0]["reload_s"], 4),
             "apply_plan_s": round(res[0]["apply_s"], 4),
