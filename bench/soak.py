@@ -35,7 +35,8 @@ replica at TP 3 on fewer samples (``local_batch x`` its throughput), whose arith
 the same-layout reference repeats. With ``--reference``, stderr also gives each run
 against the single-process reference on its own per-step batches. Prints one JSON line:
 ``faults_injected``, ``faults_by_kind``, ``lost_steps`` (completed steps that had to be
-run again), ``weights_rel_l2`` (final weights vs the same-layout reference, relative L2
+run again, whatever the round that went back: live, from a checkpoint, or a second ``init``
+round that started the job again from its seed), ``weights_rel_l2`` (final weights vs the same-layout reference, relative L2
 over the whole model: what the faults cost; null when the run cannot be replayed, e.g.
 after a checkpoint restart), ``weights_rel_l2_vs_fixed_layout`` (vs the fixed-layout
 baseline: what the layout changes cost on top), ``max_pause_s`` and ``p50_pause_s`` (per
@@ -124,13 +125,15 @@ def job_done(steps: list[dict]) -> int:
 def lost_steps(records: list[dict]) -> tuple[int, int, int]:
     """(completed steps run again, rounds that loaded a checkpoint, torn steps replayed):
     each round a rank applied after start resumes at step s; steps the job had completed
-    beyond s-1 were lost; a step some ranks had recorded but the job had not completed
-    (torn) and that is run again is a replay, not a loss."""
+    beyond s-1 (the furthest step it completed before the round, whichever round completed
+    it) were lost, whatever the round's source: a live round, a checkpoint, or a second
+    ``init`` round (the job started again from step 0); a step some ranks had recorded but
+    the job had not completed (torn) and that is run again is a replay, not a loss."""
     lost, restarts, torn, seen = 0, 0, 0, set()
     steps = sorted((r for r in records if r["kind"] == "step"), key=lambda r: r["t"])
     for r in sorted((r for r in records if r["kind"] == "applied"), key=lambda r: r["t"]):
         key = (r["generation"], r.get("epoch", 0))
-        if key in seen or r["source"] in ("init", "idle"):
+        if key in seen or r["source"] == "idle":
             continue
         seen.add(key)
         before = [s for s in steps if s["t"] < r["t"]]

@@ -25,8 +25,8 @@ from tpflex_proto import types_pb2
 
 
 class ReplayUnsupported(RuntimeError):
-    """The chaos run did something a replay cannot reproduce (a checkpoint restart, a
-    plan generation the soak did not record)."""
+    """The chaos run did something a replay cannot reproduce or must not vouch for (a
+    checkpoint restart, a plan generation the soak did not record, lost steps)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,7 @@ def rounds_from(records: list[dict], plans: dict[int, types_pb2.Plan], stop: int
             applied.setdefault((r["generation"], r.get("epoch", 0)), []).append(r)
     order = sorted(applied, key=lambda k: min(r.get("at", r["t"]) for r in applied[k]))
     done = _steps_done(records)
+    recorded = sorted((r["t"], r["step"]) for r in records if r["kind"] == "step")
     last: dict[int, tuple[int, int]] = {}  # rank -> (pid, step) of its last applied round
     rounds: list[tuple[int, tuple[int, int], tuple[int, ...]]] = []
     for key in order:
@@ -64,6 +65,11 @@ def rounds_from(records: list[dict], plans: dict[int, types_pb2.Plan], stop: int
         if key[0] not in plans:
             raise ReplayUnsupported(f"plan generation {key[0]} was not recorded")
         step = steps.pop()
+        at = min(r.get("at", r["t"]) for r in recs)
+        furthest = max((st for t, st in recorded if t < at), default=-1)
+        if step < furthest:  # a torn step resumes at the newest step recorded, or after it
+            raise ReplayUnsupported(f"round {key} resumed at step {step}, below step {furthest} that the job had "
+                                    "already run: completed steps were lost (a restart from scratch?)")
         fresh = []
         for r in recs:
             pid, applied_step = last.get(r["rank"], (None, 0))

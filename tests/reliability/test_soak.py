@@ -93,6 +93,19 @@ def test_a_replayed_torn_step_is_not_a_lost_step():
     assert lost_steps([*before, *torn, _round(6, 9.0)]) == (0, 0, 0)  # resumed from the newest copies
 
 
+def test_a_restart_from_scratch_loses_every_completed_step():
+    # a second init round (nobody held state, no checkpoint: the job starts again from its
+    # seed) redoes every step the job had completed, as a live round that goes back does
+    from bench.soak import lost_steps
+
+    first = {**_round(0, 0.5, "init"), "generation": 1, "epoch": 0}
+    done = [_step(r, s, 1 + s + r / 10) for s in range(50) for r in range(4)]
+    assert lost_steps([first, *done]) == (0, 0, 0)
+    assert lost_steps([first, *done, _round(0, 60.0, "init")]) == (50, 0, 0)
+    assert lost_steps([first, *done, _round(20, 60.0)]) == (30, 0, 0)
+    assert lost_steps([first, *done, _round(50, 60.0)]) == (0, 0, 0)
+
+
 def _plan(generation: int, gpus: list[int]):
     from tpflex_proto import types_pb2
 
@@ -125,6 +138,23 @@ def test_the_replay_follows_the_chaos_runs_rounds_with_their_restarted_ranks():
         rounds_from([*records, _applied(0, 100, 3, 3, 0, 5.0, "checkpoint")], plans, 12)
     with pytest.raises(ReplayUnsupported, match="went back"):
         rounds_from(records, plans, 9)
+
+
+def test_the_replay_refuses_a_round_that_went_back_to_step_0():
+    # replaying such a run repeats the restart and matches it (0.0): the replay must not vouch
+    from bench.soak_replay import ReplayUnsupported, rounds_from
+
+    plans = {1: _plan(1, [0, 1, 2, 3])}
+    first = [_applied(r, 100 + r, 1, 0, 0, 1.0, "init") for r in range(4)]
+    steps = [{"kind": "step", "rank": r, "pid": 100 + r, "step": s, "t": 7.0 + s / 100 + r / 1000}
+             for s in range(50) for r in range(4)]
+    assert [(r.step, r.end) for r in rounds_from([*first, *steps], plans, 50)] == [(0, 50)]
+    again = [_applied(r, 200 + r, 1, 1, 0, 9.0, "init") for r in range(4)]
+    with pytest.raises(ReplayUnsupported, match="at step 0, below step 49"):
+        rounds_from([*first, *steps, *again], plans, 50)
+    back = [_applied(r, 100 + r, 1, 1, 30, 9.0) for r in range(4)]  # a live round going back too
+    with pytest.raises(ReplayUnsupported, match="at step 30, below step 49"):
+        rounds_from([*first, *steps, *back], plans, 50)
 
 
 def test_the_replay_starts_a_member_left_behind_by_a_torn_step_without_state():
