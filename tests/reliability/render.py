@@ -49,7 +49,8 @@ def _load_row(path: Path) -> dict | None:
                    "passed through since the job's previous plan; final plans equal the planner's on "
                    "the final state; every plan keeps the invariants of bench/load_oracle.py (no failed "
                    "GPU, degree = usable GPUs, caps within the GPU's limits and the rack budget, "
-                   "contiguous generations)",
+                   "contiguous generations); every failure of a GPU a plan uses reflected by a plan "
+                   "within the deadline (else failures_unreflected, timed as the deadline)",
         "figures": figs,
     }
 
@@ -62,8 +63,9 @@ def _abuse_row(path: Path) -> dict | None:
         "scenario": "abuse", "measured_at": "",
         "injected": f"{figs['requests']} hostile requests (REST, Trainer gRPC, agent gRPC; 8 clients) "
                     "while a synthetic 8-rank job runs and a GPU is failed and repaired over and over",
-        "checked": "no 5xx / INTERNAL / UNKNOWN, no dead process; the invariant oracle every 2 s "
-                   "and at the end (bench/abuse.py)",
+        "checked": "no 5xx / INTERNAL / UNKNOWN, no transport error (refused, reset, timed out, "
+                   "UNAVAILABLE), no REST child restart, no dead process; the invariant oracle every "
+                   "2 s and at the end (bench/abuse.py)",
         "figures": figs,
     }
 
