@@ -32,8 +32,18 @@ baseline** (the same job through a fresh control plane, never re-planned; ``--ba
 replay``: its arithmetic, one replay round of every step in the job's first plan). A rank death, a
 hang, the controller or etcd faults recover bit for bit; an XID 79 re-plans the degraded
 replica at TP 3 on fewer samples (``local_batch x`` its throughput), whose arithmetic only
-the same-layout reference repeats. With ``--reference``, stderr also gives each run
-against the single-process reference on its own per-step batches. Prints one JSON line:
+the same-layout reference repeats. Neither is independent of the runtime: the replay runs
+the same ``NtpRuntime``, and the baseline sees other samples once a step is degraded. So an
+**oracle** (``bench/soak_oracle.py``) checks every plan generation's first steps against
+the single-process reference (``ntp/reference.py``: a dense model, ``torch.optim.Adam``):
+the ranks dump the whole job state at the start of each generation's first round and
+``DUMP_STEPS`` steps later (``TPFLEX_DEMO_DUMP_DIR``, ``demo/dumps.py``), the reference
+continues from the first dump on each step's whole global batch, and the losses every rank
+recorded and the later dump (weights, both moments, every replica) must be within 1e-5
+(relative L2); every layout change (a generation whose degrees or global batch differ from
+the one before: an XID 79, a drain, a repair) must have been checked. With
+``--reference``, stderr also gives each run against the single-process reference on its
+own per-step batches. Prints one JSON line:
 ``faults_injected``, ``faults_by_kind``, ``lost_steps`` (completed steps that had to be
 run again, whatever the round that went back: live, from a checkpoint, or a second ``init``
 round that started the job again from its seed), ``weights_rel_l2`` (final weights vs the same-layout reference, relative L2
@@ -42,7 +52,11 @@ after a checkpoint restart), ``weights_rel_l2_vs_fixed_layout`` (vs the fixed-la
 baseline: what the layout changes cost on top), ``max_pause_s`` and ``p50_pause_s`` (per
 fault: the gap in the job's progress around it), ``checkpoint_restarts`` (rounds that
 loaded a checkpoint), ``torn_steps_replayed`` (steps some ranks had applied and others not
-when a rank died, run again from the undo state without a checkpoint). Details to stderr;
+when a rank died, run again from the undo state without a checkpoint),
+``layout_changes_checked`` (layout changes the oracle checked) and ``oracle_max_rel_l2``
+(the largest relative L2 of any window it checked: losses, replicas' entry states, exit
+states; null when none). An oracle miss (beyond 1e-5, or a layout change left unchecked)
+is logged and the soak exits 1 after the JSON line. Details to stderr;
 ``--keep`` keeps the work directory (with ``plans.json``, the recorded plans). The
 cluster, the job and the faults: ``bench/soak_chaos.py``; the replay:
 ``bench/soak_replay.py``.
@@ -65,6 +79,7 @@ from pathlib import Path
 
 from tpflex_trainer.demo.cluster import DemoCluster
 from tpflex_trainer.demo.data import global_batch
+from tpflex_trainer.demo.dumps import DUMP_STEPS
 from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_MODEL, DEMO_SEED
 from tpflex_trainer.ntp.adapter import as_adapter
 from tpflex_trainer.ntp.checkpoint import read_full_state
@@ -86,6 +101,7 @@ from bench.soak_chaos import (  # noqa: E402
     run_job,
     wait,
 )
+from bench.soak_oracle import layout_changes, run_oracle, summary, warm_up  # noqa: E402
 from bench.soak_replay import ReplayUnsupported, Round, one_layout, replay, rounds_from  # noqa: E402
 
 
@@ -156,7 +172,7 @@ def vs_reference(records: list[dict], state: dict) -> float:
 
 
 def chaos_run(work: Path, minutes: float, rng: random.Random, kinds: tuple[str, ...], max_faults: int = 0,
-              pace_s: float = 0.0, preload: bool = False) -> dict:
+              pace_s: float = 0.0, preload: bool = False, checkpoint_every: int = 200) -> dict:
     cluster = SoakCluster(free_demo_ports(), RACKS, work / "cluster")
     stop_file = work / "stop-at"
     procs = []
@@ -164,8 +180,9 @@ def chaos_run(work: Path, minutes: float, rng: random.Random, kinds: tuple[str, 
     try:
         cluster.start()
         threading.Thread(target=record_plans, args=(cluster, stop_plans), daemon=True).start()
+        threading.Thread(target=warm_up, daemon=True).start()  # the oracle's reference, later
         spec, procs = run_job(cluster, work, 10**9, stop_file=stop_file, checkpoints=True, pace_s=pace_s,
-                              preload=preload)
+                              preload=preload, checkpoint_every=checkpoint_every, dumps=work / "dumps")
         records = Records(work / "steps.jsonl")
         chaos = Chaos(cluster, work, records, rng, kinds)
         wait(lambda: records.progress() >= 5, 240, "the job's first steps")
@@ -306,6 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preload", action="store_true",
                     help="tpflex-run --preload: ranks forked from a zygote that imported the worker's modules "
                          "(starts and restarts skip the imports: shorter rejoin pauses; docs/launch.md)")
+    ap.add_argument("--checkpoint-every", type=int, default=200,
+                    help="the chaos run's checkpoint interval in steps (200; the in-suite soak's is shorter, so "
+                         "that a checkpoint restart can happen in it)")
     ap.add_argument("--reference", action="store_true",
                     help="also compare each run with the single-process reference on its own batches "
                          "(stderr; minutes for thousands of steps)")
@@ -314,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--minutes: must be > 0")
     if args.faults < 0:
         ap.error("--faults: must be >= 0")
+    if args.checkpoint_every < 1:
+        ap.error("--checkpoint-every: must be >= 1")
     if not 0 <= args.step_min_s <= 10:
         ap.error("--step-min-s: must be within [0, 10]")
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
@@ -324,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     log(f"work={work} seed={seed} minutes={args.minutes}")
     t0 = time.monotonic()
     chaos = chaos_run(work / "chaos", args.minutes, random.Random(seed), kinds, args.faults, args.step_min_s,
-                      args.preload)
+                      args.preload, args.checkpoint_every)
     t1 = time.monotonic()
     (work / "baseline").mkdir()
     if args.baseline == "replay":
@@ -340,8 +362,16 @@ def main(argv: list[str] | None = None) -> int:
     gaps = pauses(chaos["records"], chaos["faults"])
     t2 = time.monotonic()
     same_layout = same_layout_l2(work, chaos, adapter, state_c, state_b)
-    log(f"steps={chaos['steps']} chaos_s={t1 - t0:.0f} baseline_s={t2 - t1:.0f} "
-        f"replay_s={time.monotonic() - t2:.0f} pauses={[round(g, 2) for g in gaps]}")
+    t3 = time.monotonic()
+    checks = run_oracle(work / "chaos" / "dumps", chaos["records"], DEMO_MODEL, adapter, DEMO_ADAM, DUMP_STEPS,
+                        keep=args.keep)
+    changes = layout_changes(chaos["records"])
+    n_checked, oracle_worst, misses = summary(checks, changes)
+    for c in checks:
+        log(f"oracle: generation {c.generation} epoch {c.epoch} steps {c.start}..{c.start + DUMP_STEPS - 1}: "
+            + (f"rel L2 {c.rel_l2:.3g}" if c.checked else f"not checked ({c.why})"))
+    log(f"steps={chaos['steps']} chaos_s={t1 - t0:.0f} baseline_s={t2 - t1:.0f} replay_s={t3 - t2:.0f} "
+        f"oracle_s={time.monotonic() - t3:.0f} layout_changes={changes} pauses={[round(g, 2) for g in gaps]}")
     if args.reference:  # e.g. after XID 79 faults (the data differed): how far each run is
         log(f"vs the single-process reference on each run's own batches: chaos "
             f"{vs_reference(chaos['records'], state_c):.3g} baseline "
@@ -356,12 +386,16 @@ def main(argv: list[str] | None = None) -> int:
         "p50_pause_s": round(statistics.median(gaps), 3) if gaps else 0.0,
         "checkpoint_restarts": restarts,
         "torn_steps_replayed": torn,
+        "layout_changes_checked": n_checked,
+        "oracle_max_rel_l2": oracle_worst,
     }))
+    for miss in misses:
+        log(f"oracle miss: {miss}")
     if not args.keep:
         import shutil
 
         shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return 1 if misses else 0
 
 
 if __name__ == "__main__":

@@ -144,7 +144,9 @@ def wait(cond, timeout: float, what: str, interval: float = 0.1):
 
 
 def run_job(cluster: DemoCluster, work: Path, steps: int, *, stop_file: Path | None, checkpoints: bool,
-            pace_s: float = 0.0, preload: bool = False):
+            pace_s: float = 0.0, preload: bool = False, checkpoint_every: int = 200, dumps: Path | None = None):
+    """``dumps``: the ranks dump the job's state around each generation's start there
+    (``demo/dumps.py``, for ``bench/soak_oracle.py``)."""
     spec = demo_job_spec(JOB, [(r.name, r.node, r.gpus) for r in RACKS], LOCAL_BATCH, DEMO_MODEL.unit_counts())
     write_spec(spec, work / "job.json")
     env = {**os.environ, "TPFLEX_DEMO_OUT": str(work / "steps.jsonl"), "TPFLEX_DEMO_STEPS": str(steps),
@@ -156,7 +158,9 @@ def run_job(cluster: DemoCluster, work: Path, steps: int, *, stop_file: Path | N
     if pace_s > 0:
         env["TPFLEX_DEMO_STEP_MIN_S"] = str(pace_s)
     if checkpoints:
-        env.update(TPFLEX_CHECKPOINT_DIR=str(work / "ckpt"), TPFLEX_CHECKPOINT_EVERY="200")
+        env.update(TPFLEX_CHECKPOINT_DIR=str(work / "ckpt"), TPFLEX_CHECKPOINT_EVERY=str(checkpoint_every))
+    if dumps is not None:
+        env["TPFLEX_DEMO_DUMP_DIR"] = str(dumps)
     for var in ("CUDA_VISIBLE_DEVICES", "TPFLEX_CONTROLLER", "TPFLEX_JOB", "TPFLEX_JOB_SPEC", "TPFLEX_STORE"):
         env.pop(var, None)
     procs = []

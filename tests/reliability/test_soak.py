@@ -1,9 +1,11 @@
-"""The short chaos soak (bench/soak.py --faults 5): 8 ranks on two tpflex-run nodes, a
+"""The short chaos soak (bench/soak.py --faults 6): 8 ranks on two tpflex-run nodes, a
 3-member etcd and two controllers, one fault of each kind in a random order (rank SIGKILL,
-rank frozen, agent frozen, leader controller killed, etcd member killed; XID 79 runs in
-the 10-minute soak, and its recovery in the demo tests); the job must lose no completed
-step, need no checkpoint, and end bit for bit with the weights of the same job run
-without faults (bench/soak.py's same-layout reference). Paced steps keep the fault-free
+rank frozen, XID 79, agent frozen, leader controller killed, etcd member killed); the job
+must lose no completed step, need no checkpoint (it checkpoints every 20 steps, so a
+restart from one could happen), end bit for bit with the weights of the same job run
+without faults in the chaos run's layouts (bench/soak.py's same-layout reference), and
+every layout change (the XID's degraded layout, its repair) must match the independent
+single-process reference from the state it started from (bench/soak_oracle.py). Paced steps keep the fault-free
 replay short; the fixed-layout baseline is that arithmetic replayed in 8 forkserver gloo
 processes (``--baseline replay``, no second cluster: bench/soak.py's 2-minute and
 10-minute runs train it through a fresh control plane). The ranks are forked from
@@ -22,38 +24,41 @@ import pytest
 
 SOAK = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
 KEYS = {"faults_injected", "faults_by_kind", "lost_steps", "weights_rel_l2", "weights_rel_l2_vs_fixed_layout",
-        "max_pause_s", "p50_pause_s", "checkpoint_restarts", "torn_steps_replayed"}
+        "max_pause_s", "p50_pause_s", "checkpoint_restarts", "torn_steps_replayed", "layout_changes_checked",
+        "oracle_max_rel_l2"}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_minute_soak_loses_nothing():
-    # every kind but XID 79, which changes the data by design (see bench/soak.py): then the
-    # chaos run must end bit for bit where the fault-free baseline does
-    kinds = "rank_sigkill,rank_hang,agent_freeze,controller_leader_kill,etcd_member_kill"
+    kinds = "rank_sigkill,rank_hang,xid79,agent_freeze,controller_leader_kill,etcd_member_kill"
     # a fixed fault schedule (which kinds in which order, which ranks); the timing is the
     # machine's: on a loaded one the recovery paths run slower, which they must survive
-    proc = subprocess.run([sys.executable, str(SOAK), "--faults", "5", "--step-min-s", "0.4", "--kinds", kinds,
-                           "--seed", "13", "--baseline", "replay", "--preload"], capture_output=True, text=True,
-                          timeout=880)
+    proc = subprocess.run([sys.executable, str(SOAK), "--faults", "6", "--step-min-s", "0.4", "--kinds", kinds,
+                           "--seed", "13", "--baseline", "replay", "--preload", "--checkpoint-every", "20"],
+                          capture_output=True, text=True, timeout=880)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout
     got = json.loads(lines[0])
     print(got, proc.stderr[-1500:])
     assert set(got) == KEYS
-    assert got["faults_injected"] == 5 and got["faults_by_kind"] == dict.fromkeys(sorted(kinds.split(",")), 1), got
+    assert got["faults_injected"] == 6 and got["faults_by_kind"] == dict.fromkeys(sorted(kinds.split(",")), 1), got
     assert got["lost_steps"] == 0 and got["checkpoint_restarts"] == 0
-    # vs the same-layout reference (without XID 79 the layout stays: the fixed-layout
-    # baseline, which then must match too)
+    # vs the same-layout reference: the replay of the chaos run's rounds (the XID 79 changed
+    # the layout and the data; the fixed-layout baseline only shows how far that went)
     assert got["weights_rel_l2"] is not None and got["weights_rel_l2"] <= 1e-5
     assert isinstance(got["weights_rel_l2_vs_fixed_layout"], float)
+    # the XID's degraded layout and its repair, each against the single-process reference
+    # (a miss exits 1 above; the bound is checked here too)
+    assert got["layout_changes_checked"] >= 2 and got["oracle_max_rel_l2"] <= 1e-5, got
     # no pause reached the collective timeout (60 s here): survivors never waited one out
     assert 0 < got["p50_pause_s"] <= got["max_pause_s"] < 60, got
 
 
 BAD_ARGS = [(["--minutes", "0"], "--minutes"), (["--kinds", "meteor"], "--kinds"), (["--faults", "-1"], "--faults"),
-            (["--step-min-s", "nan"], "--step-min-s"), (["--baseline", "moon"], "--baseline")]
+            (["--step-min-s", "nan"], "--step-min-s"), (["--baseline", "moon"], "--baseline"),
+            (["--checkpoint-every", "0"], "--checkpoint-every")]
 
 
 def test_soak_refuses_bad_arguments_as_a_process():
@@ -216,3 +221,44 @@ def test_the_soaks_wait_is_the_shared_poll_with_the_soaks_own_failure():
         wait(lambda: None, 0.05, "the thing", interval=0.001)
     with pytest.raises(AssertionError, match=r"^timed out after 0.05s waiting for the thing$"):
         wait_until(lambda: None, 0.05, "the thing", interval=0.001)
+
+
+def test_every_layout_change_needs_a_window_the_oracle_checked():
+    from bench.soak_oracle import Check, layout_changes, summary
+
+    def step(generation: int, degrees: list[int], batch: int, t: float) -> dict:
+        return {"kind": "step", "generation": generation, "degrees": degrees, "global_batch": batch, "t": t}
+
+    # generation 2 re-planned the same layout (no change); 3 is an XID's degraded layout
+    # (TP 4+3 on 7 samples), 4 its repair
+    records = [step(1, [4, 4], 8, 1.0), step(2, [4, 4], 8, 2.0), step(3, [4, 3], 7, 3.0), step(4, [4, 4], 8, 4.0),
+               step(3, [4, 3], 7, 3.5)]
+    assert layout_changes(records) == [3, 4]
+    checks = [Check(1, 0, 0, True, 7e-6), Check(3, 0, 10, True, 2e-7), Check(4, 0, 20, False, why="a rank died"),
+              Check(4, 1, 25, True, 1e-7)]
+    assert summary(checks, [3, 4]) == (2, 7e-6, [])
+    checked, worst, misses = summary([Check(3, 0, 10, True, 3e-3), Check(4, 0, 20, False, why="a rank died")], [3, 4])
+    assert (checked, worst, len(misses)) == (1, 3e-3, 2)
+    assert "3e-03" in misses[0] or "0.003" in misses[0]
+    assert "generation 4 not checked" in misses[1] and "a rank died" in misses[1]
+
+
+def test_the_oracles_reference_continues_the_single_process_run_exactly():
+    # the oracle starts the single-process reference from a dumped state at its Adam step:
+    # 2 steps, a stop, 2 more must be the 4-step run bit for bit
+    from tpflex_trainer.demo.data import global_batch
+    from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_MODEL, DEMO_SEED
+    from tpflex_trainer.ntp.reference import reference_state, state_rel_l2
+
+    from bench.soak_oracle import reference_from
+
+    batches = [global_batch(DEMO_MODEL, s, 7) for s in range(4)]
+    kw = dict(lr=DEMO_ADAM.lr, betas=DEMO_ADAM.betas, eps=DEMO_ADAM.eps)
+    losses, whole = reference_state(DEMO_MODEL, DEMO_SEED, batches, **kw)
+    first, mid = reference_state(DEMO_MODEL, DEMO_SEED, batches[:2], **kw)
+    rest, end = reference_from(DEMO_MODEL, mid, 2, batches[2:], **kw)
+    assert first + rest == losses
+    assert all(state_rel_l2(end[k], whole[k]) == 0.0 for k in whole)
+    # the Adam step matters (bias correction): a reference started at the wrong one misses
+    _, off = reference_from(DEMO_MODEL, mid, 0, batches[2:], **kw)
+    assert state_rel_l2(off["param"], whole["param"]) > 1e-5

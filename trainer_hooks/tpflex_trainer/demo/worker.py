@@ -13,7 +13,8 @@ step to stop at, read at every step: a soak ends every rank at the same step),
 from: the soak compares them with its replay's), ``TPFLEX_DEMO_HOLD_FILE`` (a file that may hold ``STEP GENERATION``: an active rank does not
 start step STEP or later before its plan stream has delivered plan GENERATION; the story
 holds the job there until the plan its repair causes arrives, so a short job cannot finish
-before the repaired GPU's plan).
+before the repaired GPU's plan), ``TPFLEX_DEMO_DUMP_DIR`` (full-state dumps around the start
+of each plan generation, for the soak's oracle: ``demo/dumps.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 
 import torch
 
+from tpflex_trainer.demo.dumps import DUMP_ENV, StateDumps
 from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_SEED, demo_model
 from tpflex_trainer.hooks.config import HooksConfigError
 from tpflex_trainer.hooks.trainer import HooksError, TpflexHooks
@@ -52,6 +54,7 @@ def main() -> int:
     seen = 0
     digests = os.environ.get("TPFLEX_DEMO_DIGESTS") == "1"
     last_round = None
+    dumps = StateDumps(os.environ[DUMP_ENV]) if os.environ.get(DUMP_ENV) else None
 
     def record(kind: str, **fields) -> None:
         out.write(json.dumps({"kind": kind, "rank": hooks.rank, "t": time.time(), "pid": os.getpid(),
@@ -85,6 +88,8 @@ def main() -> int:
         record("step", step=hooks.step - 1, loss=loss, generation=hooks.generation, tp=hooks.tp_degree,
                global_batch=layout.global_batch, seconds=time.perf_counter() - t0,
                degrees=degrees(hooks.runtime), started_at=step)
+        if dumps is not None:
+            dumps.after_step(hooks)
         time.sleep(max(0.0, pace - (time.perf_counter() - t0)))
     if os.environ.get("TPFLEX_DEMO_FINAL_DIR") and hooks.active:
         hooks.runtime.save_checkpoint(os.environ["TPFLEX_DEMO_FINAL_DIR"])
