@@ -173,7 +173,8 @@ def run_oracle(dump_dir: Path, records: list[dict], cfg, adapter, adam, steps: i
     out, threads = [], torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for path in sorted(p for p in dump_dir.iterdir() if WINDOW.match(p.name)) if dump_dir.exists() else []:
+        windows = [p for p in dump_dir.iterdir() if WINDOW.match(p.name)] if dump_dir.exists() else []
+        for path in sorted(windows, key=lambda p: tuple(int(x) for x in WINDOW.match(p.name).groups())):
             out.append(check_window(path, records, cfg, adapter, adam, steps))
             if not keep:
                 shutil.rmtree(path, ignore_errors=True)
