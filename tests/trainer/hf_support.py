@@ -25,13 +25,14 @@ SEQ = 16
 
 def make_model_dir(path: Path, family: str, *, heads: int = 8, kv: int = 4, tied: bool = False,
                    weights: bool = True, shard_bytes: int | None = None, seed: int = 0,
-                   layers: int = 2) -> Path:
+                   layers: int = 2, **config) -> Path:
+    """``config``: more config fields (e.g. Granite's ``logits_scaling``, a ``pad_token_id``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(
         family, vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv, head_dim=32 // heads,
-        tie_word_embeddings=tied, max_position_embeddings=64)
+        tie_word_embeddings=tied, max_position_embeddings=64, **config)
     path.mkdir(parents=True, exist_ok=True)
     if not weights:
         cfg.save_pretrained(path)
@@ -58,7 +59,7 @@ def train(argv: list[str], env: dict[str, str] | None = None) -> dict:
     losses.json. ``env`` is set in the workers (test hooks)."""
     spec, model_type = build_spec(argv)
     if env:
-        spec = dataclasses.replace(spec, env=env)
+        spec = dataclasses.replace(spec, env={**spec.env, **env})
     result = Launcher(spec, model_type).run()
     assert not result.error, result.error
     summary = result.summary()

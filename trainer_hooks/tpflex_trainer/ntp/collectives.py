@@ -32,6 +32,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tpflex_trainer.ntp.local_group import LocalGroup
+
 log = logging.getLogger(__name__)
 
 DIRECT_MAX_BYTES = 256 * 1024
@@ -138,8 +140,10 @@ def flush_sends(timeout_s: float = 10.0) -> int:
     return failed
 
 
-def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Tensor]:
+def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | LocalGroup) -> list[torch.Tensor]:
     """Every member's ``tensor`` in group-rank order (blocking)."""
+    if isinstance(group, LocalGroup):
+        return group.all_gather(tensor)
     if not _direct(tensor, group):
         out = [torch.empty_like(tensor) for _ in range(group.size())]
         dist.all_gather(out, tensor, group=group)
@@ -147,6 +151,9 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup) -> list[torch.Ten
     return Exchange(tensor, group).wait()
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | LocalGroup,
+               op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
     """Blocking all-reduce in place (SUM or MAX)."""
+    if isinstance(group, LocalGroup):
+        return group.all_reduce(tensor, "max" if op == dist.ReduceOp.MAX else "sum")
     return PendingAllReduce(tensor, group, op).wait()

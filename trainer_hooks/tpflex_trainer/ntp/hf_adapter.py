@@ -20,13 +20,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from tpflex_trainer.ntp import hf_selftest
 from tpflex_trainer.ntp.adapter import ModelAdapter
 from tpflex_trainer.ntp.config import REPLICATED, ParamSpec
-from tpflex_trainer.ntp.errors import ConfigError, UnsupportedModelError
+from tpflex_trainer.ntp.errors import ConfigError, NtpError, UnsupportedModelError
 from tpflex_trainer.ntp.hf_layers import (
     ExpandedKVLinear,
     LocalLinear,
     RowParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
     copy_to_tp_at_input,
     parameters_on_meta,
 )
@@ -39,7 +42,7 @@ from tpflex_trainer.ntp.hf_plan import (
     attention_heads,
     check_base_tp,
 )
-from tpflex_trainer.ntp.layers import Group, VocabParallelEmbedding, VocabParallelOutput
+from tpflex_trainer.ntp.layers import Group, vocab_lookup, vocab_parallel_cross_entropy
 
 
 def load_config(path: str | os.PathLike):
@@ -51,14 +54,14 @@ def load_config(path: str | os.PathLike):
 
 
 def build_meta_model(config) -> nn.Module:
-    """The user's causal LM class with parameters on the meta device, fp32, sdpa. Built
-    from a copy of ``config``: ``from_config`` records the dtype it builds in on the config
-    it is given, and the user's config (its ``dtype`` included) is what ``export_hf``
-    writes."""
+    """The user's causal LM class with parameters on the meta device, fp32, with the
+    attention implementation the config asks for (HF's default where it names none: never
+    forced, since some families need eager attention). Built from a copy of ``config``:
+    ``from_config`` records the dtype it builds in on the config it is given, and the
+    user's config (its ``dtype`` included) is what ``export_hf`` writes."""
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(config)
-    config._attn_implementation = "sdpa"
     with parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     return model
@@ -69,30 +72,44 @@ class HfShard(nn.Module):
     the embedding on the first stage, the final norm and output layer on the last).
     ``forward_stage`` runs HF's base model over the stage's layers (token ids in on the
     first stage, the previous stage's hidden states as ``inputs_embeds`` otherwise);
-    ``stage_loss`` adds the vocab-parallel output layer + cross-entropy."""
+    ``stage_loss`` runs HF's whole ``*ForCausalLM.forward`` (its ``lm_head`` holding the
+    member's vocab rows, so the model's own logit post-processing runs on them) and the
+    vocab-parallel cross-entropy over the logits it returns."""
 
-    def __init__(self, lm: nn.Module, head: VocabParallelOutput | None, params: dict[str, nn.Parameter],
+    def __init__(self, lm: nn.Module, lookup: torch.Tensor | None, group: Group, params: dict[str, nn.Parameter],
                  specs: list[ParamSpec], first: bool = True) -> None:
         super().__init__()
-        self.lm, self.head, self.specs, self.by_name, self.first = lm, head, specs, params, first
+        self.lm, self.specs, self.by_name, self.first, self.group = lm, specs, params, first, group
+        if lookup is not None:
+            self.register_buffer("lookup", lookup, persistent=False)
 
     def params_in_spec_order(self) -> list[tuple[ParamSpec, nn.Parameter]]:
         return [(s, self.by_name[s.name]) for s in self.specs]
 
+    def _given(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"input_ids": x} if self.first else {"inputs_embeds": x}
+
     def forward_stage(self, x: torch.Tensor) -> torch.Tensor:
         base = getattr(self.lm, self.lm.base_model_prefix)
-        given = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        return base(**given, use_cache=False).last_hidden_state
+        return base(**self._given(x), use_cache=False).last_hidden_state
+
+    def local_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The logits HF's forward produces, over this member's vocab rows."""
+        return self.lm(**self._given(x), use_cache=False).logits
 
     def stage_loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.head.loss(self.forward_stage(x), targets)
+        return vocab_parallel_cross_entropy(self.local_logits(x), self.lookup[targets], self.group)
 
     def loss(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return self.stage_loss(tokens, targets)
 
 
 class HfAdapter(ModelAdapter):
-    def __init__(self, config, base_tp: int, weights_dir: str | os.PathLike | None = None) -> None:
+    def __init__(self, config, base_tp: int, weights_dir: str | os.PathLike | None = None,
+                 self_test: bool = True) -> None:
+        """``self_test``: run the fidelity self-test (``hf_selftest``; once per process and
+        config) and refuse a model that fails it; ``TPFLEX_SKIP_SELF_TEST=1`` skips it
+        with a warning."""
         # refused before HF builds the model (it divides by num_key_value_heads)
         check_base_tp(base_tp)
         if getattr(config, "num_attention_heads", None) is not None:
@@ -100,7 +117,13 @@ class HfAdapter(ModelAdapter):
         self.config = config
         self.base_tp = base_tp
         self.weights_dir = Path(weights_dir) if weights_dir is not None else None
-        self.plan: HfPlan = analyse(build_meta_model(config), config, base_tp)
+        try:
+            self.plan: HfPlan = analyse(build_meta_model(config), config, base_tp)
+        except NtpError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - HF could not build or describe it: refused, with why
+            raise UnsupportedModelError(f"{type(config).__name__}: the model could not be built on the meta device "
+                                        f"and analysed ({type(exc).__name__}: {exc})") from exc
         self.specs = self.plan.specs
         self.unit_counts = {f: n for f, n in self.plan.unit_counts.items()}
         self.derived = dict(self.plan.derived)
@@ -110,6 +133,7 @@ class HfAdapter(ModelAdapter):
         self.tied = bool(self.plan.tied)
         self.prefix = self.plan.prefix
         self._reader = None
+        self.fidelity = hf_selftest.check(config, HfAdapter) if self_test else None
 
     @classmethod
     def from_pretrained_dir(cls, path: str | os.PathLike, base_tp: int) -> HfAdapter:
@@ -201,19 +225,20 @@ class HfAdapter(ModelAdapter):
                 block.num_key_value_groups = 1  # one (gathered) KV head per local query head
             copy_to_tp_at_input(block, group)
         base.layers = nn.ModuleList([base.layers[i] for i in layers])
-        head = None
         embed_name = f"{self.prefix}.embed_tokens.weight"
         if first:
-            base.embed_tokens = VocabParallelEmbedding(params[embed_name], units[VOCAB], self.plan.vocab_block,
-                                                       self.vocab, group)
+            base.embed_tokens = VocabParallelEmbedding(base.embed_tokens, params[embed_name], units[VOCAB],
+                                                       self.plan.vocab_block, self.vocab, group)
         else:
             base.embed_tokens = nn.Identity()  # the stage gets hidden states (inputs_embeds)
+        lookup = None
         if last:
             head_w = params[embed_name] if self.plan.tied else params["lm_head.weight"]
-            head = VocabParallelOutput(head_w, units[VOCAB], self.plan.vocab_block, self.vocab, group)
+            lm.lm_head = VocabParallelHead(head_w, params.get("lm_head.bias"), group)
+            lookup = vocab_lookup(units[VOCAB], self.plan.vocab_block, self.vocab, head_w.device)
         else:
             base.norm = nn.Identity()  # the final norm runs on the last stage
-        lm.lm_head = nn.Identity()
+            lm.lm_head = nn.Identity()
         for s in specs:
             owner = s.name.rsplit(".", 1)[0]
             if s.family == REPLICATED and owner not in self.plan.roles:
@@ -221,7 +246,7 @@ class HfAdapter(ModelAdapter):
         left = [n for n, p in lm.named_parameters() if p.device.type == "meta"]
         if left:
             raise UnsupportedModelError(f"parameters without a unit layout: {left[:5]}")
-        return HfShard(lm, head, params, specs, first)
+        return HfShard(lm, lookup, group, params, specs, first)
 
     @staticmethod
     def _set_params(module: nn.Module, path: str, params: Mapping[str, nn.Parameter], only: str | None = None) -> None:

@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tpflex_trainer.ntp.layers import Group, copy_to_tp, reduce_from_tp
+from tpflex_trainer.ntp.errors import UnsupportedModelError
+from tpflex_trainer.ntp.layers import Group, copy_to_tp, reduce_from_tp, vocab_lookup
 
 
 class LocalLinear(nn.Module):
@@ -57,6 +58,52 @@ class RowParallel(nn.Module):
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:
         out = reduce_from_tp(torch.matmul(x_local, self.weight_t), self.group)
         return out if self.bias is None else out + self.bias
+
+
+class VocabParallelHead(nn.Module):
+    """The causal LM's ``lm_head``: this member's vocab rows of the logits. HF's own
+    ``*ForCausalLM.forward`` runs around it, so whatever the model does to its logits
+    after the head (Granite's ``logits_scaling``, Cohere's ``logit_scale``, Gemma 2's
+    soft-capping: elementwise, so it commutes with the vocab sharding) is HF's code on the
+    member's columns; the vocab-parallel cross-entropy then takes those logits."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group: Group) -> None:
+        super().__init__()
+        self.weight, self.bias, self.group = weight, bias, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The model's own embedding module (``nn.Embedding`` or a subclass such as Gemma 3's
+    scaled embedding) over this member's vocab rows, by delegation: token ids become local
+    rows (clamped where another member owns the token), the model's module runs on them,
+    rows of tokens owned elsewhere are zeroed, and the TP group sums. Exactly one member
+    owns each token, so the sum is the owner's output of the model's own forward, whatever
+    per-token function it computes (a scale, a cast). ``padding_idx`` keeps its meaning:
+    the padding row, on the member that owns it, receives no gradient from the lookup."""
+
+    def __init__(self, inner: nn.Embedding, weight: nn.Parameter, units: tuple[int, ...], vocab_block: int,
+                 vocab: int, group: Group) -> None:
+        super().__init__()
+        if inner.max_norm is not None or inner.scale_grad_by_freq or inner.sparse:
+            raise UnsupportedModelError(f"{type(inner).__name__}: an embedding with max_norm, "
+                                        "scale_grad_by_freq or sparse gradients is not supported")
+        lookup = vocab_lookup(units, vocab_block, vocab, weight.device)
+        pad = inner.padding_idx
+        inner.padding_idx = None if pad is None or int(lookup[pad]) < 0 else int(lookup[pad])
+        inner.weight = weight
+        inner.num_embeddings = int(weight.shape[0])
+        self.inner, self.units, self.group = inner, units, group
+        self.register_buffer("lookup", lookup, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        local = self.lookup[tokens]
+        out = self.inner(local.clamp(min=0))
+        owned = (local >= 0).unsqueeze(-1)
+        return reduce_from_tp(torch.where(owned, out, torch.zeros((), dtype=out.dtype, device=out.device)),
+                              self.group)
 
 
 def copy_to_tp_at_input(module: nn.Module, group: Group) -> None:

@@ -85,6 +85,23 @@ def attention_heads(config) -> tuple[int, int]:
     return n_heads, n_kv
 
 
+def check_dropout(model: nn.Module, config) -> None:
+    """Dropout is refused until the runtime coordinates the random streams of a replica's
+    TP members (they hold different numbers of units, so they would draw different masks
+    on activations that must stay identical across them): any config field named
+    ``*dropout*`` above 0, any ``nn.Dropout`` with p > 0 and any attention module with an
+    ``attention_dropout`` above 0."""
+    for key, value in sorted(config.to_dict().items()):
+        if "dropout" in key and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            raise UnsupportedModelError(f"{type(config).__name__}.{key} = {value}: dropout is not supported "
+                                        f"under NTP (set {key} to 0.0 to train this model exactly)")
+    for name, module in model.named_modules():
+        p = module.p if isinstance(module, nn.Dropout) else getattr(module, "attention_dropout", 0.0)
+        if isinstance(p, (int, float)) and p > 0:
+            raise UnsupportedModelError(f"{name}: dropout {p} is not supported under NTP "
+                                        "(set the model's dropout to 0.0 to train it exactly)")
+
+
 def choose_units(n: int, base_tp: int) -> int:
     """Units of a family of ``n`` rows: the smallest divisor of n that is at least
     4·base_tp (a balanced spread over any degree up to base_tp), else n."""
@@ -130,12 +147,14 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
         raise UnsupportedModelError(f"{type(config).__name__} has no base_model_tp_plan")
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     prefix = getattr(model, "base_model_prefix", "model")
-    if base is None or type(getattr(base, "embed_tokens", None)) is not nn.Embedding:
-        raise UnsupportedModelError(f"{type(model).__name__}: {prefix}.embed_tokens is not a plain "
-                                    "nn.Embedding (scaled or custom embeddings are not supported)")
+    embed = getattr(base, "embed_tokens", None) if base is not None else None
+    if not isinstance(embed, nn.Embedding) or [n for n, _ in embed.named_parameters()] != ["weight"]:
+        raise UnsupportedModelError(f"{type(model).__name__}: {prefix}.embed_tokens is not an nn.Embedding "
+                                    "(or a subclass) whose only parameter is its weight")
     head = getattr(model, "lm_head", None)
-    if not isinstance(head, nn.Linear) or head.bias is not None:
-        raise UnsupportedModelError(f"{type(model).__name__}: lm_head must be a Linear without bias")
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        raise UnsupportedModelError(f"{type(model).__name__}: lm_head must be a plain Linear")
+    check_dropout(model, config)
     if EMBEDDING in plan:
         if plan[EMBEDDING] not in EMBEDDING_STYLES:
             raise UnsupportedModelError(f"tp plan style {plan[EMBEDDING]!r} of {EMBEDDING!r} is not "
@@ -218,12 +237,16 @@ def _specs(model, roles, blocks, prefix, counts, n_heads, n_kv, head_dim, head_u
         role = roles.get(module)
         inside = any(module.startswith(b + ".") or module == b for b in blocks)
         if role is None or role.kind == "partial":
-            if inside and role is None:
+            if inside and role is None and len(shape) >= 2:
                 raise UnsupportedModelError(f"parameter {name} inside a planned block is not in the tp plan")
+            # a small parameter inside a planned block that the plan does not name (Apertus's
+            # learnable activation, alpha_p / alpha_n) acts on the block's sharded activations:
+            # replicated, its gradient partial (summed over the TP group once); the fidelity
+            # self-test refuses the model if it acts on replicated ones instead
             const = 1.0 if len(shape) == 1 and "norm" in module.rsplit(".", 1)[-1] else 0.0
             init = std if len(shape) >= 2 else 0.0
-            specs.append(ParamSpec(name, shape, REPLICATED, shape[0], init, const,
-                                   partial_grad=role is not None))
+            specs.append(ParamSpec(name, shape, REPLICATED, shape[0] if shape else 1, init, const,
+                                   partial_grad=role is not None or inside))
             continue
         if role.kind == "row":
             if leaf == "bias":  # added after the reduction: replicated, identical gradients

@@ -47,12 +47,11 @@ def load_reference_model(model_dir: str, seed: int = 0):
     from tpflex_trainer.ntp.hf_io import has_weights
 
     if has_weights(model_dir):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     else:
         config = load_config(model_dir)
-        config._attn_implementation = "sdpa"
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.load_state_dict(HfAdapter(config, 1).full_state(seed), strict=False)
+        model.load_state_dict(HfAdapter(config, 1, self_test=False).full_state(seed), strict=False)
     return model
 
 

@@ -16,12 +16,17 @@ from torch import nn
 
 from tpflex_trainer.ntp.collectives import all_gather, all_reduce
 from tpflex_trainer.ntp.errors import LayoutError
+from tpflex_trainer.ntp.local_group import LocalGroup
 
-Group = dist.ProcessGroup | None
+Group = dist.ProcessGroup | LocalGroup | None
 
 
 def _active(group: Group) -> bool:
-    return group is not None and dist.get_world_size(group) > 1
+    if group is None:
+        return False
+    if isinstance(group, LocalGroup):
+        return group.size() > 1
+    return dist.get_world_size(group) > 1
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -179,6 +184,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return (softmax - onehot) * (grad / n), None, None
 
 
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target_local: torch.Tensor, group: Group) -> torch.Tensor:
+    """Mean cross-entropy over tokens of ``logits`` sharded by vocab rows (this member's
+    columns); ``target_local`` is the target's local column, or -1 where another member
+    owns it (``vocab_lookup``)."""
+    return _VocabParallelCrossEntropy.apply(logits, target_local, group)
+
+
 class VocabParallelOutput(nn.Module):
     """Output layer sharded by vocab rows, with the vocab-parallel cross-entropy."""
 
@@ -189,4 +201,4 @@ class VocabParallelOutput(nn.Module):
 
     def loss(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = F.linear(copy_to_tp(x, self.group), self.weight)
-        return _VocabParallelCrossEntropy.apply(logits, self.lookup[targets], self.group)
+        return vocab_parallel_cross_entropy(logits, self.lookup[targets], self.group)

@@ -20,6 +20,10 @@ class StageAdapter(ModelAdapter):
             raise UnsupportedModelError(
                 "tied input and output embeddings cannot be split over pipeline stages "
                 "(the embedding is on the first stage, the output layer on the last)")
+        fidelity = getattr(base, "fidelity", None)
+        if fidelity is not None and fidelity.pipeline:
+            raise UnsupportedModelError(f"pipeline stages: the model failed the fidelity self-test split over "
+                                        f"stages: {fidelity.pipeline}", code="self_test_failed")
         self.base, self.stage, self.n_stages = base, stage, n_stages
         self.specs = [s for s in base.specs if stage_of(base.place_of(s.name), base.n_layers, n_stages) == stage]
         families = {s.family for s in self.specs}

@@ -149,8 +149,18 @@ def build_spec(argv: list[str] | None) -> tuple[RunSpec, str]:
     adam = AdamSettings(lr=a.lr, betas=betas, eps=a.eps, weight_decay=a.weight_decay)
     spec = RunSpec(model=str(a.model), data=str(a.data), out=str(out), schedule=sched, adam=adam,
                    train=train, seed=a.seed, backend=a.backend, collective_timeout_s=a.collective_timeout,
-                   export=not a.no_export, threads=a.threads)
+                   export=not a.no_export, threads=a.threads, env=_self_test_env(adapter))
     return spec, str(adapter.config.model_type)
+
+
+def _self_test_env(adapter) -> dict[str, str]:
+    """The fidelity self-test ran here (``HfAdapter``): its result goes to the workers, bound
+    to the config, so each rank does not run it again."""
+    from tpflex_trainer.ntp.hf_selftest import PASSED_ENV, passed_token
+
+    if adapter.fidelity is None:  # skipped: the workers skip it too, with the same warning
+        return {}
+    return {PASSED_ENV: passed_token(adapter.config, adapter.fidelity)}
 
 
 def main(argv: list[str] | None = None) -> int:
