@@ -182,3 +182,34 @@ def test_an_embedding_with_extra_parameters_is_refused():
     model.model.embed_tokens = Shifted(96, 24)
     with pytest.raises(UnsupportedModelError, match="embed_tokens is not an nn.Embedding"):
         analyse(model, cfg, 2)
+
+
+def test_a_fused_projection_reads_and_exports_unit_major(tmp_path):
+    """GLM 4's ``gate_up_proj`` (two chunks, gate and up): a member's units are read from
+    the safetensors as each unit's gate rows then its up rows, and the canonical tensor goes
+    back to HF's layout exactly (export); the adapter itself passes the self-test."""
+    from tpflex_trainer.ntp.config import to_canonical, to_user
+    from tpflex_trainer.ntp.hf_io import SafetensorsReader
+
+    cfg = _small("glm4", pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path)
+    ad = HfAdapter(cfg, 3, tmp_path)
+    assert ad.fidelity.tensor_parallel is None
+    spec = next(s for s in ad.specs if s.name.endswith("layers.0.mlp.gate_up_proj.weight"))
+    assert spec.chunks == 2
+    from safetensors.torch import load_file
+
+    user = load_file(tmp_path / "model.safetensors")[spec.name]
+    width = user.shape[0] // 2
+    canon = to_canonical(spec, user)
+    r = spec.unit_rows // 2
+    for u in range(spec.n_units):  # unit u: its gate rows, then its up rows
+        block = canon[u * spec.unit_rows:(u + 1) * spec.unit_rows]
+        assert torch.equal(block[:r], user[u * r:(u + 1) * r])
+        assert torch.equal(block[r:], user[width + u * r:width + (u + 1) * r])
+    assert torch.equal(to_user(spec, canon), user)
+    units = (0, 2, 3)
+    got = SafetensorsReader(tmp_path).rows(spec, units)
+    want = torch.cat([canon[u * spec.unit_rows:(u + 1) * spec.unit_rows] for u in units])
+    assert torch.equal(got, want)

@@ -7,7 +7,9 @@ final weights within 1e-5 relative L2 over the whole model.
 - Granite: ``logits_scaling`` (the logits divided after the head), ``embedding_multiplier``,
   ``residual_multiplier`` and ``attention_multiplier``;
 - SmolLM3 with ``pad_token_id`` set (the embedding's ``padding_idx``: the padding row gets
-  no gradient from the lookup) and the pad token in the data, plus its per-layer NoPE list.
+  no gradient from the lookup) and the pad token in the data, plus its per-layer NoPE list;
+- GLM 4: the fused ``gate_up_proj`` (``colwise_gather_output``; units are each block's gate
+  and up rows), read from its safetensors and exported back in HF's layout.
 """
 
 from __future__ import annotations
@@ -55,3 +57,9 @@ def test_smollm3_with_a_pad_token(tmp_path):
     tokens[:, ::5] = pad  # the padding row is looked up in every row
     np.save(data, tokens)
     _run(tmp_path, model, data)
+
+
+def test_glm4_fused_gate_up(tmp_path):
+    model = make_model_dir(tmp_path / "glm4", "glm4", heads=8, kv=4, pad_token_id=0, eos_token_id=1,
+                           bos_token_id=2)
+    _run(tmp_path, model, make_data(tmp_path / "tokens.npy"))

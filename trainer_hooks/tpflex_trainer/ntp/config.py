@@ -78,6 +78,9 @@ class ParamSpec:
     partial_grad: bool = False
     # the user's tensor is the canonical one transposed (a row-parallel weight)
     transposed: bool = False
+    # a fused projection (GLM's gate_up_proj): the user's rows are ``chunks`` equal chunks
+    # (gate, up), each unit-major; a canonical unit is its rows of every chunk in turn
+    chunks: int = 1
 
     @property
     def sharded(self) -> bool:
@@ -103,6 +106,24 @@ class ParamSpec:
     @property
     def n_units(self) -> int:
         return self.shape[0] // self.unit_rows
+
+
+def to_user(spec: ParamSpec, canon):
+    """The user's tensor (HF's layout) of a canonical one: chunks regrouped, transposed."""
+    t = canon
+    if spec.chunks > 1:
+        n, r = spec.n_units, spec.unit_rows // spec.chunks
+        t = t.reshape(n, spec.chunks, r, *spec.shape[1:]).transpose(0, 1).reshape(spec.shape)
+    return t.t().contiguous() if spec.transposed else t.contiguous()
+
+
+def to_canonical(spec: ParamSpec, user):
+    """The canonical (unit-major) tensor of the user's one (``to_user`` inverted)."""
+    t = user.t() if spec.transposed else user
+    if spec.chunks > 1:
+        n, r = spec.n_units, spec.unit_rows // spec.chunks
+        t = t.reshape(spec.chunks, n, r, *spec.shape[1:]).transpose(0, 1).reshape(spec.shape)
+    return t.contiguous()
 
 
 def param_specs(cfg: GPTConfig) -> list[ParamSpec]:

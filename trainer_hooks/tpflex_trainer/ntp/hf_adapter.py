@@ -22,10 +22,11 @@ from torch import nn
 
 from tpflex_trainer.ntp import hf_selftest
 from tpflex_trainer.ntp.adapter import ModelAdapter
-from tpflex_trainer.ntp.config import REPLICATED, ParamSpec
+from tpflex_trainer.ntp.config import REPLICATED, ParamSpec, to_user
 from tpflex_trainer.ntp.errors import ConfigError, NtpError, UnsupportedModelError
 from tpflex_trainer.ntp.hf_layers import (
     ExpandedKVLinear,
+    FusedLocalLinear,
     LocalLinear,
     RowParallel,
     VocabParallelEmbedding,
@@ -132,6 +133,7 @@ class HfAdapter(ModelAdapter):
         self.hidden = int(config.hidden_size)
         self.tied = bool(self.plan.tied)
         self.prefix = self.plan.prefix
+        self._unit_rows = {s.name: s.unit_rows for s in self.specs}
         self._reader = None
         self.fidelity = hf_selftest.check(config, HfAdapter) if self_test else None
 
@@ -210,6 +212,8 @@ class HfAdapter(ModelAdapter):
             w, b = params[f"{path}.weight"], params.get(f"{path}.bias")
             if role.kind == "row":
                 new = RowParallel(w, b, group)
+            elif role.chunks > 1:
+                new = FusedLocalLinear(w, b, role.chunks, self._unit_rows[f"{path}.weight"])
             elif role.kind == "kv" and role.family == KV:
                 index = [units[KV].index(h // (self.plan.n_heads // self.plan.n_kv)) for h in units[ATTN]]
                 new = ExpandedKVLinear(w, b, index, self.plan.head_dim)
@@ -263,5 +267,5 @@ class HfAdapter(ModelAdapter):
         for s in self.specs:
             units = tuple(range(s.n_units)) if s.sharded else ()
             canon = self.initial_local(s, units, seed)
-            out[s.name] = canon.t().contiguous() if s.transposed else canon
+            out[s.name] = to_user(s, canon)
         return out

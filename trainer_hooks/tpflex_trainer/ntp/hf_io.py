@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tpflex_trainer.ntp.config import ParamSpec
+from tpflex_trainer.ntp.config import ParamSpec, to_user
 from tpflex_trainer.ntp.errors import CheckpointError
 
 SINGLE = "model.safetensors"
@@ -73,7 +73,14 @@ class SafetensorsReader:
             out = sl[:]
         else:
             pieces = []
+            r, per_chunk = spec.unit_rows // spec.chunks, spec.n_units * (spec.unit_rows // spec.chunks)
             for first, count in _runs(units):
+                if spec.chunks > 1:  # each unit's rows of every chunk, unit-major (config.to_canonical)
+                    parts = [sl[c * per_chunk + first * r:c * per_chunk + (first + count) * r]
+                             for c in range(spec.chunks)]
+                    pieces.append(torch.stack([p.reshape(count, r, *p.shape[1:]) for p in parts], 1)
+                                  .reshape(count * spec.unit_rows, *spec.shape[1:]))
+                    continue
                 a, b = first * spec.unit_rows, (first + count) * spec.unit_rows
                 pieces.append(sl[:, a:b].t() if spec.transposed else sl[a:b])
             out = torch.cat(pieces) if pieces else torch.empty((0, *spec.shape[1:]))
@@ -162,4 +169,4 @@ def assemble(specs: list[ParamSpec], parts: list[Path]) -> dict[str, torch.Tenso
     for s in specs:
         if len(seen[s.name]) != (s.n_units if s.sharded else 1):
             raise CheckpointError(f"export: units of {s.name} missing from the parts")
-    return {s.name: (full[s.name].t().contiguous() if s.transposed else full[s.name]) for s in specs}
+    return {s.name: to_user(s, full[s.name]) for s in specs}

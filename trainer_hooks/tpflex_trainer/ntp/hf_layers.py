@@ -27,6 +27,24 @@ class LocalLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class FusedLocalLinear(nn.Module):
+    """A fused column-parallel projection (GLM's ``gate_up_proj``: ``chunks`` equal chunks
+    of rows that the model splits with ``chunk``): the member's units are stored unit-major
+    (each unit's rows of every chunk in turn) and regrouped chunk-major for the product, so
+    the model's own split sees [gate of the local units | up of the local units]."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, chunks: int, unit_rows: int) -> None:
+        super().__init__()
+        self.weight, self.bias, self.chunks, self.rows = weight, bias, chunks, unit_rows // chunks
+
+    def _regroup(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1, self.chunks, self.rows, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = None if self.bias is None else self._regroup(self.bias)
+        return F.linear(x, self._regroup(self.weight), b)
+
+
 class ExpandedKVLinear(nn.Module):
     """A K or V projection when KV heads are replicated units: the member holds each of
     its KV heads once and produces one KV head per local query head (``index``: local

@@ -30,7 +30,12 @@ from tpflex_trainer.ntp.config import REPLICATED, ParamSpec
 from tpflex_trainer.ntp.errors import LayoutError, UnsupportedModelError
 from tpflex_trainer.ntp.layout import Derived
 
-STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce")
+STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "colwise_gather_output", "rowwise_split_input")
+# HF gathers a colwise_gather_output projection's output and splits a rowwise_split_input
+# one's input again; tpflex keeps both sharded (column / row units) and lets the fidelity
+# self-test decide whether what runs between them is exact on the member's columns
+COLUMN_STYLES = ("colwise", "colwise_gather_output")
+ROW_STYLES = ("rowwise", "rowwise_split_input")
 # plan styles for the embedding table that tpflex's own vocab-parallel embedding supersedes
 EMBEDDING_STYLES = ("embedding_rowwise", "rowwise")
 EMBEDDING = "embed_tokens"
@@ -45,6 +50,7 @@ class Role:
 
     kind: str
     family: str
+    chunks: int = 1  # a fused column projection's equal chunks (GLM's gate_up_proj: 2)
 
 
 @dataclass(frozen=True)
@@ -170,7 +176,8 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
         if style != "replicated_with_grad_allreduce" and not isinstance(modules[name], nn.Linear):
             raise UnsupportedModelError(f"planned module {name} ({style}) is not a Linear")
         parent = name.rsplit(".", 1)[0]
-        parents.setdefault(parent, {}).setdefault(style, []).append(name)
+        kind = "colwise" if style in COLUMN_STYLES else "rowwise" if style in ROW_STYLES else style
+        parents.setdefault(parent, {}).setdefault(kind, []).append(name)
     roles, blocks = {}, {}
     for parent, by_style in parents.items():
         attn = hasattr(modules[parent], "head_dim") and hasattr(modules[parent], "num_key_value_groups")
@@ -200,10 +207,10 @@ def _block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, hea
     if not attn:
         width = modules[rows[0]].in_features
         for n in cols:
-            if modules[n].out_features != width:
-                raise UnsupportedModelError(f"{n} has {modules[n].out_features} outputs, its partner "
-                                            f"{rows[0]} takes {width}")
-            roles[n] = Role("column", FFN)
+            out = modules[n].out_features
+            if out % width or out < width:
+                raise UnsupportedModelError(f"{n} has {out} outputs, its partner {rows[0]} takes {width}")
+            roles[n] = Role("column", FFN, out // width)  # out = k x width: k fused chunks
         roles[rows[0]] = Role("row", FFN)
         return roles
     if modules[rows[0]].in_features != n_heads * head_dim:
@@ -263,5 +270,5 @@ def _specs(model, roles, blocks, prefix, counts, n_heads, n_kv, head_dim, head_u
         else:
             rows = shape[0] // counts[role.family]
         init = std if leaf == "weight" else 0.0
-        specs.append(ParamSpec(name, shape, role.family, rows, init))
+        specs.append(ParamSpec(name, shape, role.family, rows, init, chunks=role.chunks))
     return specs

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tpflex_trainer.ntp.config import REPLICATED
+from tpflex_trainer.ntp.config import REPLICATED, to_canonical
 from tpflex_trainer.ntp.errors import UnsupportedModelError
 from tpflex_trainer.ntp.hf_plan import ATTN, attention_heads
 from tpflex_trainer.ntp.layout import derived_units
@@ -168,7 +168,7 @@ def _member_units(adapter, degree: int) -> list[dict[str, tuple[int, ...]]]:
 
 
 def _canon(spec, tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.t() if spec.transposed else tensor
+    return to_canonical(spec, tensor)
 
 
 def _local(spec, full: torch.Tensor, units: tuple[int, ...]) -> torch.Tensor:
