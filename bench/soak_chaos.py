@@ -29,6 +29,7 @@ from tpflex_trainer.demo.launcher import demo_job_spec, worker_preload
 from tpflex_trainer.demo.model import DEMO_MODEL
 from tpflex_trainer.hooks.config import write_spec
 
+from bench.soak_oracle import window_dumped
 from tests.support.wait import wait_until
 
 JOB, LOCAL_BATCH = "soak", 4
@@ -181,6 +182,7 @@ class Chaos:
         self.cluster, self.work, self.records, self.rng, self.kinds = cluster, work, records, rng, kinds
         self.faults: list[dict] = []
         self.due: list[str] = []  # this round's kinds, in a random order
+        self.dumps = work / "dumps"  # the ranks' state dumps (run_job's ``dumps``)
 
     def next_kind(self) -> str:
         """Every kind once per round, each round in a random order: a short soak still
@@ -203,9 +205,10 @@ class Chaos:
         return self.rng.choice(sorted(choices))
 
     def healthy(self, after: float) -> bool:
-        """Every GPU in the plan, and 3 steps completed under that plan generation by all 8
+        """Every GPU in the plan, 3 steps completed under that plan generation by all 8
         ranks since ``after`` (a fault's end plus a settling time: the agents' lease, the
-        launchers' beat timeout)."""
+        launchers' beat timeout), and the generation's oracle window dumped (its first
+        round, or a later one if a fault cut that short: ``soak_oracle.window_dumped``)."""
         if time.time() < after:
             return False
         generation, gpus = self.cluster.plan()
@@ -215,7 +218,7 @@ class Chaos:
         for r in self.records.poll()[-400:]:
             if r["kind"] == "step" and r["generation"] == generation and r["t"] > after:
                 done.setdefault(r["step"], set()).add(r["rank"])
-        return sum(1 for ranks in done.values() if len(ranks) == 8) >= 3
+        return sum(1 for ranks in done.values() if len(ranks) == 8) >= 3 and window_dumped(self.dumps, generation)
 
     def inject(self) -> dict:
         kind = self.next_kind()
@@ -242,7 +245,11 @@ class Chaos:
         self.cluster.inject(node, index, "xid79")
         os.kill(pid, signal.SIGKILL)  # its rank dies with it (a CUDA error, at once)
         wait(lambda: (node, index) not in self.cluster.plan_gpus(), 30, "the re-plan without the failed GPU")
+        degraded = self.cluster.plan()[0]
         time.sleep(self.rng.uniform(2, 6))  # the GPU stays out of the job this long
+        # and until the degraded layout trained the oracle's window (else a step or two in it
+        # would be a layout change nobody could check)
+        wait(lambda: window_dumped(self.dumps, degraded), 120, "the degraded layout's oracle window")
         self.cluster.inject(node, index, "recover")
 
     def agent_freeze(self, fault: dict) -> None:

@@ -90,6 +90,17 @@ def _complete(path: Path, adapter) -> tuple[int, dict, list[dict]] | None:
     return step, state, sides
 
 
+def window_dumped(dump_dir: Path, generation: int) -> bool:
+    """Whether some replica's exit dump of a window of ``generation`` is complete (every
+    member's sidecar is written, atomically): the oracle can check that generation. The
+    soak waits for it before its next fault, and before it repairs an XID's GPU."""
+    for path in dump_dir.glob(f"g{generation:06d}-e*-s*/exit/r*"):
+        sides = [json.loads(p.read_text()) for p in path.glob("*.pt.json")]
+        if sides and len(sides) == sides[0]["degrees"].get(path.name[1:]):
+            return True
+    return False
+
+
 def reference_from(cfg, state: dict, step: int, batches, lr: float, betas, eps: float):
     """The dense reference (``ntp/reference.py``'s model, ``torch.optim.Adam``) continued from
     a full state at Adam step ``step``: (losses, final state)."""
