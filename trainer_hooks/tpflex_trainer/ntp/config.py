@@ -78,9 +78,10 @@ class ParamSpec:
     partial_grad: bool = False
     # the user's tensor is the canonical one transposed (a row-parallel weight)
     transposed: bool = False
-    # a fused projection (GLM's gate_up_proj): the user's rows are ``chunks`` equal chunks
-    # (gate, up), each unit-major; a canonical unit is its rows of every chunk in turn
-    chunks: int = 1
+    # a fused projection (GLM's gate_up_proj, Phi-3's qkv_proj): the user's rows are chunks
+    # (gate, up; q, k, v), each unit-major with ``chunk_rows[c]`` rows per unit; a canonical
+    # unit is its rows of every chunk in turn (``unit_rows`` = their sum). Empty: not fused
+    chunk_rows: tuple[int, ...] = ()
 
     @property
     def sharded(self) -> bool:
@@ -111,19 +112,27 @@ class ParamSpec:
 def to_user(spec: ParamSpec, canon):
     """The user's tensor (HF's layout) of a canonical one: chunks regrouped, transposed."""
     t = canon
-    if spec.chunks > 1:
-        n, r = spec.n_units, spec.unit_rows // spec.chunks
-        t = t.reshape(n, spec.chunks, r, *spec.shape[1:]).transpose(0, 1).reshape(spec.shape)
+    if spec.chunk_rows:
+        units = t.reshape(spec.n_units, spec.unit_rows, *spec.shape[1:])
+        t = torch_cat([c.reshape(-1, *spec.shape[1:]) for c in units.split(list(spec.chunk_rows), dim=1)])
     return t.t().contiguous() if spec.transposed else t.contiguous()
 
 
 def to_canonical(spec: ParamSpec, user):
     """The canonical (unit-major) tensor of the user's one (``to_user`` inverted)."""
     t = user.t() if spec.transposed else user
-    if spec.chunks > 1:
-        n, r = spec.n_units, spec.unit_rows // spec.chunks
-        t = t.reshape(spec.chunks, n, r, *spec.shape[1:]).transpose(0, 1).reshape(spec.shape)
+    if spec.chunk_rows:
+        n = spec.n_units
+        parts = t.split([n * r for r in spec.chunk_rows])
+        t = torch_cat([p.reshape(n, r, *spec.shape[1:]) for p, r in zip(parts, spec.chunk_rows, strict=True)],
+                      dim=1).reshape(spec.shape)
     return t.contiguous()
+
+
+def torch_cat(parts, dim: int = 0):
+    import torch
+
+    return torch.cat(parts, dim=dim)
 
 
 def param_specs(cfg: GPTConfig) -> list[ParamSpec]:

@@ -105,6 +105,20 @@ class HfShard(nn.Module):
         return self.stage_loss(tokens, targets)
 
 
+def local_attention_config(block: nn.Module, groups: int, plan: HfPlan) -> None:
+    """An attention module whose fused q/k/v the model splits by its config's head counts
+    (Phi-3: ``query_pos = config.num_attention_heads * head_dim``) gets its own copy of the
+    config with this member's counts (``groups`` KV groups and their query heads), and its
+    ``num_heads`` / ``num_key_value_heads`` attributes likewise where it has them."""
+    heads = groups * (plan.n_heads // plan.n_kv)
+    config = copy.copy(block.config)
+    config.num_attention_heads, config.num_key_value_heads = heads, groups
+    block.config = config
+    for attr, value in (("num_heads", heads), ("num_key_value_heads", groups)):
+        if hasattr(block, attr):
+            setattr(block, attr, value)
+
+
 class HfAdapter(ModelAdapter):
     def __init__(self, config, base_tp: int, weights_dir: str | os.PathLike | None = None,
                  self_test: bool = True) -> None:
@@ -133,7 +147,7 @@ class HfAdapter(ModelAdapter):
         self.hidden = int(config.hidden_size)
         self.tied = bool(self.plan.tied)
         self.prefix = self.plan.prefix
-        self._unit_rows = {s.name: s.unit_rows for s in self.specs}
+        self._chunk_rows = {s.name: s.chunk_rows for s in self.specs}
         self._reader = None
         self.fidelity = hf_selftest.check(config, HfAdapter) if self_test else None
 
@@ -212,8 +226,10 @@ class HfAdapter(ModelAdapter):
             w, b = params[f"{path}.weight"], params.get(f"{path}.bias")
             if role.kind == "row":
                 new = RowParallel(w, b, group)
-            elif role.chunks > 1:
-                new = FusedLocalLinear(w, b, role.chunks, self._unit_rows[f"{path}.weight"])
+            elif self._chunk_rows[f"{path}.weight"]:
+                new = FusedLocalLinear(w, b, self._chunk_rows[f"{path}.weight"])
+                if role.family == ATTN:
+                    local_attention_config(modules[path.rsplit(".", 1)[0]], len(units[ATTN]), self.plan)
             elif role.kind == "kv" and role.family == KV:
                 index = [units[KV].index(h // (self.plan.n_heads // self.plan.n_kv)) for h in units[ATTN]]
                 new = ExpandedKVLinear(w, b, index, self.plan.head_dim)

@@ -73,13 +73,12 @@ class SafetensorsReader:
             out = sl[:]
         else:
             pieces = []
-            r, per_chunk = spec.unit_rows // spec.chunks, spec.n_units * (spec.unit_rows // spec.chunks)
+            starts = [spec.n_units * sum(spec.chunk_rows[:c]) for c in range(len(spec.chunk_rows))]
             for first, count in _runs(units):
-                if spec.chunks > 1:  # each unit's rows of every chunk, unit-major (config.to_canonical)
-                    parts = [sl[c * per_chunk + first * r:c * per_chunk + (first + count) * r]
-                             for c in range(spec.chunks)]
-                    pieces.append(torch.stack([p.reshape(count, r, *p.shape[1:]) for p in parts], 1)
-                                  .reshape(count * spec.unit_rows, *spec.shape[1:]))
+                if spec.chunk_rows:  # each unit's rows of every chunk, unit-major (config.to_canonical)
+                    parts = [sl[s0 + first * r:s0 + (first + count) * r].reshape(count, r, *spec.shape[1:])
+                             for s0, r in zip(starts, spec.chunk_rows, strict=True)]
+                    pieces.append(torch.cat(parts, 1).reshape(count * spec.unit_rows, *spec.shape[1:]))
                     continue
                 a, b = first * spec.unit_rows, (first + count) * spec.unit_rows
                 pieces.append(sl[:, a:b].t() if spec.transposed else sl[a:b])

@@ -28,17 +28,19 @@ class LocalLinear(nn.Module):
 
 
 class FusedLocalLinear(nn.Module):
-    """A fused column-parallel projection (GLM's ``gate_up_proj``: ``chunks`` equal chunks
-    of rows that the model splits with ``chunk``): the member's units are stored unit-major
-    (each unit's rows of every chunk in turn) and regrouped chunk-major for the product, so
-    the model's own split sees [gate of the local units | up of the local units]."""
+    """A fused column-parallel projection (GLM's ``gate_up_proj``: gate and up; Phi-3's
+    ``qkv_proj``: q, k and v), whose chunks the model splits itself: the member's units are
+    stored unit-major (each unit's rows of every chunk in turn, ``chunk_rows`` per unit) and
+    regrouped chunk-major for the product, so the model's own split sees [gate of the local
+    units | up of the local units]."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, chunks: int, unit_rows: int) -> None:
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, chunk_rows: tuple[int, ...]) -> None:
         super().__init__()
-        self.weight, self.bias, self.chunks, self.rows = weight, bias, chunks, unit_rows // chunks
+        self.weight, self.bias, self.chunk_rows = weight, bias, list(chunk_rows)
 
     def _regroup(self, t: torch.Tensor) -> torch.Tensor:
-        return t.reshape(-1, self.chunks, self.rows, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        units = t.reshape(-1, sum(self.chunk_rows), *t.shape[1:])
+        return torch.cat([c.reshape(-1, *t.shape[1:]) for c in units.split(self.chunk_rows, dim=1)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = None if self.bias is None else self._regroup(self.bias)

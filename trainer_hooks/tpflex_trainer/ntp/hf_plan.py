@@ -50,7 +50,11 @@ class Role:
 
     kind: str
     family: str
-    chunks: int = 1  # a fused column projection's equal chunks (GLM's gate_up_proj: 2)
+    # a fused column projection: its number of equal chunks (GLM's gate_up_proj: 2), or its
+    # rows per unit of each chunk (Phi-3's qkv_proj: query heads x head_dim, head_dim,
+    # head_dim per KV group)
+    fused: int = 1
+    chunk_rows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -210,7 +214,7 @@ def _block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, hea
             out = modules[n].out_features
             if out % width or out < width:
                 raise UnsupportedModelError(f"{n} has {out} outputs, its partner {rows[0]} takes {width}")
-            roles[n] = Role("column", FFN, out // width)  # out = k x width: k fused chunks
+            roles[n] = Role("column", FFN, fused=out // width)  # out = k x width: k fused chunks (gate, up)
         roles[rows[0]] = Role("row", FFN)
         return roles
     if modules[rows[0]].in_features != n_heads * head_dim:
@@ -221,9 +225,12 @@ def _block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, hea
             roles[n] = Role("column", ATTN)
         elif out == n_kv * head_dim:
             roles[n] = Role("kv", KV if head_units else ATTN)
+        elif out == (n_heads + 2 * n_kv) * head_dim and not head_units:
+            # fused q, k, v (Phi-3's qkv_proj): a unit is a KV group's query rows, K rows, V rows
+            roles[n] = Role("column", ATTN, chunk_rows=((n_heads // n_kv) * head_dim, head_dim, head_dim))
         else:
-            raise UnsupportedModelError(f"{n} has {out} outputs: neither query heads nor KV heads "
-                                        "(fused projections are not supported)")
+            raise UnsupportedModelError(f"{n} has {out} outputs: neither query heads, KV heads nor fused q/k/v "
+                                        "by KV group (fused q/k/v above the KV heads is not supported)")
     if sum(1 for n in cols if roles[n].kind == "column") != 1 and n_heads != n_kv:
         raise UnsupportedModelError(f"block {parent} needs exactly one query projection")
     roles[rows[0]] = Role("row", ATTN)
@@ -263,12 +270,14 @@ def _specs(model, roles, blocks, prefix, counts, n_heads, n_kv, head_dim, head_u
             specs.append(ParamSpec(name, canon, role.family, canon[0] // counts[role.family], std,
                                    transposed=True))
             continue
+        chunk_rows = role.chunk_rows
         if role.family == ATTN and role.kind == "column":
-            rows = per_attn_unit * head_dim
+            rows = sum(chunk_rows) if chunk_rows else per_attn_unit * head_dim
         elif role.kind == "kv":
             rows = kv_rows
         else:
             rows = shape[0] // counts[role.family]
+            chunk_rows = (rows // role.fused,) * role.fused if role.fused > 1 else ()
         init = std if leaf == "weight" else 0.0
-        specs.append(ParamSpec(name, shape, role.family, rows, init, chunks=role.chunks))
+        specs.append(ParamSpec(name, shape, role.family, rows, init, chunk_rows=chunk_rows))
     return specs
