@@ -96,13 +96,16 @@ def test_tp_plan_mapping_and_refusals():
     above = HfAdapter(AutoConfig.for_model("qwen3", head_dim=4, **small), base_tp=3)
     assert above.unit_counts["attn"] == 4 and above.derived == {"kv": Derived("attn", 2)}
     refused = {
-        "gpt_neox": "embed_tokens",  # its own embedding name (and fused q/k/v rows)
-        "phi3": "colwise_gather_output",  # a plan style we do not map
+        ("gpt_neox", 2): "embed_tokens",  # its own embedding name (and fused q/k/v rows)
+        ("phi3", 3): "fused q/k/v above the KV heads",  # fused q/k/v: units by KV group only
     }
-    for family, why in refused.items():
+    for (family, base_tp), why in refused.items():
         cfg = AutoConfig.for_model(family, **small)
         with pytest.raises(UnsupportedModelError, match=why):
-            HfAdapter(cfg, base_tp=2)
+            HfAdapter(cfg, base_tp=base_tp)
+    fused = HfAdapter(AutoConfig.for_model("phi3", **small), base_tp=2)  # KV-group units: q, k, v rows
+    qkv = next(s for s in fused.specs if s.name.endswith("layers.0.self_attn.qkv_proj.weight"))
+    assert qkv.chunk_rows == (8, 4, 4) and qkv.unit_rows == 16
     # an embedding entry (transformers 5.17's Qwen3 plan) changes nothing: vocab-parallel anyway
     cfg = AutoConfig.for_model("qwen3", head_dim=4, **small)
     cfg.base_model_tp_plan = {"embed_tokens": "embedding_rowwise", **cfg.base_model_tp_plan}

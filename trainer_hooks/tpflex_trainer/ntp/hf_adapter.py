@@ -149,7 +149,7 @@ class HfAdapter(ModelAdapter):
         self.prefix = self.plan.prefix
         self._chunk_rows = {s.name: s.chunk_rows for s in self.specs}
         self._reader = None
-        self.fidelity = hf_selftest.check(config, HfAdapter) if self_test else None
+        self.fidelity = hf_selftest.check(config, HfAdapter, self.plan.head_units) if self_test else None
 
     @classmethod
     def from_pretrained_dir(cls, path: str | os.PathLike, base_tp: int) -> HfAdapter:

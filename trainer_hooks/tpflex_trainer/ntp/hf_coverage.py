@@ -57,6 +57,7 @@ def _short(text: str, limit: int = 220) -> str:
 def classify(model_type: str, cls: str, config) -> Row:
     from tpflex_trainer.ntp.errors import NtpError
     from tpflex_trainer.ntp.hf_adapter import HfAdapter
+    from tpflex_trainer.ntp.hf_plan import attention_heads
     from tpflex_trainer.ntp.hf_selftest import miniature_config
 
     moe = any(style in MOE_STYLES for style in config.base_model_tp_plan.values())
@@ -75,15 +76,20 @@ def classify(model_type: str, cls: str, config) -> Row:
         return Row(model_type, cls, moe, "error", _short(f"{type(exc).__name__}: {exc}"))
     fid = adapter.fidelity
     covered = ", ".join(x for x in fid.layouts if x != "2 pipeline stages")
+    heads, kv = attention_heads(mini)
+    if heads > kv:  # a job whose base TP degree is above the KV heads: query-head units
+        try:
+            above = HfAdapter(mini, kv + 1).fidelity
+            covered += ", " + ", ".join(x for x in above.layouts if x != "2 pipeline stages")
+        except NtpError as exc:
+            covered += "; above the KV heads refused: " + _short(exc, 120)
     if "2 pipeline stages" not in fid.layouts:
         pp = "pipeline stages: not split (tied embeddings)"
     elif fid.pipeline:
         pp = "pipeline stages refused: " + _short(fid.pipeline, 120)
     else:
         pp = "pipeline stages exact"
-    sharded = sorted(f for f in adapter.unit_counts if f != "vocab")
-    note = "" if sharded else "; the plan shards only the vocabulary (every member runs the whole decoder)"
-    return Row(model_type, cls, moe, "exact", f"{covered}; {pp}{note}")
+    return Row(model_type, cls, moe, "exact", f"{covered}; {pp}")
 
 
 def coverage() -> list[Row]:

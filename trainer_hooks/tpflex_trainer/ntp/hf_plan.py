@@ -170,6 +170,10 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
             raise UnsupportedModelError(f"tp plan style {plan[EMBEDDING]!r} of {EMBEDDING!r} is not "
                                         f"supported (supported: {', '.join(EMBEDDING_STYLES)})")
         del plan[EMBEDDING]  # vocab-parallel below, whatever the plan says
+    if not plan:
+        raise UnsupportedModelError(f"{type(config).__name__}: its tp plan shards only the embedding, so every "
+                                    "member would hold and run the whole decoder: no tensor parallelism for NTP to "
+                                    "keep (train it data-parallel)")
     planned = _planned_modules(model, plan, prefix)
     modules = dict(model.named_modules())
     n_heads, n_kv = attention_heads(config)

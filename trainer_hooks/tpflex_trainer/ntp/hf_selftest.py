@@ -39,6 +39,7 @@ PASSED_ENV = "TPFLEX_SELF_TEST_PASSED"  # set by tpflex-train for its workers (`
 LOSS_TOL = 1e-5  # relative
 GRAD_TOL = 1e-4  # relative L2 per parameter (fp32 sums in another order: ~1e-7 seen)
 STEPS = 2
+MAX_MINIATURE_PARAMS = 2_000_000  # the decoder miniatures have about 0.1 M
 SGD_LR = 0.5
 VOCAB, HIDDEN_PER_HEAD, FFN, SEQ, BATCH, LAYERS = 96, 8, 48, 12, 3, 2
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -322,10 +323,10 @@ def _key(config) -> str:
     return f"{type(config).__module__}.{type(config).__qualname__}:{config.to_json_string()}"
 
 
-def passed_token(config, result: SelfTestResult) -> str:
+def passed_token(config, result: SelfTestResult, head_units: bool) -> str:
     """What a launcher that ran the self-test hands its workers in ``PASSED_ENV``: the
     result, bound to a digest of the exact config, so each rank does not run it again."""
-    digest = hashlib.sha256(_key(config).encode()).hexdigest()
+    digest = hashlib.sha256(f"{_key(config)}|head_units={head_units}".encode()).hexdigest()
     return json.dumps({"config_sha256": digest, "pipeline": result.pipeline, "layouts": list(result.layouts)})
 
 
@@ -339,39 +340,45 @@ def _inherited(key: str) -> SelfTestResult | None:
     return None
 
 
-def self_test(config, adapter_cls) -> SelfTestResult:
-    """Run (once per process and config) the self-test of ``config``'s model class; a
-    result handed down by the launcher for this exact config (``PASSED_ENV``) is taken."""
-    key = _key(config)
+def self_test(config, adapter_cls, head_units: bool = False) -> SelfTestResult:
+    """Run (once per process, config and unit kind) the self-test of ``config``'s model
+    class; a result handed down by the launcher for this exact config (``PASSED_ENV``) is
+    taken."""
+    key = f"{_key(config)}|head_units={head_units}"
     with _LOCK:
         if key in _CACHE:
             return _CACHE[key]
-        result = _inherited(key) or _self_test(config, adapter_cls)
+        result = _inherited(key) or _self_test(config, adapter_cls, head_units)
         _CACHE[key] = result
         return result
 
 
-def _self_test(config, adapter_cls) -> SelfTestResult:
+def _self_test(config, adapter_cls, head_units: bool) -> SelfTestResult:
     """Layouts: KV-group units split unevenly (4 KV groups on 3 members; 3 on 2; or 2 on
-    2), then query-head units above the KV heads (2 KV heads, 4 query heads on 3 members:
-    replicated KV units) when the model groups its heads, then 2 pipeline stages."""
+    2) for a job whose base TP degree is at most the KV heads, else query-head units above
+    the KV heads (2 KV heads, 4 query heads on 3 members: replicated KV units); then 2
+    pipeline stages."""
     try:
-        _, n_kv = attention_heads(config)
-        minis = [miniature_config(config, 4)]
-        if attention_heads(minis[0])[0] > attention_heads(minis[0])[1] or n_kv > 4:
-            minis.append(miniature_config(config, 2))
-        for mini in minis:
-            _reference(mini, 0)
+        minis = [miniature_config(config, 2 if head_units else 4), miniature_config(config, 2)]
+        from tpflex_trainer.ntp.hf_adapter import build_meta_model
+
+        size = max(sum(p.numel() for p in build_meta_model(mini).parameters()) for mini in minis)
     except Exception as exc:  # noqa: BLE001 - any failure to build the miniature refuses, with its reason
         why = f"no miniature of the config could be built ({type(exc).__name__}: {exc})"
         return SelfTestResult(why, why, ())
+    if size > MAX_MINIATURE_PARAMS:
+        why = (f"its miniature still has {size:,} parameters (above {MAX_MINIATURE_PARAMS:,}): parts of the model "
+               "that the miniature's sizes do not shrink (an encoder of another modality?) were not checked")
+        return SelfTestResult(why, why, ())
     a_heads, a_kv = attention_heads(minis[0])
-    degree = 3 if a_kv >= 3 else 2
-    layouts = [(f"TP {degree} over {a_kv} KV groups", minis[0], degree, degree)]
-    b = minis[-1]
-    b_heads, b_kv = attention_heads(b)
-    if b_heads > b_kv:
-        layouts.append((f"TP {b_kv + 1} above {b_kv} KV heads", b, b_kv + 1, b_kv + 1))
+    if not head_units:
+        degree = 3 if a_kv >= 3 else 2
+        layouts = [(f"TP {degree} over {a_kv} KV groups", minis[0], degree, degree)]
+    elif a_heads > a_kv:
+        layouts = [(f"TP {a_kv + 1} above {a_kv} KV heads", minis[0], a_kv + 1, a_kv + 1)]
+    else:
+        layouts = []
+    b = minis[1]
     tp_why, pp_why, names = None, None, []
     torch_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the members are threads already
@@ -403,7 +410,7 @@ def _guarded(fn, *args) -> str | None:
         return f"the NTP path failed on a miniature of the model ({type(exc).__name__}: {exc})"
 
 
-def check(config, adapter_cls) -> SelfTestResult | None:
+def check(config, adapter_cls, head_units: bool = False) -> SelfTestResult | None:
     """The self-test, or None with a loud warning when ``TPFLEX_SKIP_SELF_TEST`` is set.
     ``UnsupportedModelError`` when the model does not train exactly under NTP."""
     if skipped():
@@ -411,7 +418,7 @@ def check(config, adapter_cls) -> SelfTestResult | None:
                     "its sharded forward and backward equal HF's; a mismatch would train silently wrong",
                     SKIP_ENV, type(config).__name__)
         return None
-    result = self_test(config, adapter_cls)
+    result = self_test(config, adapter_cls, head_units)
     if result.tensor_parallel:
         raise UnsupportedModelError(f"{type(config).__name__} failed the fidelity self-test (a miniature of the "
                                     f"config under NTP against HF's own module): {result.tensor_parallel}",

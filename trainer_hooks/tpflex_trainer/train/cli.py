@@ -160,7 +160,7 @@ def _self_test_env(adapter) -> dict[str, str]:
 
     if adapter.fidelity is None:  # skipped: the workers skip it too, with the same warning
         return {}
-    return {PASSED_ENV: passed_token(adapter.config, adapter.fidelity)}
+    return {PASSED_ENV: passed_token(adapter.config, adapter.fidelity, adapter.plan.head_units)}
 
 
 def main(argv: list[str] | None = None) -> int:
