@@ -60,6 +60,7 @@ from tpflex_proto import (
     types_pb2,
 )
 
+from bench import plants
 from tests.reliability import invariants
 from tests.reliability.fleet import ADMIN_TOKEN, Fleet
 from tests.support.etcd_server import EtcdCluster
@@ -77,14 +78,8 @@ PLANTS = ("kill-rest-child",)
 
 
 def planted(env: dict | None = None) -> str | None:
-    """The defect ``TPFLEX_BENCH_PLANT`` asks this bench to plant (None: none); an unknown
-    one is an error, not a silent no-op."""
-    value = (os.environ if env is None else env).get("TPFLEX_BENCH_PLANT", "")
-    if not value:
-        return None
-    if value not in PLANTS:
-        raise ValueError(f"TPFLEX_BENCH_PLANT={value!r}: abuse.py plants one of {', '.join(PLANTS)}")
-    return value
+    """The defect ``TPFLEX_BENCH_PLANT`` asks this bench to plant (``bench.plants``)."""
+    return plants.planted("abuse.py", PLANTS, env)
 
 
 class Tally:

@@ -73,6 +73,7 @@ from tpflex_controller.reconcile import Reconciler
 from tpflex_proto import codec, keys, planstore, types_pb2
 from tpflex_proto.etcd import Etcd, Op
 
+from bench import plants
 from tests.support.etcd_server import EtcdCluster
 
 RACKS, NODES_PER_RACK, GPUS_PER_NODE = 3641, 18, 4
@@ -428,9 +429,10 @@ def main(argv: list[str] | None = None) -> int:
         return _controller(args.controller.split(","), args.stages)
     if not (1 <= args.failures <= args.racks <= 20_000 and 0 < args.deadline_s <= 600):
         ap.error("need 1 <= --failures <= --racks <= 20000 and 0 < --deadline-s <= 600")
-    plant = os.environ.get("TPFLEX_BENCH_PLANT") or None
-    if plant not in (None, *PLANTS):
-        ap.error(f"TPFLEX_BENCH_PLANT={plant!r}: controller_scale.py plants one of {', '.join(PLANTS)}")
+    try:
+        plant = plants.planted("controller_scale.py", PLANTS)
+    except ValueError as exc:
+        ap.error(str(exc))
     rng = random.Random(7)
     with EtcdCluster(1) as cluster:
         etcd = Etcd(cluster.endpoints, timeout=10.0)

@@ -81,6 +81,7 @@ from tpflex_controller.planner.model import ClusterState, GpuStatus
 from tpflex_proto import codec, keys, planstore, types_pb2
 from tpflex_proto.etcd import Etcd, EtcdError, Op
 
+from bench import plants
 from bench.lease_keeper import LeaseKeeper
 from bench.load_oracle import InvariantOracle, JobState, follow, job_states
 from bench.rest_clients import parse_on_off
@@ -265,14 +266,8 @@ PLANTS = ("drop-failure",)
 
 
 def planted(env: dict | None = None) -> str | None:
-    """The defect ``TPFLEX_BENCH_PLANT`` asks this bench to plant (None: none); an unknown
-    one is an error, not a silent no-op."""
-    value = (os.environ if env is None else env).get("TPFLEX_BENCH_PLANT", "")
-    if not value:
-        return None
-    if value not in PLANTS:
-        raise ValueError(f"TPFLEX_BENCH_PLANT={value!r}: load.py plants one of {', '.join(PLANTS)}")
-    return value
+    """The defect ``TPFLEX_BENCH_PLANT`` asks this bench to plant (``bench.plants``)."""
+    return plants.planted("load.py", PLANTS, env)
 
 
 def _default_rest_nice() -> int:
