@@ -63,6 +63,7 @@ from tpflex_proto import (
 from bench import plants
 from tests.reliability import invariants
 from tests.reliability.fleet import ADMIN_TOKEN, Fleet
+from tests.support import procfs
 from tests.support.etcd_server import EtcdCluster
 
 PROBE_GPU = ("rack0-n00", 0)
@@ -349,13 +350,7 @@ def _alive(pid: int) -> bool:
 def _children(pid: int) -> list[int]:
     """The running child processes of ``pid`` (/proc; the controller's only one is its
     REST process)."""
-    kids = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            kids += [int(k) for k in (task / "children").read_text().split()]
-        except OSError:
-            continue
-    return [k for k in kids if _alive(k)]
+    return [k for k in procfs.children(pid) if _alive(k)]
 
 
 def _plant_kill_rest_child(ctl, tally: Tally, stop: threading.Event, killed: list[int]) -> None:

@@ -85,6 +85,7 @@ from bench import plants
 from bench.lease_keeper import LeaseKeeper
 from bench.load_oracle import InvariantOracle, JobState, follow, job_states
 from bench.rest_clients import parse_on_off
+from tests.support import procfs
 from tests.support.etcd_server import EtcdCluster
 from tests.support.ports import free_ports
 
@@ -509,12 +510,7 @@ def _cpu_s(pid: int) -> float:
 
 def _rest_pid(pid: int) -> int | None:
     """The controller's REST child process (api/process.py), None if there is none."""
-    kids = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            kids += [int(k) for k in (task / "children").read_text().split()]
-        except OSError:
-            continue
+    kids = procfs.children(pid)
     return kids[0] if kids else None
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def status(pid: int, tid: int | None = None) -> dict[str, str]:
     """The fields of ``/proc/<pid>/status`` (of thread ``tid`` if given), values stripped."""
@@ -14,3 +16,14 @@ def nice(pid: int) -> int:
     """The process's niceness (field 19 of ``/proc/<pid>/stat``)."""
     with open(f"/proc/{pid}/stat") as f:
         return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid``, from every thread's /proc children list."""
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            kids += [int(k) for k in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return kids
