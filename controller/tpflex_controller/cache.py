@@ -415,11 +415,27 @@ class ClusterView:
             return self._jobs_of_nodes([node], "node_lost")
         if not apply_kv(self.snap, self._kv(keys.node(node), value, rev), msg=msg):
             return []
+        limits = self._refresh_limits(node)
         if node in self.live_nodes:
-            return []
+            return limits
         self.live_nodes.add(node)
         self.down_nodes.discard(node)
         return self._jobs_of_nodes([node], "node_joined")
+
+    def _refresh_limits(self, node: str) -> Dirty:
+        """A node's registration carries its GPUs' power limits (convert.device_limits):
+        when they change its rack's limits, the rack info is rebuilt and the rack's jobs
+        planned again (their replicas on this node's rack)."""
+        name = self.node_rack.get(node)
+        old = self.racks.get(name) if name is not None else None
+        rack = self.snap.racks.get(name) if name is not None else None
+        if old is None or rack is None:
+            return []
+        tdp, lo, hi, per_gpu = convert.device_limits(rack, list(old.nodes), self.snap.nodes)
+        if (tdp, lo, hi) == (old.tdp_w, old.min_w, old.max_w) and per_gpu == old.gpu_max_w:
+            return []
+        self.racks[name] = replace(old, tdp_w=tdp, min_w=lo, max_w=hi, gpu_max_w=per_gpu)
+        return self._jobs_of_nodes([node], "rack_changed")
 
     def _fold_rack(self, k: Key, key: str, value: bytes, rev: int, deleted: bool, msg=None) -> Dirty:
         name = k.name
@@ -433,7 +449,7 @@ class ClusterView:
                     self.down_nodes.discard(n)
         rack = self.snap.racks.get(name)
         if rack is not None:
-            info = self.racks[name] = convert.rack_info(rack)
+            info = self.racks[name] = convert.rack_info(rack, self.snap.nodes)
             for n in info.nodes:
                 if self.node_rack.get(n, name) != name and not self._node_listed_twice:
                     self._node_listed_twice = True

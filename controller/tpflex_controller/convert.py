@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import sys
+from collections.abc import Mapping
 
 from tpflex_proto import types_pb2
 
@@ -39,28 +41,75 @@ _REPLICA_STATE = {
 _REPLICA_STATE_BACK = {v: k for k, v in _REPLICA_STATE.items()}
 
 
-def rack_info(rack: types_pb2.Rack) -> RackInfo:
+def rack_info(rack: types_pb2.Rack, nodes: Mapping[str, types_pb2.Node] | None = None) -> RackInfo:
+    """The planner's view of a rack record; with ``nodes`` (the agents' registrations),
+    its power limits are the tighter of the record's and what the GPUs report
+    (``device_limits``)."""
     # node names interned: the view's live nodes and GPU keys hold the same objects, so
     # the planner's set look-ups compare by identity (no string compares per node)
     names = list(map(sys.intern, rack.nodes))
     gpus = tuple((node, i) for node in names for i in range(rack.gpus_per_node))
+    tdp, lo, hi, per_gpu = device_limits(rack, names, nodes)
     return RackInfo(
         name=rack.name,
         domain_size=rack.domain_size or len(gpus),
         power_budget_w=rack.power_budget_w,
-        tdp_w=rack.gpu_tdp_w,
-        min_w=rack.gpu_min_w,
-        max_w=rack.gpu_max_w,
+        tdp_w=tdp,
+        min_w=lo,
+        max_w=hi,
         gpus=gpus,
         nodes=tuple(dict.fromkeys(names)),
+        gpu_max_w=per_gpu,
     )
+
+
+def device_limits(
+    rack: types_pb2.Rack, names: list[str], nodes: Mapping[str, types_pb2.Node] | None
+) -> tuple[float, float, float, dict[GpuKey, float]]:
+    """(TDP, min, max, per-GPU max below max) of a rack: the rack record's limits made
+    tighter by the limits its GPUs report in their nodes' registrations (GpuDevice
+    min/default/max_limit_w, read from NVML by the agent). Per GPU the max is
+    min(device max, rack gpu_max_w); the rack's min is the highest min; its TDP (the
+    default cap every unboosted GPU gets) the lowest default, at most the rack's
+    gpu_tdp_w and at most any GPU's max. A GPU that reports no range (max 0: lost when
+    its agent started) or is not registered counts as the rack's ``max`` (the highest
+    reported max): when every reported GPU has the same max, the per-GPU map is empty.
+    A rack field of 0 is not given (the devices' value stands)."""
+    tdp, lo, hi = rack.gpu_tdp_w, rack.gpu_min_w, rack.gpu_max_w
+    if not nodes:
+        return tdp, lo, hi, {}
+    reported: dict[GpuKey, tuple[float, float, float]] = {}
+    per_node = rack.gpus_per_node
+    for name in dict.fromkeys(names):
+        node = nodes.get(name)
+        if node is None:
+            continue
+        for d in node.gpus:
+            if d.max_limit_w > 0 and d.index < per_node and _finite(d.min_limit_w, d.default_limit_w, d.max_limit_w):
+                reported[(name, d.index)] = (d.min_limit_w, d.default_limit_w, d.max_limit_w)
+    if not reported:
+        return tdp, lo, hi, {}
+    maxes = {g: (min(r[2], hi) if hi > 0 else r[2]) for g, r in reported.items()}
+    top = max(maxes.values())
+    floor_max = min(maxes.values())
+    lo = max(lo, max(r[0] for r in reported.values()))
+    defaults = [r[1] for r in reported.values() if r[1] > 0]
+    if defaults:
+        tdp = min(tdp, min(defaults)) if tdp > 0 else min(defaults)
+    tdp = min(tdp, floor_max) if tdp > 0 else floor_max
+    per_gpu = {g: m for g, m in maxes.items() if m < top}
+    return tdp, min(lo, tdp), top, per_gpu
+
+
+def _finite(*values: float) -> bool:
+    return all(math.isfinite(v) and v >= 0 for v in values)
 
 
 def cluster_state(snap: Snapshot, racks: dict[str, RackInfo] | None = None) -> ClusterState:
     """The planner's view of a snapshot. ``racks`` may be passed in when the caller caches
     the (rarely changing) rack infos."""
     if racks is None:
-        racks = {name: rack_info(r) for name, r in snap.racks.items()}
+        racks = {name: rack_info(r, snap.nodes) for name, r in snap.racks.items()}
     status: dict[GpuKey, GpuStatus] = {}
     speed: dict[GpuKey, float] = {}
     for node, nh in snap.health.items():

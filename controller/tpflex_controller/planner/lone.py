@@ -2,7 +2,7 @@
 whole rack, with no power pins or slow GPUs in the cluster, no operator pin on the
 replica, all the rack's nodes live and at least one of its GPUs failed or drained.
 
-Such a replica is planned exactly as ``planner.plan_replicas`` plans it (a draft, the
+(Its rack's GPUs report one max limit, above TDP.) Such a replica is planned exactly as ``planner.plan_replicas`` plans it (a draft, the
 ntp-pw decision, the lone-stage boost of ``power.plan_boosts``, ``_assign`` and
 ``reasons.replica_reasons``), but without the intermediate objects: its lost GPUs are
 found from the touched GPUs of the rack's nodes by position, and what depends only on
@@ -95,7 +95,9 @@ def plan_lone(
                 continue
             held = [g for node in touched_nodes.intersection(nodes) for g in by_node[node]]
             at = _lost_among(gpus, nodes, held, unusable)
-        if not at:  # touched but nothing lost (or not found by position)
+        if not at or rack.gpu_max_w or power.no_headroom(rack.max_w, rack.tdp_w):
+            # touched but nothing lost (or not found by position), per-GPU limits, or no
+            # headroom (run as plain ntp): the general path plans it
             rest.append(i)
             continue
         n = len(gpus)

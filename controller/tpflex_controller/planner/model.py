@@ -59,6 +59,31 @@ class RackInfo:
     # the rack's nodes (every node of ``gpus``, distinct), so that the planner can check
     # a healthy rack per node rather than per GPU; () = not given (checked per GPU)
     nodes: tuple[str, ...] = ()
+    # per-GPU max limits below ``max_w`` (the tighter of what the GPU reports and the rack
+    # record's; convert.rack_info): a GPU absent here takes ``max_w``. Empty for a rack
+    # whose GPUs all report the same limits (folded into ``tdp_w``/``min_w``/``max_w``).
+    gpu_max_w: Mapping[GpuKey, float] = field(default_factory=dict, hash=False)
+
+
+def gpu_max(rack: RackInfo, gpu: GpuKey) -> float:
+    """The highest cap ``gpu`` of ``rack`` takes (its own max limit, at most the rack's)."""
+    limits = rack.gpu_max_w
+    return limits.get(gpu, rack.max_w) if limits else rack.max_w
+
+
+def stage_max(rack: RackInfo, gpus: Iterable[GpuKey]) -> float:
+    """The highest uniform cap every GPU of ``gpus`` takes (the lowest of their max
+    limits): TP is synchronous, so a stage runs at its slowest GPU's speed."""
+    limits = rack.gpu_max_w
+    if not limits:
+        return rack.max_w
+    top = rack.max_w
+    return min((limits.get(g, top) for g in gpus), default=top)
+
+
+def has_headroom(rack: RackInfo, gpus: Iterable[GpuKey]) -> bool:
+    """Whether every GPU of ``gpus`` can be capped above the rack's TDP (default limit)."""
+    return stage_max(rack, gpus) > rack.tdp_w + 1e-9
 
 
 @dataclass(frozen=True)

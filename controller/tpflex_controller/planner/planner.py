@@ -194,6 +194,7 @@ def _plan_general(
             ctx.full_degree,
             curve,
         )
+        _fall_back_without_headroom(drafts, job)
     held = {p.replica: p for p in unheld}
     plain = _plain_ntp_alternatives(ctx, survey, job, drafts, pins)
     out: dict[int, ReplicaOutcome] = {}
@@ -209,6 +210,27 @@ def _plan_general(
         )
         out[d.index] = ReplicaOutcome(assignment, caps, tuple(reasons), held.get(d.index), d.index in lost)
     return out
+
+
+def _fall_back_without_headroom(drafts: list[ReplicaDraft], job: JobSpec) -> None:
+    """ntp-pw: a degraded replica none of whose reduced stages can be boosted (its GPUs'
+    max limit is their default, as on many H100/H200 SXM boards; ``power.py``) runs as
+    plain ntp: every stage at the replica's smallest degree, no boost, a local batch
+    ~ t_r / T, and the reason says so."""
+    full = full_tp(job)
+    for d in drafts:
+        if d.state is ReplicaState.DROPPED:
+            continue
+        reduced = [s for s in d.stages if s.degree < full]
+        if not reduced or not all(s.no_headroom for s in reduced):
+            continue
+        needy = [s for s in d.stages if s.needed_speed > 1.0 + 1e-9]
+        if not all(s.no_headroom for s in needy):
+            continue  # a slow stage that can be boosted: keep ntp-pw (it shrinks the batch)
+        d.fallback = f"NTP (no power headroom: {'; '.join(map(power.headroom_text, reduced))})"
+        for s in d.stages:
+            s.cap_w = None
+        decide_ntp(d, job)
 
 
 def _plain_ntp_alternatives(
@@ -235,7 +257,7 @@ def _plain_ntp_alternatives(
 def _holds_slow_gpu(stage: StageDraft, cluster: ClusterState) -> bool:
     pins, rack = cluster.power_pins, stage.rack
     for g in (set(cluster.gpu_speed) | set(pins)).intersection(stage.used):
-        if g in cluster.gpu_speed or power.pinned_w(rack, pins[g]) < rack.tdp_w:
+        if g in cluster.gpu_speed or power.pinned_w(rack, pins[g], g) < rack.tdp_w:
             return True
     return False
 
@@ -469,4 +491,6 @@ def _assign(
         why = model.text.get(key)
         if why is None:
             why = model.text[key] = f"{_STATE_NAMES[state]}: TP {tp}, {rel:.3f}x throughput"
+        if d.fallback:
+            why = f"{why}, {d.fallback}"
     return ReplicaAssignment(d.index, state, stages, tp, batch, rel, why), caps

@@ -5,7 +5,12 @@ Rules (DESIGN.md "Power"):
 - A stage running at degree t < T (or with slow GPUs of relative speed v < 1) needs
   T / (t * v) x speed. Its used GPUs get one uniform cap: the smallest power the model says
   reaches that speed, rounded up to a whole watt, limited by the GPU's max limit and by
-  TDP * (1 + max_boost) (both rounded down to a whole watt).
+  TDP * (1 + max_boost) (both rounded down to a whole watt). The max limit is the lowest
+  of the used GPUs' own (``RackInfo.gpu_max_w``: what each GPU reports, at most the rack
+  record's): a uniform cap must hold on every GPU, and TP runs at its slowest GPU.
+- A stage whose used GPUs cannot go above TDP (a max limit at the default, as on many
+  H100/H200 SXM boards) has no headroom: ``no_headroom`` is set, and the planner runs its
+  replica as plain NTP (smaller local batch) when no reduced stage of it has headroom.
 - The rack budget bounds the sum of the caps of the rack's usable GPUs. GPUs of the rack
   that this plan does not boost count at TDP (or at their operator pin); failed and
   drained GPUs count at 0. When several boosted stages share a rack and the budget runs
@@ -26,7 +31,7 @@ from itertools import filterfalse, repeat
 from tpflex_proto.powermodel import PowerModel
 
 from tpflex_controller.planner.caps import UniformCaps
-from tpflex_controller.planner.model import ClusterState, GpuKey, RackInfo
+from tpflex_controller.planner.model import ClusterState, GpuKey, RackInfo, gpu_max, stage_max
 from tpflex_controller.planner.stages import StageDraft
 
 _EPS = 1e-9
@@ -64,8 +69,28 @@ class Curve:
         return out  # type: ignore[return-value]
 
 
-def pinned_w(rack: RackInfo, pin_w: float) -> float:
-    return min(max(pin_w, rack.min_w), rack.max_w)
+def no_headroom(max_w: float, tdp_w: float) -> bool:
+    """Whether a max limit leaves no whole watt above TDP (caps are whole watts)."""
+    return math.floor(max_w + 1e-6) <= tdp_w + _EPS
+
+
+def headroom_text(stage: StageDraft) -> str:
+    """Which GPUs of a stage without headroom cannot go above TDP, e.g. "node-3 GPUs max
+    limit = default 700 W" (at most three nodes named)."""
+    rack = stage.rack
+    tdp = rack.tdp_w
+    stuck = [g for g in stage.used if no_headroom(gpu_max(rack, g), tdp)]
+    nodes = list(dict.fromkeys(g[0] for g in stuck))
+    named = ", ".join(nodes[:3]) + (f" and {len(nodes) - 3} more nodes" if len(nodes) > 3 else "")
+    top = max(gpu_max(rack, g) for g in stuck) if stuck else rack.max_w
+    limit = f"= default {tdp:.0f} W" if abs(top - tdp) < 0.5 else f"{top:.0f} W <= default {tdp:.0f} W"
+    return f"{named or 'rack ' + rack.name} GPUs max limit {limit}"
+
+
+def pinned_w(rack: RackInfo, pin_w: float, gpu: GpuKey | None = None) -> float:
+    """An operator's pin clamped to the GPU's limits (the rack's without ``gpu``)."""
+    top = rack.max_w if gpu is None else gpu_max(rack, gpu)
+    return min(max(pin_w, rack.min_w), top)
 
 
 def slowest_speed(gpus: tuple[GpuKey, ...], speeds: Mapping[GpuKey, float]) -> float:
@@ -96,7 +121,7 @@ def plan_boosts(
     for group in by_rack.values():
         s = group[0]
         rack = s.rack
-        if solo is None or len(group) > 1 or pins or not _whole_rack(s.spec_gpus, rack):
+        if solo is None or len(group) > 1 or pins or rack.gpu_max_w or not _whole_rack(s.spec_gpus, rack):
             _fill_rack(group, cluster, model)
             continue
         # the same inputs give the same cap (the memo is this plan call's)
@@ -106,15 +131,19 @@ def plan_boosts(
             _fill_rack(group, cluster, model)
             cap = solo[key] = s.cap_w
         s.cap_w = cap  # type: ignore[assignment]
+        s.no_headroom = no_headroom(rack.max_w, rack.tdp_w)
 
 
 def _fill_rack(group: list[StageDraft], cluster: ClusterState, model: PowerModel | Curve) -> None:
     rack = group[0].rack
     tdp = rack.tdp_w
-    limit_w = math.floor(min(rack.max_w, tdp * model.max_power_ratio) + 1e-6)
+    boost_w = tdp * model.max_power_ratio
     pins = cluster.power_pins
     wants, counts = [], []
     for s in group:
+        top = stage_max(rack, s.used)  # the lowest max limit of its GPUs
+        s.no_headroom = no_headroom(top, tdp)
+        limit_w = math.floor(min(top, boost_w) + 1e-6)
         ratio = model.power_for(s.needed_speed)
         want = limit_w if ratio is None else min(math.ceil(ratio * tdp - 1e-6), limit_w)
         wants.append(max(want, tdp))
@@ -138,7 +167,7 @@ def _fixed_w(group: list[StageDraft], cluster: ClusterState) -> float:
         boosted.update(filterfalse(pins.__contains__, s.used) if pins else s.used)
     # the boosted GPUs are skipped in C: a reduced stage boosts all but a few of its rack's
     return sum(
-        pinned_w(rack, pins[g]) if g in pins else rack.tdp_w
+        pinned_w(rack, pins[g], g) if g in pins else rack.tdp_w
         for g in filterfalse(boosted.__contains__, rack.gpus)
         if cluster.usable(g)
     )
@@ -173,7 +202,7 @@ def gpu_caps(stage: StageDraft, pins: Mapping[GpuKey, float]) -> Mapping[GpuKey,
     caps = {} if stage.cap_w is None else dict.fromkeys(stage.used, stage.cap_w)
     if pins:
         for g in pins.keys() & set(stage.used):
-            caps[g] = pinned_w(rack, pins[g])
+            caps[g] = pinned_w(rack, pins[g], g)
     return {g: w for g, w in caps.items() if w != rack.tdp_w}
 
 

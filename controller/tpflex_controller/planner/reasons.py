@@ -53,16 +53,17 @@ def replica_reasons(
     full = full_tp(job)
     if d.pin is not None and d.pin < full:
         lines.append(f"{head} operator pin -> TP {d.pin}")
-    if policy is Policy.NTP_PW:
+    if policy is Policy.NTP_PW and not d.fallback:
         lines += [_ntp_pw_line(head, s, job, model, memo) for s in d.stages if _changed(s, full)]
     elif a.tp_degree < full or d.lost_any:
         worst = min(d.stages, key=lambda s: len(s.usable))
+        via = f"{d.fallback}: " if d.fallback else ""  # ntp-pw run as plain ntp (planner.py)
         lines.append(
-            f"{head} {_health(worst)} -> all {len(d.stages)} stage(s) at TP {a.tp_degree}, "
+            f"{head} {_health(worst)} -> {via}all {len(d.stages)} stage(s) at TP {a.tp_degree}, "
             f"{_batch(a, job)}"
         )
     lines += _slow_and_pinned(head, d, caps, speeds, pins)
-    if a.relative_throughput < 1.0 - 1e-12 and policy is Policy.NTP_PW:
+    if a.relative_throughput < 1.0 - 1e-12 and policy is Policy.NTP_PW and not d.fallback:
         lines.append(f"{head} boost falls short -> {_batch(a, job, memo)}")
     return lines
 
@@ -74,7 +75,7 @@ def _changed(s: StageDraft, full: int) -> bool:
 
 
 def _ntp_pw_line(head: str, s: StageDraft, job: JobSpec, model: PowerModel, memo: dict | None = None) -> str:
-    key = ("ntp-pw", s.degree, s.cap_w, s.rack.tdp_w, s.needed_speed)
+    key = ("ntp-pw", s.degree, s.cap_w, s.rack.tdp_w, s.needed_speed, s.no_headroom)
     tail = memo.get(key) if memo is not None else None
     if tail is None:
         tail = _ntp_pw_tail(s, model)
@@ -87,7 +88,8 @@ def _ntp_pw_tail(s: StageDraft, model: PowerModel) -> str:
     what = f" -> TP {s.degree}"
     if s.cap_w is None:
         if s.needed_speed > 1.0:
-            return f"{what}, not boosted (no power headroom), needs {s.needed_speed:.3f}x speed"
+            why = "GPU max limit = default" if s.no_headroom else "no power headroom"
+            return f"{what}, not boosted ({why}), needs {s.needed_speed:.3f}x speed"
         return what
     ratio = s.cap_w / s.rack.tdp_w
     got = model.throughput(ratio)

@@ -264,6 +264,7 @@ class StageDraft:
     cap_w: float | None = None  # uniform boost cap of the used GPUs; None = TDP
     needed_speed: float = 1.0  # speed the stage needs to keep pace (ntp-pw)
     spare_for: str | None = None  # the spec rack this spare stage stands in for
+    no_headroom: bool = False  # its used GPUs' max limit leaves nothing above TDP (power.py)
 
     @property
     def used(self) -> tuple[GpuKey, ...]:
@@ -278,6 +279,8 @@ class ReplicaDraft:
     state: ReplicaState = ReplicaState.HEALTHY
     why: str = ""  # why a replica is dropped
     notes: list[str] = field(default_factory=list)
+    # ntp-pw run as plain ntp, and why (e.g. "NTP (no power headroom: ...)"); "" = not
+    fallback: str = ""
 
     @property
     def lost_any(self) -> bool:
