@@ -79,6 +79,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", type=_policies, help=f"comma list of {', '.join(POLICY_NAMES)} or 'all'")
     p.add_argument("--seed", type=int)
     p.add_argument("--rack-headroom", type=float, help="rack budget above T x TDP (fraction)")
+    p.add_argument("--device-max-w", type=_list_of(float, "watts"),
+                   help="W[,W...] max power limit the GPUs report, per domain (cycled over the domains; "
+                        "default limit = TDP); a domain at TDP has no headroom: ntp-pw runs it as plain NTP")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--json", type=Path, help="write results as JSON here")
     p.add_argument("--csv", type=Path, help="write results as CSV here")
@@ -140,7 +143,7 @@ def run_config(args: argparse.Namespace):
     cluster = with_changes(
         base.cluster, gpus=args.gpus, domain_size=args.domain_size, pp=args.pp,
         gpus_per_node=args.gpus_per_node, spares=args.spares, min_tp=args.min_tp,
-        rack_headroom=args.rack_headroom,
+        rack_headroom=args.rack_headroom, device_max_w=args.device_max_w,
     )
     failures = with_changes(
         base.failures, rate_per_gpu_hour=args.rate, rate_scale=args.rate_scale,
@@ -163,6 +166,7 @@ def sweep_config(args: argparse.Namespace):
         fractions=args.fractions, samples=args.samples, spare_fraction=args.spare_fraction,
         policies=args.policy,
         placements=placements, rack_headroom=args.rack_headroom, seed=args.seed,
+        device_max_w=args.device_max_w,
     ).validate()
 
 

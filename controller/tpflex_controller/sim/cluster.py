@@ -76,7 +76,7 @@ class SimCluster:
             name = f"d{d}"
             gpus = tuple((f"{name}n{j // cfg.gpus_per_node}", j % cfg.gpus_per_node) for j in range(t))
             budget = t * cfg.tdp_w * (1 + cfg.rack_headroom)
-            self.racks[name] = RackInfo(name, t, budget, cfg.tdp_w, cfg.tdp_w / 2, cfg.max_w, gpus)
+            self.racks[name] = RackInfo(name, t, budget, cfg.tdp_w, cfg.tdp_w / 2, cfg.domain_max_w(d), gpus)
             self.stages.append(StageSpec(name, gpus))
             self.keys.extend(gpus)
         self.job_domains = cfg.replicas * cfg.pp

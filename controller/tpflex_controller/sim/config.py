@@ -60,6 +60,17 @@ class ClusterConfig:
     max_w: float = 1300.0
     rack_headroom: float = 0.30  # rack budget = T * TDP * (1 + headroom)
     heads: int = 128  # unit count of the sharded weights (the 480B model's heads)
+    # the max power limit the GPUs of each domain report (their default limit is TDP),
+    # cycled over the domains: domain d's GPUs report device_max_w[d % len]; the planner
+    # takes the tighter of it and ``max_w`` (a domain at TDP has no headroom: its degraded
+    # replicas run as plain NTP). () = the GPUs report ``max_w``
+    device_max_w: tuple[float, ...] = ()
+
+    def domain_max_w(self, domain: int) -> float:
+        """The max limit of domain ``domain``'s GPUs (the tighter of device and rack)."""
+        if not self.device_max_w:
+            return self.max_w
+        return min(self.max_w, self.device_max_w[domain % len(self.device_max_w)])
 
     @property
     def domains(self) -> int:
@@ -99,6 +110,7 @@ class ClusterConfig:
         _non_negative("--rack-headroom", self.rack_headroom)
         if not 0 < self.tdp_w <= self.max_w:
             raise SimConfigError("--tdp-w", f"must be > 0 and <= the max limit {self.max_w}")
+        _device_max("--device-max-w", self.device_max_w, self.tdp_w)
         if self.heads < self.domain_size:
             raise SimConfigError("--heads", f"{self.heads} is fewer than --domain-size {self.domain_size}")
         return self
@@ -172,6 +184,7 @@ class SweepConfig:
     spare_fraction: float = 0.02  # spare domains, as a fraction of the job's domains
     rack_headroom: float = 0.30
     seed: int = 1
+    device_max_w: tuple[float, ...] = ()  # ClusterConfig.device_max_w
 
     def cluster(self, domain_size: int) -> ClusterConfig:
         replicas = max(1, round(self.gpus / (self.pp * domain_size)))
@@ -185,6 +198,7 @@ class SweepConfig:
             spares=spares,
             rack_headroom=self.rack_headroom,
             heads=max(128, domain_size),
+            device_max_w=self.device_max_w,
         ).validate()
 
     def validate(self) -> SweepConfig:
@@ -201,6 +215,7 @@ class SweepConfig:
             if not (f == 0 or MIN_FRACTION <= f < 1):
                 raise SimConfigError("--fractions", f"each must be 0 or in [{MIN_FRACTION:g}, 1), got {f}")
         _non_negative("--rack-headroom", self.rack_headroom)
+        _device_max("--device-max-w", self.device_max_w, ClusterConfig.tdp_w)
         if not 0 <= self.spare_fraction < 1:
             raise SimConfigError("--spare-fraction", f"must be in [0, 1), got {self.spare_fraction}")
         if not self.policies:
@@ -214,6 +229,14 @@ class SweepConfig:
                     f"--pp {self.pp} x TP{t} domains make a {job_gpus}-GPU cluster, more than {MAX_GPUS:,}",
                 )
         return self
+
+
+def _device_max(param: str, values: tuple[float, ...], tdp_w: float) -> None:
+    if len(values) > MAX_LIST:
+        raise SimConfigError(param, f"give at most {MAX_LIST} limits, got {len(values)}")
+    for v in values:
+        if not math.isfinite(v) or v < tdp_w:
+            raise SimConfigError(param, f"each must be a finite number >= the TDP {tdp_w:g} W, got {v}")
 
 
 def _positive_int(param: str, value: int, most: int | None = None) -> None:
