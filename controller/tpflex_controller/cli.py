@@ -17,7 +17,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 
-from tpflex_controller import cli_watch
+from tpflex_controller import cli_racks, cli_watch
 from tpflex_controller.cli_http import Client, CliError
 
 DEFAULT_URL = "http://127.0.0.1:8470"  # the controller's default rest.listen
@@ -78,6 +78,7 @@ def show_status(d: dict) -> str:
         f"etcd revision: {d['etcd_revision']}",
         f"racks: {d['racks']}  nodes: {d['nodes']} ({d['live_nodes']} live)",
         "gpus: " + "  ".join(f"{k}={v}" for k, v in d["gpus"].items()),
+        *(f"unassigned node {n['node']}: {n['reason']}" for n in d.get("unassigned_nodes", [])),
         "",
     ]
     rows = [
@@ -296,9 +297,18 @@ def _run_events(c: Client, a: argparse.Namespace):
     return c.call("GET", "/v1/events", query={"limit": a.limit, "job": a.job}), show_events
 
 
+def _run_racks(c: Client, a: argparse.Namespace):
+    """``racks`` alone or ``racks list``: the table; ``apply`` and ``propose`` (cli_racks)."""
+    if a.racks_command == "apply":
+        return cli_racks.apply(c, a), cli_racks.show_apply
+    if a.racks_command == "propose":
+        return cli_racks.propose(c, a), cli_racks.show_proposal
+    return _list("/v1/racks", show_racks)(c, a)
+
+
 COMMANDS: dict[str, Command] = {
     "status": lambda c, a: (c.call("GET", "/v1/status"), show_status),
-    "racks": _list("/v1/racks", show_racks),
+    "racks": _run_racks,
     "nodes": _list("/v1/nodes", show_nodes),
     "gpus": _list("/v1/gpus", show_gpus, lambda a: {"state": a.state, "rack": a.rack}),
     "jobs": _list("/v1/jobs", show_jobs),
@@ -329,7 +339,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=_positive, default=10.0, help="request timeout in seconds")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("status", help="leader, GPU counts, jobs")
-    _paged(sub.add_parser("racks", help="list racks"))
+    rk = _paged(sub.add_parser("racks", help="list racks; racks apply|propose: the rack inventory"))
+    rsub = rk.add_subparsers(dest="racks_command", metavar="{list,apply,propose}")
+    rl = rsub.add_parser("list", help="list racks (as `racks` alone)")
+    rl.add_argument("--limit", type=_count, default=argparse.SUPPRESS, help="at most this many racks")
+    rl.add_argument("--after", default=argparse.SUPPRESS, help="start after this cursor")
+    ra = rsub.add_parser("apply", help="write the racks of an inventory YAML file (admin)")
+    ra.add_argument("-f", "--file", required=True, help="inventory YAML: racks: [rack records]")
+    ra.add_argument("--dry-run", action="store_true",
+                    help="print what would change and the plan changes it causes; write nothing")
+    ra.add_argument("--prune", action="store_true", help="also delete the racks the file does not list")
+    rp = rsub.add_parser("propose", help="print an inventory YAML of the nodes no rack lists")
+    rp.add_argument("--all", action="store_true", help="every registered node, listed in a rack or not")
     _paged(sub.add_parser("nodes", help="list nodes"))
     g = _paged(sub.add_parser("gpus", help="list GPUs with health"))
     g.add_argument("--state", choices=["healthy", "degraded", "failed", "drained"])

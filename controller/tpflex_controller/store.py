@@ -241,6 +241,19 @@ class Store:
     def put_rack(self, rack: types_pb2.Rack) -> int:
         return self.etcd.put(keys.rack(rack.name), codec.encode(rack))
 
+    def write_rack(self, name: str, rack: types_pb2.Rack | None, *, rack_revision: int,
+                   guard_revision: int) -> int:
+        """Store (or with None delete) a rack record, only if neither its key nor the spec
+        guard moved since they were read at the given mod revisions (0 = absent), and move
+        the guard: a job spec checked against the old record concurrently is written only
+        after it checks again (REST rack inventory). The write's revision; 0 when a key
+        moved (nothing written)."""
+        key = keys.rack(name)
+        compare = [_unchanged(key, rack_revision), _unchanged(keys.SPEC_GUARD, guard_revision)]
+        op = Op.put(key, codec.encode(rack)) if rack is not None else Op.delete(key)
+        done = self.etcd.txn(compare, [op, Op.put(keys.SPEC_GUARD, f"racks/{name}".encode())])
+        return done.revision if done.succeeded else 0
+
     def put_job(self, spec: types_pb2.JobSpec) -> int:
         return self.etcd.put(keys.job_spec(spec.name), codec.encode(spec))
 

@@ -32,10 +32,14 @@ def create_app(deps: ApiDeps) -> FastAPI:
     app = FastAPI(title="tpflex controller", version=__version__, description=DESCRIPTION,
                   redirect_slashes=False)
     app.state.deps = deps
+    if getattr(deps, "_unassigned_collector", None) is None:  # once per deps (and registry)
+        deps._unassigned_collector = racks.UnassignedNodesCollector(deps)
+        deps.registry.register(deps._unassigned_collector)
     install_error_handlers(app)
     app.include_router(system.probes)
     v1 = APIRouter(prefix="/v1", responses=_ERRORS, dependencies=[Depends(require_reader)])
-    for router in (system.status_router, racks.router, nodes.router, jobs.router, events.router):
+    for router in (system.status_router, racks.router, racks.inventory, nodes.router, jobs.router,
+                   events.router):
         v1.include_router(router)
     v1.include_router(console.api)
     app.include_router(v1)

@@ -362,6 +362,12 @@ class JobStatus(BaseModel):
     suspended_pins: int = Field(0, description="operator TP pins the current plan ignores")
 
 
+class UnassignedNodeView(BaseModel):
+    node: str
+    rack: str = Field(description="the rack the node's agent reported")
+    reason: str = Field(examples=["no rack record 'rack0'"])
+
+
 class StatusView(BaseModel):
     leader: LeaderView | None
     etcd_revision: int
@@ -370,9 +376,99 @@ class StatusView(BaseModel):
     live_nodes: int
     gpus: GpuStateCounts
     jobs: list[JobStatus]
+    unassigned_nodes: list[UnassignedNodeView] = Field(
+        default_factory=list, description="registered nodes that no rack record lists: the "
+        "planner does not use their GPUs (sorted by node)")
 
 
 class Health(BaseModel):
     status: str
     detail: str = ""
     leader: str | None = None
+
+
+# ---- rack inventory (PUT/PATCH/DELETE /v1/racks/{rack}) ----
+
+_Watts = Annotated[float, Field(strict=True, gt=0, le=1e9, allow_inf_nan=False)]
+_NodeList = Annotated[list[Annotated[str, Field(pattern=NAME_PATTERN)]], Field(min_length=1, max_length=4096)]
+
+
+class RackRequest(_Request):
+    """A whole rack record (PUT); the name is the path's (``name``, if given, must equal it)."""
+
+    name: str | None = Field(default=None, pattern=NAME_PATTERN)
+    domain_size: StrictInt = Field(ge=1, le=1 << 20, description="GPUs in the NVLink domain: nodes x gpus_per_node")
+    power_budget_w: _Watts = Field(description="budget for all GPUs of the rack; at least domain_size x gpu_min_w")
+    gpu_tdp_w: _Watts = Field(description="nominal per-GPU power (the default cap)")
+    gpu_min_w: _Watts
+    gpu_max_w: _Watts
+    nodes: _NodeList = Field(description="nodes in rack order (GPU order = node order x index)")
+    gpus_per_node: StrictInt = Field(ge=1, le=1024)
+
+
+class RackPatchRequest(_Request):
+    """Fields to change on a stored rack record (PATCH); the others stay as stored."""
+
+    name: str | None = Field(default=None, pattern=NAME_PATTERN)
+    domain_size: StrictInt | None = Field(default=None, ge=1, le=1 << 20)
+    power_budget_w: _Watts | None = None
+    gpu_tdp_w: _Watts | None = None
+    gpu_min_w: _Watts | None = None
+    gpu_max_w: _Watts | None = None
+    nodes: _NodeList | None = None
+    gpus_per_node: StrictInt | None = Field(default=None, ge=1, le=1024)
+
+
+class RackRecord(BaseModel):
+    name: str
+    domain_size: int
+    power_budget_w: float
+    gpu_tdp_w: float
+    gpu_min_w: float
+    gpu_max_w: float
+    nodes: list[str]
+    gpus_per_node: int
+
+
+class RackFieldChange(BaseModel):
+    field: str
+    before: float | int | str | list[str] | None = Field(description="null: the rack was absent")
+    after: float | int | str | list[str] | None = Field(description="null: the rack is deleted")
+
+
+class RackJobImpact(BaseModel):
+    """A job that uses the rack: its plan is recomputed by the leader after the write;
+    ``changes`` is what the planner gives with the new record against the stored one (the
+    cluster's current health, the job's overrides)."""
+
+    job: str
+    replans: bool = Field(True, description="the leader re-plans the job after this write")
+    changes: list[PlanChangeView] = Field(default_factory=list)
+    note: str = ""
+
+
+class RackWriteResult(BaseModel):
+    rack: str
+    action: str = Field(description="created | changed | unchanged | deleted")
+    dry_run: bool = Field(description="true: validated only, nothing was written")
+    record: RackRecord | None = Field(description="the record after the write (null: deleted)")
+    changes: list[RackFieldChange]
+    jobs: list[RackJobImpact] = Field(default_factory=list, description="jobs whose stages or spare racks use the rack")
+
+
+class NodeGpuInventory(BaseModel):
+    index: int
+    name: str
+    min_limit_w: float
+    default_limit_w: float
+    max_limit_w: float
+    fabric_cluster_uuid: str = ""
+    fabric_clique_id: int = 0
+
+
+class NodeInventory(BaseModel):
+    name: str
+    rack: str = Field(description="the rack the node's agent reported")
+    rack_source: str = Field(description="config | fabric | default: where the agent got the rack name")
+    assigned: bool = Field(description="a rack record lists the node")
+    gpus: list[NodeGpuInventory]

@@ -15,6 +15,7 @@ from tpflex_proto.etcd import EtcdError
 from tpflex_controller.api import schemas as s
 from tpflex_controller.api.deps import Deps
 from tpflex_controller.api.errors import ApiError, ErrorCode, error_response
+from tpflex_controller.api.routes.racks import unassigned_nodes
 from tpflex_controller.api.rows import STATES
 
 probes = APIRouter(tags=["system"])
@@ -102,6 +103,7 @@ def status(deps: Deps) -> Response:
         etcd_revision=reads.revision(),
         racks=reads.rack_count(), nodes=nodes, live_nodes=live,
         gpus=s.GpuStateCounts(total=sum(counts), **dict(zip(STATES, counts, strict=True))), jobs=jobs,
+        unassigned_nodes=unassigned_nodes(reads.cluster()),
     )
     # serialised once (a status always misses the response cache: it shows the revision)
     return Response(content=view.model_dump_json(), media_type="application/json")
