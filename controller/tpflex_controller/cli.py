@@ -17,7 +17,7 @@ import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 
-from tpflex_controller import cli_racks, cli_watch
+from tpflex_controller import cli_jobspec, cli_racks, cli_watch
 from tpflex_controller.cli_http import Client, CliError
 
 DEFAULT_URL = "http://127.0.0.1:8470"  # the controller's default rest.listen
@@ -391,6 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     ss.add_argument("--file", required=True, help="the spec as JSON (see docs/api.md)")
     dj = sub.add_parser("delete-job", help="delete a job: spec, override, acks; its plan goes (admin)")
     dj.add_argument("job")
+    cli_jobspec.add_parser(sub)  # no controller contacted
     return p
 
 
@@ -425,6 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "completion":
         print(cli_watch.completion(parser, args.shell))
         return 0
+    if args.command == cli_jobspec.COMMAND:
+        return cli_jobspec.run(args)
     client = None
     try:
         client = Client(args.url, _read_token(args.token_file), args.timeout, args.cacert)
