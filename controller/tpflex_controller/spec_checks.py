@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from tpflex_proto import keys, types_pb2
+from tpflex_proto import jobspec, keys, types_pb2
 
 from tpflex_controller import convert
 from tpflex_controller.planner.model import ClusterState, GpuKey, JobSpec, PlanningError, RackInfo
@@ -95,6 +95,7 @@ def _check_fields(spec: types_pb2.JobSpec) -> None:
         raise _invalid(f"job {name}: global_batch must be local_batch x replicas = {want}, "
                        f"got {spec.global_batch}")
     _check_units(spec)
+    _check_model(spec)
     if not (math.isfinite(spec.created_at) and spec.created_at >= 0):
         raise _invalid(f"job {name}: created_at must be a finite time, got {spec.created_at!r}")
     if len(set(spec.spare_racks)) != len(spec.spare_racks):
@@ -118,6 +119,46 @@ def _check_units(spec: types_pb2.JobSpec) -> None:
         seen.add(u.name)
         if not 1 <= u.count <= MAX_UNITS:
             raise _invalid(f"job {name}: unit family {u.name} needs 1..{MAX_UNITS} units, got {u.count}")
+
+
+MODEL_TYPE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def check_model_units(job: str, model: types_pb2.ModelUnits, what: str) -> None:
+    """A ``ModelUnits`` block's own fields (a spec's ``model``, a trainer's at RegisterJob)."""
+    if model.model_type and not MODEL_TYPE.fullmatch(model.model_type):
+        raise _invalid(f"job {job}: {what}: model_type {model.model_type[:40]!r} is not 1-64 of "
+                       "A-Z a-z 0-9 . _ -")
+    if model.config_sha256 and not SHA256.fullmatch(model.config_sha256):
+        raise _invalid(f"job {job}: {what}: config_sha256 must be 64 lower-case hex digits")
+    if not 1 <= model.base_tp <= MAX_BASE_TP:
+        raise _invalid(f"job {job}: {what}: base_tp must be in 1..{MAX_BASE_TP}, got {model.base_tp}")
+    if not 1 <= len(model.units) <= MAX_UNIT_FAMILIES:
+        raise _invalid(f"job {job}: {what}: needs 1..{MAX_UNIT_FAMILIES} unit families, got {len(model.units)}")
+    if len({u.name for u in model.units}) != len(model.units):
+        raise _invalid(f"job {job}: {what}: a unit family is listed twice")
+
+
+def _check_model(spec: types_pb2.JobSpec) -> None:
+    """A spec that records what its model says (``tpflexctl job-spec``) must agree with it:
+    a hand-edited unit count is refused naming the family."""
+    if not spec.HasField("model"):
+        return
+    check_model_units(spec.name, spec.model, "model")
+    bad = jobspec.model_contradictions(spec)
+    if bad:
+        raise _invalid(f"job {spec.name}: the spec's units contradict the model it records "
+                       f"({jobspec.describe(spec.model)}): {'; '.join(bad)}")
+
+
+def trainer_contradictions(spec: types_pb2.JobSpec, model: types_pb2.ModelUnits) -> list[str]:
+    """Where the units a registering trainer's adapter derived contradict the job's spec."""
+    out = []
+    if model.base_tp != spec.base_tp:
+        out.append(f"base_tp: spec says {spec.base_tp}, the trainer derived its units at {model.base_tp}")
+    return out + jobspec.contradictions(jobspec.unit_counts(spec.units), jobspec.unit_counts(model.units),
+                                        source="the trainer's model")
 
 
 def _check_degree_room(spec: types_pb2.JobSpec, min_tp: int) -> None:

@@ -41,11 +41,13 @@ from tpflex_controller.spec_checks import (
     JobFacts,
     check_ack,
     check_job_name,
+    check_model_units,
     check_report,
     check_spec,
     job_facts,
     job_name_ok,
     spec_difference,
+    trainer_contradictions,
 )
 from tpflex_controller.steps import StepStats
 from tpflex_controller.store import Store, decode_or_skip
@@ -196,13 +198,19 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
     # ---- RPCs ----
 
     def RegisterJob(self, request, context):
-        return self._run(context, self._register, request.spec)
+        model = request.model if request.HasField("model") else None
+        return self._run(context, self._register, request.spec, model)
 
-    def _register(self, spec: types_pb2.JobSpec) -> controller_pb2.RegisterJobResponse:
+    def _register(self, spec: types_pb2.JobSpec,
+                  model: types_pb2.ModelUnits | None = None) -> controller_pb2.RegisterJobResponse:
         """Create a job, or accept an identical spec again (ranks register concurrently). A
         changed spec of a registered job is refused: changing a live job is an admin's
         explicit operation (REST PUT /v1/jobs/{job}/spec), not a side effect of a trainer
-        starting."""
+        starting. ``model``: the units the trainer's adapter derived from the model it
+        loaded; a spec they contradict is refused (FAILED_PRECONDITION, naming the family)
+        before anything is stored."""
+        if model is not None:
+            self._check_trainer_model(spec, model)
         for _ in range(5):
             guard = self.store.spec_guard_revision()
             existing = self.store.job(spec.name) if job_name_ok(spec.name) else None
@@ -227,6 +235,22 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
                 return controller_pb2.RegisterJobResponse(plan=self._plan(spec.name))
         raise _Abort(grpc.StatusCode.ABORTED, f"job specs kept changing while job {spec.name} was "
                      "checked; retry")
+
+    def _check_trainer_model(self, spec: types_pb2.JobSpec, model: types_pb2.ModelUnits) -> None:
+        try:
+            check_model_units(spec.name, model, "the trainer's model")
+        except InputError as exc:
+            raise _abort_for(exc) from None
+        bad = trainer_contradictions(spec, model)
+        if bad:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"job {spec.name}: the units of the model the trainer loaded ({model.model_type or 'unknown'}) "
+                         f"contradict the job spec: {'; '.join(bad)}")
+        recorded = spec.model.config_sha256 if spec.HasField("model") else ""
+        if recorded and model.config_sha256 and recorded != model.config_sha256:
+            log.warning("trainer model differs from the spec's job=%s spec_config_sha256=%s "
+                        "trainer_config_sha256=%s (units agree)", spec.name, recorded[:12],
+                        model.config_sha256[:12])
 
     def WatchPlan(self, request, context):
         try:

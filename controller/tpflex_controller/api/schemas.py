@@ -66,6 +66,15 @@ class UnitFamilyRequest(_Request):
     bytes_per_unit: StrictInt = Field(default=0, ge=0, le=1 << 50)
 
 
+class ModelUnitsRequest(_Request):
+    """What the model says (``tpflexctl job-spec`` writes it): the spec's units must agree."""
+
+    model_type: str = Field(default="", pattern=r"^([A-Za-z0-9][A-Za-z0-9._-]{0,63})?$", examples=["llama"])
+    config_sha256: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
+    base_tp: StrictInt = Field(ge=1, le=4096)
+    units: list[UnitFamilyRequest] = Field(min_length=1, max_length=64)
+
+
 class JobSpecRequest(_Request):
     """A job's spec as the Trainer service's RegisterJob takes it (the name is the path's)."""
 
@@ -77,6 +86,8 @@ class JobSpecRequest(_Request):
     spare_racks: list[Annotated[str, Field(pattern=NAME_PATTERN)]] = Field(default_factory=list, max_length=4096)
     global_batch: StrictInt = Field(ge=1, le=1 << 40, description="local_batch x replicas")
     local_batch: StrictInt = Field(ge=1, le=1 << 20)
+    model: ModelUnitsRequest | None = Field(
+        default=None, description="optional: the model's derived units; the spec's units must agree")
 
 
 class DryRunRequest(_Request):

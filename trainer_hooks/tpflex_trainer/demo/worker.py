@@ -30,7 +30,7 @@ import torch
 from tpflex_trainer.demo.dumps import DUMP_ENV, StateDumps
 from tpflex_trainer.demo.model import DEMO_ADAM, DEMO_SEED, demo_model
 from tpflex_trainer.hooks.config import HooksConfigError
-from tpflex_trainer.hooks.trainer import HooksError, TpflexHooks
+from tpflex_trainer.hooks.trainer import HooksError, RefusedByController, TpflexHooks
 from tpflex_trainer.ntp.state import state_digest
 from tpflex_trainer.train.worker import degrees
 
@@ -69,7 +69,12 @@ def main() -> int:
                    bytes_sent=a.bytes_sent, epoch=a.epoch, behind=[list(m) for m in a.behind])
         seen = len(hooks.history)
 
-    hooks.start()
+    try:
+        hooks.start()
+    except RefusedByController as exc:  # the model contradicts the spec: no use retrying
+        print(f"tpflex-demo worker: {exc}", file=sys.stderr)
+        hooks.close()
+        return 2
     flush_history()
     while hooks.step < _stop_step(steps, stop_file):
         _hold(hooks, hold_file)

@@ -96,6 +96,11 @@ def plan_round(plan: types_pb2.Plan | None) -> tuple[int, int]:
 BeatState = Callable[[], tuple[int, int, int, float]]  # generation, epoch, step, hung_s
 
 
+class RegistrationRefused(ValueError):
+    """The controller refused this trainer's registration for good: the model it loaded
+    contradicts the job's spec (the message names the unit family)."""
+
+
 class ControlClient:
     def __init__(self, config: ControlConfig, *, on_round: Callable[[types_pb2.Plan], None] = lambda p: None,
                  beat_state: BeatState = lambda: (0, 0, 0, 0.0)) -> None:
@@ -172,9 +177,18 @@ class ControlClient:
         assert last is not None
         raise last
 
-    def register_job(self, spec: types_pb2.JobSpec) -> types_pb2.Plan | None:
-        """Register the job (idempotent); returns the current plan if there is one."""
-        resp = self._call("RegisterJob", controller_pb2.RegisterJobRequest(spec=spec))
+    def register_job(self, spec: types_pb2.JobSpec,
+                     model: types_pb2.ModelUnits | None = None) -> types_pb2.Plan | None:
+        """Register the job (idempotent); returns the current plan if there is one.
+        ``model``: the units this rank's adapter derived; :class:`RegistrationRefused` when
+        the controller finds they contradict the spec (FAILED_PRECONDITION)."""
+        request = controller_pb2.RegisterJobRequest(spec=spec, model=model)
+        try:
+            resp = self._call("RegisterJob", request)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                raise RegistrationRefused(exc.details()) from None
+            raise
         if resp.HasField("plan") and resp.plan.generation:
             self._offer(resp.plan)
             return resp.plan

@@ -38,6 +38,7 @@ from tpflex_trainer.hooks.control import (
     ControlClient,
     ControlConfig,
     PlanRejected,
+    RegistrationRefused,
     plan_round,
 )
 from tpflex_trainer.hooks.plans import (  # noqa: F401  (HooksError, plan_placements: public here too)
@@ -59,12 +60,18 @@ from tpflex_trainer.hooks.watchdog import Watchdog, dump_stacks
 from tpflex_trainer.ntp.config import GPTConfig
 from tpflex_trainer.ntp.errors import NtpError
 from tpflex_trainer.ntp.layout import Member, ReplicaPlacement
+from tpflex_trainer.ntp.model_units import of_runtime_model
 from tpflex_trainer.ntp.optim import AdamSettings, TrainSettings
 from tpflex_trainer.ntp.runtime import NtpRuntime, ReshardReport
 
 log = logging.getLogger(__name__)
 
 BatchFn = Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+class RefusedByController(HooksError):
+    """RegisterJob refused this trainer for good: the units its model adapter derived
+    contradict the job spec (the message names the family). Not worth a retry: exit 2."""
 
 
 class TpflexHooks:
@@ -148,8 +155,11 @@ class TpflexHooks:
         self.client.start()
         self.watchdog.start()
         self.store = connect_store(self.config.store, self.config.plan_wait_s, control=self.client.config)
+        model = of_runtime_model(self.model_config, self.runtime.model_adapter, self.spec.base_tp)
         try:
-            self.client.register_job(self.spec)
+            self.client.register_job(self.spec, model)
+        except RegistrationRefused as exc:  # this model cannot train this spec: no use waiting
+            raise RefusedByController(f"the controller refused job {self.config.job}: {exc}") from None
         except Exception as exc:  # the plan stream retries on its own; registration is idempotent
             log.warning("job registration failed job=%s rank=%d error=%s", self.config.job, self.rank, exc)
         plan = self.client.wait_for_generation(1, self.config.plan_wait_s)

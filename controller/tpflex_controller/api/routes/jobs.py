@@ -118,6 +118,12 @@ def spec_from_request(job: str, body: s.JobSpecRequest, created_at: float) -> ty
         units=[types_pb2.UnitFamily(name=u.name, count=u.count, bytes_per_unit=u.bytes_per_unit)
                for u in body.units],
     )
+    if body.model is not None:
+        m = body.model
+        spec.model.CopyFrom(types_pb2.ModelUnits(
+            model_type=m.model_type, config_sha256=m.config_sha256, base_tp=m.base_tp,
+            units=[types_pb2.UnitFamily(name=u.name, count=u.count, bytes_per_unit=u.bytes_per_unit)
+                   for u in m.units]))
     for rep in body.replicas:
         spec.replicas.add(stages=[
             types_pb2.StageSpec(rack=st.rack, ranks=[types_pb2.GpuRef(node=g.node, index=g.index)
