@@ -234,3 +234,32 @@ def test_trainer_whose_model_contradicts_the_spec_is_refused_at_start(etcd, trai
     n = DEMO_MODEL.unit_counts()["ffn"]
     assert f"unit family 'ffn': spec says {n + 1}, the trainer's model says {n}" in str(info.value)
     assert etcd.get(keys.job_spec("hooks-job")) is None  # refused before anything was stored
+
+
+def test_demo_worker_exits_2_with_the_refusal(etcd, trainer, tmp_path):
+    """A rank (the demo's worker, a plain training script on TpflexHooks) whose model
+    contradicts the spec ends with exit 2 and the controller's message, no traceback."""
+    import os
+
+    import torch.distributed as dist
+    from tpflex_trainer.demo.launcher import demo_job_spec
+    from tpflex_trainer.demo.model import DEMO_MODEL
+    from tpflex_trainer.hooks.config import write_spec
+
+    _, port = trainer
+    small_cluster(etcd, racks=1, nodes_per_rack=1, gpus_per_node=1)
+    wrong = dict(DEMO_MODEL.unit_counts())
+    wrong["vocab"] *= 2
+    write_spec(demo_job_spec("worker-job", [("rack0", "rack0-n00", 1)], 4, wrong), tmp_path / "job.json")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPFLEX_")}
+    env.update(TPFLEX_CONTROLLER=f"127.0.0.1:{port}", TPFLEX_JOB="worker-job", TPFLEX_NODE="rack0-n00",
+               TPFLEX_GPU="0", TPFLEX_STORE=f"127.0.0.1:{store.port}", TPFLEX_JOB_SPEC=str(tmp_path / "job.json"),
+               TPFLEX_BACKEND="gloo", TPFLEX_PLAN_WAIT_S="5", TPFLEX_DEMO_OUT=str(tmp_path / "out.jsonl"),
+               GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-m", "tpflex_trainer.demo.worker"], env=env, capture_output=True,
+                       text=True, timeout=120, check=False)
+    n = DEMO_MODEL.unit_counts()["vocab"]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, (p.returncode, p.stderr[-2000:])
+    assert f"unit family 'vocab': spec says {2 * n}, the trainer's model says {n}" in p.stderr, p.stderr[-2000:]
+    assert etcd.get(keys.job_spec("worker-job")) is None
