@@ -57,12 +57,14 @@ class DemoModel:
         return reference_train(load_reference_model(self.model, DEMO_SEED), batches, s)["losses"]
 
 
-def demo_model(model_dir: str | None = None) -> DemoModel:
+def demo_model(model_dir: str | None = None, base_tp: int = BASE_TP) -> DemoModel:
+    """``base_tp``: the job's base TP degree (a Hugging Face model's unit counts depend
+    on it, and the trainers register the counts their adapter derives at the spec's)."""
     if not model_dir:
         return DemoModel(DEMO_MODEL, DEMO_MODEL.unit_counts(), DEMO_MODEL)
     from tpflex_trainer.ntp.hf_adapter import HfAdapter
 
-    adapter = HfAdapter.from_pretrained_dir(model_dir, BASE_TP)
+    adapter = HfAdapter.from_pretrained_dir(model_dir, base_tp)
     return DemoModel(str(model_dir), dict(adapter.unit_counts), _Shape(adapter.vocab, HF_SEQ_LEN))
 
 

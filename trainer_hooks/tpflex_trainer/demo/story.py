@@ -137,7 +137,7 @@ class Story:
                       f"({len(racks)} racks x {racks[0].gpus} GPUs){secured}")
         self.cluster.start()
         spec = demo_job_spec(JOB, [(r.name, r.node, r.gpus) for r in racks], LOCAL_BATCH,
-                             demo_model(self.config.model_dir).units, policy=self.config.policy,
+                             demo_model(self.config.model_dir, racks[0].gpus).units, policy=self.config.policy,
                              stages=self.topo.stages)
         env = {**self.cluster.trainer_env(), **self.config.worker_env}
         if self.config.hold_for_repair:
