@@ -16,17 +16,19 @@ the hooks are clients only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from tpflex_trainer.hooks.control import ControlConfig, endpoints_from
 from tpflex_trainer.hooks.store_client import STORE_SCHEME
+from tpflex_trainer.ntp.groups import FORMATION_TIMEOUT, set_collective_timeout
 from tpflex_trainer.ntp.layout import Member
 
 log = logging.getLogger(__name__)
@@ -115,25 +117,38 @@ def join_generation(
     # a member may die after the round formed, before it connects: its peers then wait in
     # init_process_group; a store that can give up (ControllerStore) ends that wait when
     # the controller announces a newer round (the death raises the restart epoch)
-    can_give_up = hasattr(store, "give_up")
-    if can_give_up:
-        store.give_up = give_up
     try:
-        dist.init_process_group(
-            backend,
-            store=dist.PrefixStore("pg/", prefixed),
-            rank=world[me],
-            world_size=len(world),
-            timeout=collective_timeout,
-        )
+        with store_gives_up(store, give_up):
+            dist.init_process_group(
+                backend,
+                store=dist.PrefixStore("pg/", prefixed),
+                rank=world[me],
+                world_size=len(world),
+                timeout=min(collective_timeout, FORMATION_TIMEOUT),  # see FORMATION_TIMEOUT
+            )
+        set_collective_timeout(None, collective_timeout)
     except dist.DistStoreError as exc:
         if dist.is_initialized():
             dist.destroy_process_group()
         raise RendezvousAbandoned(f"generation {generation}: process group not formed: {exc}") from exc
-    finally:
-        if can_give_up:
-            store.give_up = None
     log.info("rendezvous complete job=%s generation=%s rank=%d world=%d", job, generation, world[me], len(world))
+
+
+@contextlib.contextmanager
+def store_gives_up(store: dist.Store | None, give_up: Callable[[], bool]) -> Iterator[None]:
+    """While inside, a blocking ``get``/``wait`` on ``store`` ends (``DistStoreError``) once
+    ``give_up()`` is true, if the store can give up (``ControllerStore``; a TCPStore waits
+    out its timeout). Process groups formed inside wait for their members' addresses
+    through this store: a member that died will never publish its own. Restores the
+    previous condition on leaving (nested uses)."""
+    if store is None or not hasattr(store, "give_up"):
+        yield
+        return
+    previous, store.give_up = store.give_up, give_up
+    try:
+        yield
+    finally:
+        store.give_up = previous
 
 
 _GO, _ABANDONED = b"go", b"abandoned"

@@ -12,9 +12,10 @@ the store's is. Usable with ``init_process_group(store=...)`` on gloo and NCCL.
     store = ControllerStore(ControlConfig(endpoints=..., job=..., rank=...))
 
 Beyond c10d: while ``give_up`` (a callable, None by default) returns true, a blocking
-``get``/``wait`` ends early with ``DistStoreError``: the hooks set it while a process group
-is being initialised, so a member that died after the round formed blocks the others only
-until the controller announces a newer round, not for the store's whole timeout.
+``get``/``wait`` ends early with ``DistStoreError`` (on its clones too): the hooks set it
+while process groups are being formed, so a member that died after the round formed
+blocks the others only until the controller announces a newer round, not for the whole
+timeout.
 """
 
 from __future__ import annotations
@@ -38,8 +39,16 @@ class ControllerStore(dist.Store):
         super().__init__()
         self.config = config
         self.client = RendezvousClient(config)
-        self.give_up: Callable[[], bool] | None = None
+        self._give_up: list[Callable[[], bool] | None] = [None]  # shared with clones
         self.set_timeout(timeout)
+
+    @property
+    def give_up(self) -> Callable[[], bool] | None:
+        return self._give_up[0]
+
+    @give_up.setter
+    def give_up(self, fn: Callable[[], bool] | None) -> None:
+        self._give_up[0] = fn
 
     def _deadline(self, timeout: timedelta | None = None) -> float:
         t = (timeout if timeout is not None else self.timeout).total_seconds()
@@ -94,7 +103,7 @@ class ControllerStore(dist.Store):
 
     def clone(self) -> ControllerStore:
         twin = ControllerStore(self.config, self.timeout)
-        twin.give_up = self.give_up
+        twin._give_up = self._give_up  # a give-up condition set later applies to both
         return twin
 
     # ---- beyond c10d ----

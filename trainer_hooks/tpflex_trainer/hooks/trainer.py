@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from tpflex_proto import controller_pb2, types_pb2
 
-from tpflex_trainer.hooks.abort import GroupSockets, RoundAborts
+from tpflex_trainer.hooks.abort import GroupSockets, RoundAborts, abort_reason
 from tpflex_trainer.hooks.checkpoints import CheckpointDir
 from tpflex_trainer.hooks.config import HooksConfig, load_spec
 from tpflex_trainer.hooks.control import (
@@ -55,6 +55,7 @@ from tpflex_trainer.hooks.rendezvous import (
     connect_store,
     forget_generation,
     join_generation,
+    store_gives_up,
 )
 from tpflex_trainer.hooks.watchdog import Watchdog, dump_stacks
 from tpflex_trainer.ntp.config import GPTConfig
@@ -348,7 +349,9 @@ class TpflexHooks:
     def _apply(self, plan, placements, members, world, mode) -> AppliedPlan:
         newer = lambda: plan_round(self.client.latest_plan()) > plan_round(plan)  # noqa: E731
         self.aborts.entering(plan_round(plan))
-        with self._tracked():
+        # groups formed while applying wait for their members' addresses in the store; a
+        # member gone since (a newer round that aborts this one) will never publish its own
+        with self._tracked(), store_gives_up(self.store, lambda: self._member_gone(plan)):
             self._rendezvous(plan, "", world, newer)
             t0 = time.perf_counter()
             if self.runtime.layout is None:
@@ -364,6 +367,13 @@ class TpflexHooks:
         else:
             self.world = world
         return self._applied(plan, report, mode, time.perf_counter() - t0)
+
+    def _member_gone(self, plan: types_pb2.Plan) -> bool:
+        """Whether the controller announced a newer round because a member of ``plan``'s
+        round is gone (the plan-stream abort's condition): a newer restart epoch, or a
+        failure generation dropping one of its GPUs."""
+        latest = self.client.latest_plan()
+        return latest is not None and bool(abort_reason(latest, plan, plan.restart.epoch))
 
     def _tracked(self):
         """Around building groups: gloo's new connections are the ones an abort shuts."""

@@ -18,6 +18,30 @@ from tpflex_trainer.ntp.layout import JobLayout, Member, ReplicaPlacement
 
 GroupKey = tuple[str, tuple[int, ...]]  # (purpose, sorted ranks)
 
+# How long forming a group may take. Every process arrives within moments of the others
+# (right after a collective over the default group), but gloo's connectFullMesh waits for a
+# peer that published its address and then never connects (it failed its own connect, or
+# froze) five times this long, and nothing else ends that wait: with the 60 s collective
+# timeout it was 300 s, past the rank-liveness bound of the peers waiting for this rank.
+# The group gets the collective timeout once it is formed.
+FORMATION_TIMEOUT = timedelta(seconds=5)
+
+
+def new_group(ranks: list[int], timeout: timedelta) -> dist.ProcessGroup | None:
+    """``dist.new_group`` formed under :data:`FORMATION_TIMEOUT` (or ``timeout`` if shorter),
+    its collectives under ``timeout``. Collective over the default group; None for a
+    process that is not in ``ranks``."""
+    group = dist.new_group(ranks=ranks, timeout=min(timeout, FORMATION_TIMEOUT))
+    if group == dist.GroupMember.NON_GROUP_MEMBER or group is None:
+        return None
+    set_collective_timeout(group, timeout)
+    return group
+
+
+def set_collective_timeout(group: dist.ProcessGroup | None, timeout: timedelta) -> None:
+    """A formed group's collectives time out after ``timeout`` (None: the default group)."""
+    dist.distributed_c10d._set_pg_timeout(timeout, group)
+
 
 @dataclass
 class NtpGroups:
@@ -105,8 +129,7 @@ class GroupCache:
             self._destroy(self.groups.pop(key))
         for key in wanted:
             if key not in self.groups:
-                group = dist.new_group(ranks=list(key[1]), timeout=self.timeout)
-                self.groups[key] = None if group == dist.GroupMember.NON_GROUP_MEMBER else group
+                self.groups[key] = new_group(list(key[1]), self.timeout)
         return self._mine(_stages(layouts), world, me)
 
     def _mine(self, stages: tuple[JobLayout, ...], world: Mapping[Member, int], me: Member) -> NtpGroups:
