@@ -77,7 +77,7 @@ def _run(rank: int, world: int, endpoint: str, job: str, scenario: str, results)
         if rank == 0:
             os._exit(0)
         t0 = time.monotonic()
-        newer_round = lambda: time.monotonic() - t0 > 0.5  # noqa: E731: the controller's announcement
+        newer_round = lambda: time.monotonic() - t0 > 0.5  # noqa: E731  (the controller announces one)
         try:
             with store_gives_up(store.clone(), newer_round):  # a clone shares the condition
                 groups.new_group([0, 1, 2], COLLECTIVE)
@@ -133,5 +133,5 @@ def test_a_member_that_never_published_its_address_is_given_up_on_when_a_newer_r
     out = _ranks(served, "dead", [1, 2])
     for rank, (failed, waited, restored) in out.items():
         # the store's 60 s and the formation's 1 s timeouts are both longer than the 0.5 s
-        assert "given up" in failed and waited < 1.0, (rank, failed, waited)  # noqa: PT018
+        assert "given up" in failed and waited < 1.0, (rank, failed, waited)
         assert restored is None  # the condition is only in force while forming
