@@ -1,7 +1,7 @@
 """Exact or refused: HF's own forward runs around the sharded modules (the logits HF
 produces, post-processing included, go to the vocab-parallel loss; the model's own
-embedding module with its ``padding_idx`` and scale; the configured attention), dropout is
-refused, and the fidelity self-test refuses a model whose sharded forward or backward
+embedding module with its ``padding_idx`` and scale; the configured attention), dropout
+passes the self-test (its masks keyed per unit, see test_hf_dropout.py), and the fidelity self-test refuses a model whose sharded forward or backward
 differs from HF's, naming where the gradients start to differ. In-process (the self-test's
 thread members): no process group."""
 
@@ -159,13 +159,13 @@ def test_the_models_own_attention_implementation_is_kept():
     assert build_meta_model(cfg).config._attn_implementation == "sdpa"
 
 
-@pytest.mark.parametrize("family,field", [("seed_oss", "attention_dropout"), ("llama", "attention_dropout"),
-                                          ("qwen2", "attention_dropout")])
-def test_dropout_is_refused_naming_the_field(family, field):
+@pytest.mark.parametrize("family,field", [("seed_oss", "attention_dropout"), ("seed_oss", "residual_dropout"),
+                                          ("llama", "attention_dropout"), ("qwen2", "attention_dropout")])
+def test_dropout_passes_the_self_test(family, field):
+    """Dropout is no longer refused: its masks are keyed by sample, module and query head
+    (``dropout``), and the self-test trains the miniature with them on."""
     quiet = {k: 0.0 for k in _small(family).to_dict() if "dropout" in k}
-    with pytest.raises(UnsupportedModelError, match=f"{field} = 0.1: dropout is not supported"):
-        HfAdapter(_small(family, **{**quiet, field: 0.1}), 2)
-    HfAdapter(_small(family, **quiet), 2)
+    assert HfAdapter(_small(family, **{**quiet, field: 0.1}), 2).fidelity is not None
 
 
 def test_an_embedding_with_extra_parameters_is_refused():

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpflex_trainer.ntp import hf_selftest
+from tpflex_trainer.ntp import dropout, hf_selftest
 from tpflex_trainer.ntp.adapter import ModelAdapter
 from tpflex_trainer.ntp.config import REPLICATED, ParamSpec, to_user
 from tpflex_trainer.ntp.errors import ConfigError, NtpError, UnsupportedModelError
@@ -89,6 +89,11 @@ class HfShard(nn.Module):
 
     def _given(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"input_ids": x} if self.first else {"inputs_embeds": x}
+
+    def dropout_scope(self, seed: int, step: int, first_sample: int, batch: int):
+        """Dropout masks of one micro-batch's forward, keyed by (seed, step, global sample,
+        module, unit): see ``dropout``."""
+        return dropout.scope(seed, step, first_sample, batch, int(self.lm.config.hidden_size))
 
     def forward_stage(self, x: torch.Tensor) -> torch.Tensor:
         base = getattr(self.lm, self.lm.base_model_prefix)
@@ -207,8 +212,11 @@ class HfAdapter(ModelAdapter):
         layers = layer_ranges(self.n_layers, n_stages)[stage]
         first, last = stage == 0, stage == n_stages - 1
         lm = build_meta_model(self.config)
+        lm.train()
         base = getattr(lm, lm.base_model_prefix)
         modules = dict(lm.named_modules())
+        attn_blocks = {p for p, kind in self.plan.blocks.items() if kind == ATTN}
+        dropout.keyed(lm, lambda path, _m: self.local_heads(units) if path in attn_blocks else None)
         specs = [s for s in self.specs if s.name in tensors]
         params = {s.name: nn.Parameter(tensors[s.name]) for s in specs}
         in_stage = {f"{self.prefix}.layers.{i}" for i in layers}
@@ -267,6 +275,13 @@ class HfAdapter(ModelAdapter):
         if left:
             raise UnsupportedModelError(f"parameters without a unit layout: {left[:5]}")
         return HfShard(lm, lookup, group, params, specs, first)
+
+    def local_heads(self, units: Mapping[str, tuple[int, ...]]) -> tuple[int, ...]:
+        """The global query heads of a member's attention units, in its local order."""
+        if self.plan.head_units:
+            return tuple(units[ATTN])
+        r = self.plan.n_heads // self.plan.n_kv
+        return tuple(g * r + j for g in units[ATTN] for j in range(r))
 
     @staticmethod
     def _set_params(module: nn.Module, path: str, params: Mapping[str, nn.Parameter], only: str | None = None) -> None:

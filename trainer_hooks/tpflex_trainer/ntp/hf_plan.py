@@ -95,21 +95,24 @@ def attention_heads(config) -> tuple[int, int]:
     return n_heads, n_kv
 
 
+KEYED_ATTENTION = (None, "eager", "sdpa")
+
+
 def check_dropout(model: nn.Module, config) -> None:
-    """Dropout is refused until the runtime coordinates the random streams of a replica's
-    TP members (they hold different numbers of units, so they would draw different masks
-    on activations that must stay identical across them): any config field named
-    ``*dropout*`` above 0, any ``nn.Dropout`` with p > 0 and any attention module with an
-    ``attention_dropout`` above 0."""
-    for key, value in sorted(config.to_dict().items()):
-        if "dropout" in key and isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            raise UnsupportedModelError(f"{type(config).__name__}.{key} = {value}: dropout is not supported "
-                                        f"under NTP (set {key} to 0.0 to train this model exactly)")
+    """Dropout trains under NTP with masks keyed by sample, module and unit (``dropout``),
+    drawn through ``torch.nn.functional.dropout`` or, for sdpa attention, in the math
+    form; an attention kernel that draws its own mask (flash, flex) with attention dropout
+    above 0 is refused, naming the construct."""
+    impl = getattr(getattr(model, "config", config), "_attn_implementation", None)
+    if impl in KEYED_ATTENTION:
+        return
     for name, module in model.named_modules():
-        p = module.p if isinstance(module, nn.Dropout) else getattr(module, "attention_dropout", 0.0)
-        if isinstance(p, (int, float)) and p > 0:
-            raise UnsupportedModelError(f"{name}: dropout {p} is not supported under NTP "
-                                        "(set the model's dropout to 0.0 to train it exactly)")
+        p = getattr(module, "attention_dropout", 0.0)
+        if isinstance(p, (int, float)) and not isinstance(p, bool) and p > 0:
+            raise UnsupportedModelError(f"{name}: attention dropout {p} with attn_implementation {impl!r}: the "
+                                        "kernel draws its own mask, which cannot be made the same for a query "
+                                        "head whichever TP member holds it (use eager or sdpa attention, or set "
+                                        "attention_dropout to 0.0)")
 
 
 def choose_units(n: int, base_tp: int) -> int:

@@ -70,16 +70,23 @@ def reference_run(model_dir: str, data: np.ndarray, s: ReferenceSettings) -> dic
 
 
 def reference_train(model, batches, s: ReferenceSettings) -> dict:
-    """Train ``model`` on each global (inputs, labels) batch in turn."""
+    """Train ``model`` on each global (inputs, labels) batch in turn, in training mode,
+    its dropout masks keyed as the NTP runtime keys them (``dropout``: by seed, step,
+    sample, module and query head), so both draw the same masks."""
+    from tpflex_trainer.ntp import dropout
+
+    model.train()
+    dropout.keyed_reference(model)
     params = [p for p in model.parameters()]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": s.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, foreach=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(s))
     losses, norms = [], []
-    for inputs, labels in batches:
+    for step, (inputs, labels) in enumerate(batches):
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.dtype == "bf16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.dtype == "bf16"), \
+                dropout.scope(s.seed, step, 0, inputs.shape[0], int(model.config.hidden_size)):
             logits = model(input_ids=inputs).logits
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
         loss.backward()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tpflex_trainer.ntp import dropout
 from tpflex_trainer.ntp.config import REPLICATED, to_canonical
 from tpflex_trainer.ntp.errors import UnsupportedModelError
 from tpflex_trainer.ntp.hf_plan import ATTN, attention_heads
@@ -136,6 +137,7 @@ def _reference(config, seed: int):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     model.train()
+    dropout.keyed_reference(model)  # its masks keyed as the NTP path's (seed 0, the step, the samples)
     return model
 
 
@@ -179,7 +181,8 @@ def _local(spec, full: torch.Tensor, units: tuple[int, ...]) -> torch.Tensor:
     return torch.cat([full[u * r:(u + 1) * r] for u in units]).clone() if units else full[:0].clone()
 
 
-def _ntp_grads(adapter, state: dict, batch, degree: int, stages: int = 1) -> tuple[float, dict, list[str]]:
+def _ntp_grads(adapter, state: dict, batch, degree: int, stages: int = 1,
+               step: int = 0) -> tuple[float, dict, list[str]]:
     """Loss, full canonical gradients, the replicated parameters whose gradients differ
     across members, and member 0's module outputs (one stage only), for the NTP path at
     ``degree`` (threads) with ``stages`` stages."""
@@ -206,13 +209,14 @@ def _ntp_grads(adapter, state: dict, batch, degree: int, stages: int = 1) -> tup
 
     def run(rank: int):
         mods = built[rank]
-        if stages == 1:
-            loss = mods[0].loss(tokens, targets)
-        else:
-            x = tokens
-            for mod in mods[:-1]:
-                x = mod.forward_stage(x)
-            loss = mods[-1].stage_loss(x, targets)
+        with mods[0].dropout_scope(0, step, 0, tokens.shape[0]):
+            if stages == 1:
+                loss = mods[0].loss(tokens, targets)
+            else:
+                x = tokens
+                for mod in mods[:-1]:
+                    x = mod.forward_stage(x)
+                loss = mods[-1].stage_loss(x, targets)
         loss.backward()
         grads = {}
         for mod in mods:
@@ -286,7 +290,8 @@ def _compare(adapter, model, layouts: list[tuple[str, int, int]]) -> str | None:
         hf_acts: dict[str, torch.Tensor] = {}
         hooks = _record_outputs(model, hf_acts)
         try:
-            logits = model(input_ids=batch[0], use_cache=False).logits
+            with dropout.scope(0, step, 0, batch[0].shape[0], int(model.config.hidden_size)):
+                logits = model(input_ids=batch[0], use_cache=False).logits
         finally:
             for h in hooks:
                 h.remove()
@@ -295,7 +300,7 @@ def _compare(adapter, model, layouts: list[tuple[str, int, int]]) -> str | None:
         state = {k: v.detach() for k, v in model.state_dict().items()}
         want = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
         for label, degree, stages in layouts:
-            got_loss, got, split, acts = _ntp_grads(adapter, state, batch, degree, stages)
+            got_loss, got, split, acts = _ntp_grads(adapter, state, batch, degree, stages, step)
             where = f"step {step}, {label}"
             bad = [n for n in order if _rel(got[n], _canon(specs[n], want[n])) > GRAD_TOL]
             if bad:

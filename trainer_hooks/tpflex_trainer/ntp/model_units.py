@@ -4,7 +4,7 @@ that the trainers send the controller when they register (``TpflexHooks.start``)
 
 :func:`derive` builds the Hugging Face model's adapter itself (``HfAdapter``: the model on
 the meta device, ``hf_plan.analyse``, the fidelity self-test), so a spec carries exactly
-the counts the trainers will use, and a model the adapter refuses (MoE, dropout, ...) is
+the counts the trainers will use, and a model the adapter refuses (MoE, no ``base_model_tp_plan``, ...) is
 refused here with the adapter's reason. No weights are read.
 """
 

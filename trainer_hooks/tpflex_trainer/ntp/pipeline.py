@@ -72,6 +72,8 @@ class PipelineStep:
         self.hidden, self.bf16 = hidden, autocast_bf16
         self.sent_bytes = 0
         self.broadcast_bytes = 0
+        # (seed, step, the replica's first sample in the global batch): keys dropout masks
+        self.dropout_at: tuple[int, int, int] | None = None
 
     # ------------------------------------------------------------------ transfers
     def _buffer(self, rows: int, seq: int, device: torch.device) -> torch.Tensor:
@@ -149,7 +151,13 @@ class PipelineStep:
         if not links.first:
             x = inputs[i].requires_grad_()
         ctx = torch.autocast(x.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
-        with ctx:
+        keyed = getattr(self.model, "dropout_scope", None)
+        drop = nullcontext()
+        if keyed is not None and self.dropout_at is not None:
+            seed, step, first = self.dropout_at
+            first += sum(chunks[j][0].shape[0] for j in range(i))
+            drop = keyed(seed, step, first, chunks[i][0].shape[0])
+        with ctx, drop:
             if links.first and links.last:
                 out = self.model.loss(x, y)  # one stage: the whole model
             elif links.last:

@@ -369,6 +369,12 @@ class NtpRuntime:
                                          targets.tensor_split(self.train.micro_batches), strict=True)
                   if x.shape[0]]
         self.sync.begin(rep.local_batch / self.layout.global_batch, len(chunks))
+        first = 0
+        for r in self.layout.replicas:  # the replica's slice of the global batch (as the trainers cut it)
+            if r.replica == self.me.replica:
+                break
+            first += r.local_batch
+        self.pipe.dropout_at = (self.seed, self.step, first)
         local_loss = self.pipe.run(chunks, rep.local_batch)
         global_loss = self.sync.finish(local_loss)
         return self._clip_and_update(global_loss)
