@@ -7,7 +7,7 @@ arithmetic is right. Here the ranks (``TPFLEX_DEMO_DUMP_DIR``, ``demo/dumps.py``
 whole job state (weights and Adam moments, every unit, per replica) that the first round
 of each generation started from (``entry``), and the state ``DUMP_STEPS`` steps later
 (``exit``). The oracle loads an entry dump into the dense single-process model of
-``ntp/reference.py`` (plain tensors, ``torch.optim.Adam`` at the dump's step), trains it on
+``ntp/reference.py`` (plain tensors, ``torch.optim.Adam`` at the dump's step, in float64), trains it on
 each step's whole global batch (``global_batch(step, samples)``, the samples the replicas
 split between them: the loss is the global-batch mean, so a degraded replica's share
 weighs by its samples), and compares the losses every rank recorded for those steps and
@@ -101,26 +101,39 @@ def window_dumped(dump_dir: Path, generation: int) -> bool:
     return False
 
 
-def reference_from(cfg, state: dict, step: int, batches, lr: float, betas, eps: float):
+def reference_from(cfg, state: dict, step: int, batches, lr: float, betas, eps: float,
+                   dtype: torch.dtype = torch.float64):
     """The dense reference (``ntp/reference.py``'s model, ``torch.optim.Adam``) continued from
-    a full state at Adam step ``step``: (losses, final state)."""
+    a full state at Adam step ``step``: (losses, final state in float32).
+
+    It computes in ``dtype``, float64 by default: the job's first window starts at Adam step
+    0, where the update divides each element's gradient by its own magnitude (v-hat = g^2),
+    and float32 rounding in small-gradient elements grows to ~1e-5 within 3 steps. In the
+    10-minute soak's first window a float32 reference was 3.1e-5 (exp_avg) from the float64
+    one, the chaos run 4.3e-6: the float32 reference, not the job, missed. Later windows
+    (Adam's v over many steps) agree within 1e-6 either way."""
     from tpflex_trainer.ntp.reference import reference_loss
 
-    params = {n: t.detach().clone().requires_grad_(True) for n, t in state["param"].items()}
-    opt = torch.optim.Adam(params.values(), lr=lr, betas=betas, eps=eps, foreach=False)
-    for n, p in params.items():
-        opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": state["exp_avg"][n].clone(),
-                        "exp_avg_sq": state["exp_avg_sq"][n].clone()}
-    losses = []
-    for tokens, targets in batches:
-        opt.zero_grad(set_to_none=True)
-        loss = reference_loss(cfg, params, tokens, targets)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    out = {"param": {n: p.detach().clone() for n, p in params.items()}}
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # what the reference model creates (positions, masks)
+    try:
+        params = {n: t.detach().to(dtype).clone().requires_grad_(True) for n, t in state["param"].items()}
+        opt = torch.optim.Adam(params.values(), lr=lr, betas=betas, eps=eps, foreach=False)
+        for n, p in params.items():
+            opt.state[p] = {"step": torch.tensor(float(step)), "exp_avg": state["exp_avg"][n].to(dtype).clone(),
+                            "exp_avg_sq": state["exp_avg_sq"][n].to(dtype).clone()}
+        losses = []
+        for tokens, targets in batches:
+            opt.zero_grad(set_to_none=True)
+            loss = reference_loss(cfg, params, tokens, targets)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    finally:
+        torch.set_default_dtype(default)
+    out = {"param": {n: p.detach().float() for n, p in params.items()}}
     for kind in ("exp_avg", "exp_avg_sq"):
-        out[kind] = {n: opt.state[p][kind].detach().clone() for n, p in params.items()}
+        out[kind] = {n: opt.state[p][kind].detach().float() for n, p in params.items()}
     return losses, out
 
 

@@ -262,11 +262,16 @@ def test_the_oracles_reference_continues_the_single_process_run_exactly():
     try:
         losses, whole = reference_state(DEMO_MODEL, DEMO_SEED, batches, **kw)
         first, mid = reference_state(DEMO_MODEL, DEMO_SEED, batches[:2], **kw)
-        rest, end = reference_from(DEMO_MODEL, mid, 2, batches[2:], **kw)
+        rest, end = reference_from(DEMO_MODEL, mid, 2, batches[2:], **kw, dtype=torch.float32)
         # the Adam step matters (bias correction): a reference started at the wrong one misses
-        _, off = reference_from(DEMO_MODEL, mid, 0, batches[2:], **kw)
+        _, off = reference_from(DEMO_MODEL, mid, 0, batches[2:], **kw, dtype=torch.float32)
+        _, end64 = reference_from(DEMO_MODEL, mid, 2, batches[2:], **kw)  # what the oracle runs
     finally:
         torch.set_num_threads(threads)
     assert first + rest == losses
     assert all(state_rel_l2(end[k], whole[k]) == 0.0 for k in whole)
     assert state_rel_l2(off["param"], whole["param"]) > 1e-5
+    # in float64 (returned as float32): the same run within rounding, not bit for bit
+    assert all(end64[k][n].dtype == torch.float32 for k in end64 for n in end64[k])
+    assert 0.0 < state_rel_l2(end64["param"], whole["param"]) < 1e-5
+    assert torch.get_default_dtype() == torch.float32
