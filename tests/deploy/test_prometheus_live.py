@@ -18,14 +18,18 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-import yaml
 from tpflex_agent.sim import SimGpuSpec
 from tpflex_controller import synthetic
 from tpflex_proto import codec, controller_pb2, controller_pb2_grpc, keys, types_pb2
 from tpflex_proto.tls import channel_credentials
 
-from tests.deploy.promql import analyse, rule_exprs
-from tests.deploy.tools import DEPLOY, dashboard_exprs, require_tool
+from tests.deploy.promql import rule_exprs
+from tests.deploy.tools import (
+    DEPLOY,
+    assert_used_metrics_exported,
+    prom_query,
+    require_tool,
+)
 from tests.security.stack import (
     ADMIN_TOKEN,
     AGENT_READY,
@@ -86,17 +90,7 @@ def live(tmp_path_factory, dev_certs):
         stack.stop()
 
 
-def _query(url: str, expr: str, proc: Proc) -> list[dict]:
-    assert proc.proc.poll() is None, f"prometheus exited: {proc.output()[-2000:]}"
-    try:
-        r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=2)
-    except httpx.HTTPError:
-        return []  # not listening yet
-    if r.status_code == 503:
-        return []  # listening, still starting up ("Service Unavailable", not JSON)
-    body = r.json()
-    assert body["status"] == "success", body
-    return body["data"]["result"]
+_query = prom_query
 
 
 def test_prometheus_scrapes_controller_and_agent_over_https(live):
@@ -126,16 +120,6 @@ def _alert_expr(name: str) -> str:
     assert len(names) == len(exprs) and name in names
     return exprs[names.index(name)]
 
-
-def _used_metric_names() -> list[str]:
-    """Every metric name in the rule files of deploy/prometheus/ (alerts and recording
-    rules) and in the queries (panels and variables) of the dashboards in deploy/grafana/."""
-    exprs = []
-    for path in sorted(PROM.glob("*.yml")):
-        if "groups" in (yaml.safe_load(path.read_text()) or {}):
-            exprs += rule_exprs(path.read_text())
-    assert exprs and dashboard_exprs()
-    return sorted(set().union(*(analyse(e).metrics for e in exprs + dashboard_exprs())))
 
 
 def _pending(url: str, alert: str, job: str) -> bool:
@@ -189,17 +173,7 @@ def test_every_metric_the_alerts_and_dashboard_use_is_exported_and_a_withheld_ac
         degraded = _alert_expr("TpflexRackDegradedTooLong")
         result = wait_until(lambda: _query(url, degraded, proc), 30, f"{degraded!r} returning the drained rack")
         assert [(r["metric"]["rack"], r["value"][1]) for r in result] == [("rack-sec", "1")]
-        used = _used_metric_names()
-        print(f"\nmetric names used by deploy/prometheus/*.yml and deploy/grafana/*.json ({len(used)}):")
-        print("\n".join(f"  {name}" for name in used))
-        pattern = "|".join(used)
-
-        def missing() -> list[str]:
-            found = _query(url, f'count by (__name__) ({{__name__=~"{pattern}"}})', proc)
-            return sorted(set(used) - {r["metric"]["__name__"] for r in found})
-        wait_until(lambda: not missing(), 30, "every used metric name in Prometheus",
-                   fail=lambda: AssertionError(f"not exported by the live stack: {missing()}"))
-        print(f"every one exported by the live stack: {', '.join(used)}")
+        assert_used_metrics_exported(url, proc, 30)
         # the one rank of generation 2 acks it: the expression is empty again
         trainer.AckPlan(types_pb2.Ack(job=JOB, rank=0, generation=2), timeout=5)
         wait_until(lambda: _query(url, f'tpflex_plan_acked_generation{{training_job="{JOB}"}} == 2', proc), 30,

@@ -106,3 +106,54 @@ def dashboard_exprs() -> list[str]:
         dash = json.loads(path.read_text())
         out += dashboard_panel_exprs(dash) + dashboard_variable_exprs(dash)
     return out
+
+
+def used_metric_names() -> list[str]:
+    """Every metric name in the rule files of deploy/prometheus/ (alerts and recording
+    rules) and in the queries (panels and variables) of the dashboards in deploy/grafana/."""
+    import yaml
+
+    from tests.deploy.promql import analyse, rule_exprs
+
+    exprs = []
+    for path in sorted((DEPLOY / "prometheus").glob("*.yml")):
+        if "groups" in (yaml.safe_load(path.read_text()) or {}):
+            exprs += rule_exprs(path.read_text())
+    assert exprs and dashboard_exprs()
+    return sorted(set().union(*(analyse(e).metrics for e in exprs + dashboard_exprs())))
+
+
+def prom_query(url: str, expr: str, proc) -> list[dict]:
+    """An instant query through Prometheus' HTTP API ([] while it is starting); ``proc``
+    (a tests.security.stack.Proc) is Prometheus, which must still be running."""
+    import httpx
+
+    assert proc.proc.poll() is None, f"prometheus exited: {proc.output()[-2000:]}"
+    try:
+        r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=3)
+    except httpx.HTTPError:
+        return []  # not listening yet
+    if r.status_code == 503:
+        return []  # listening, still starting up ("Service Unavailable", not JSON)
+    body = r.json()
+    assert body["status"] == "success", (expr, body)
+    return body["data"]["result"]
+
+
+def assert_used_metrics_exported(url: str, proc, timeout_s: float) -> list[str]:
+    """Wait until Prometheus holds every metric name the shipped rules and dashboards use
+    (printing the list it checks); fails naming the ones the stack does not export."""
+    from tests.support.wait import wait_until
+
+    used = used_metric_names()
+    print(f"\nmetric names used by deploy/prometheus/*.yml and deploy/grafana/*.json ({len(used)}):")
+    print("\n".join(f"  {name}" for name in used))
+    pattern = "|".join(used)
+
+    def missing() -> list[str]:
+        found = prom_query(url, f'count by (__name__) ({{__name__=~"{pattern}"}})', proc)
+        return sorted(set(used) - {r["metric"]["__name__"] for r in found})
+    wait_until(lambda: not missing(), timeout_s, "every used metric name in Prometheus", interval=0.5,
+               fail=lambda: AssertionError(f"not exported by the live stack: {missing()}"))
+    print(f"every one exported by the live stack: {', '.join(used)}")
+    return used

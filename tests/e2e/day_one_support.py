@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from tests.agent.support import FakeNvml, build_fake_nvml
-from tests.deploy.tools import DEPLOY
+from tests.deploy.tools import DEPLOY, prom_query
 from tests.security.stack import (
     AGENT_READY,
     BIN,
@@ -24,6 +24,7 @@ from tests.security.stack import (
     Proc,
     SecureEtcd,
     agent_toml,
+    controller_healthy,
     controller_toml,
 )
 from tests.support.ports import free_ports
@@ -95,7 +96,7 @@ class Cluster:
         self.controllers.append(ctl)
         ctl.proc.wait_line(r"controller started", 30)
         with self.http(ctl) as http:
-            wait_until(lambda: _healthy(http, ctl.proc), 30, f"{name}'s HTTPS /healthz")
+            wait_until(lambda: controller_healthy(http, ctl.proc), 30, f"{name}'s HTTPS /healthz")
         return ctl
 
     def start_agent(self, node: str, rack: str, gpus: int, max_mw: int) -> Agent:
@@ -134,13 +135,6 @@ class Cluster:
         self.etcd.stop()
 
 
-def _healthy(http: httpx.Client, proc: Proc) -> bool:
-    assert proc.proc.poll() is None, f"controller exited: {proc.output()[-2000:]}"
-    try:
-        return http.get("/healthz").status_code == 200
-    except httpx.HTTPError:
-        return False
-
 
 # ---- Prometheus with the shipped configuration ----
 
@@ -175,15 +169,4 @@ def stage_prometheus(dest: Path, cluster: Cluster) -> Path:
     return dest / "prometheus.yml"
 
 
-def query(url: str, expr: str, proc: Proc) -> list[dict]:
-    """An instant query through Prometheus' HTTP API ([] while it is starting)."""
-    assert proc.proc.poll() is None, f"prometheus exited: {proc.output()[-2000:]}"
-    try:
-        r = httpx.get(f"{url}/api/v1/query", params={"query": expr}, timeout=3)
-    except httpx.HTTPError:
-        return []
-    if r.status_code == 503:
-        return []
-    body = r.json()
-    assert body["status"] == "success", (expr, body)
-    return body["data"]["result"]
+query = prom_query

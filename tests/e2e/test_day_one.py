@@ -38,8 +38,13 @@ import pytest
 import yaml
 from tpflex_proto import keys
 
-from tests.deploy.promql import analyse, rule_exprs
-from tests.deploy.tools import DEPLOY, dashboard_exprs, make_certs, require_tool
+from tests.deploy.promql import rule_exprs
+from tests.deploy.tools import (
+    DEPLOY,
+    assert_used_metrics_exported,
+    make_certs,
+    require_tool,
+)
 from tests.e2e.day_one_support import RUN, Cluster, query, stage_prometheus
 from tests.launch.support import base_env
 from tests.security.stack import PASSWORDS, Proc, start_secure_etcd, write_secrets
@@ -85,16 +90,6 @@ def _records(path: Path) -> list[dict]:
                 pass  # a line being written
     return out
 
-
-def _used_metric_names() -> list[str]:
-    """Every metric name in the rule files of deploy/prometheus/ and in the dashboards'
-    queries (panels and variables) of deploy/grafana/."""
-    exprs = []
-    for path in sorted((DEPLOY / "prometheus").glob("*.yml")):
-        if "groups" in (yaml.safe_load(path.read_text()) or {}):
-            exprs += rule_exprs(path.read_text())
-    assert exprs and dashboard_exprs()
-    return sorted(set().union(*(analyse(e).metrics for e in exprs + dashboard_exprs())))
 
 
 def _alerts() -> dict[str, str]:
@@ -289,17 +284,7 @@ def test_day_one_from_an_empty_etcd_to_a_job_that_survives_a_gpu_failure(cluster
         assert {r["global_batch"] for r in after} == {r0["local_batch"] + r1["local_batch"]}
 
         # ---- the alert rules against what this stack exported ----
-        used = _used_metric_names()
-        print(f"metric names used by deploy/prometheus/*.yml and deploy/grafana/*.json ({len(used)}):")
-        print("\n".join(f"  {name}" for name in used))
-        pattern = "|".join(used)
-
-        def missing() -> list[str]:
-            found = query(prom_url, f'count by (__name__) ({{__name__=~"{pattern}"}})', prom)
-            return sorted(set(used) - {r["metric"]["__name__"] for r in found})
-        wait_until(lambda: not missing(), 60, "every used metric name in Prometheus", interval=0.5,
-                   fail=lambda: AssertionError(f"not exported by the stack: {missing()}"))
-        print(f"every one exported by the live stack ({len(used)} names)")
+        assert_used_metrics_exported(prom_url, prom, 60)
         alerts = _alerts()
         degraded = wait_until(lambda: len(query(prom_url, alerts["TpflexRackDegradedTooLong"], prom)) == 2 and query(prom_url, alerts["TpflexRackDegradedTooLong"], prom), 30,
                               "TpflexRackDegradedTooLong's expression returning both racks", interval=0.5)

@@ -238,7 +238,7 @@ tls_key_file = "{c}/agent-key.pem"
 """
 
 
-def _healthy(http: httpx.Client, controller: Proc) -> bool:
+def controller_healthy(http: httpx.Client, controller: Proc) -> bool:
     assert controller.proc.poll() is None, f"controller exited: {controller.output()[-2000:]}"
     try:
         return http.get("/healthz").status_code == 200
@@ -303,7 +303,7 @@ def start_stack(certs: Path, base: Path) -> Stack:
         stack = Stack(certs, etcd, controller, agent, rest_port, trainer_port, m.group(1),
                       f"{m.group(2)}:{m.group(3)}", int(m.group(5)), base)
         with stack.http() as http:
-            wait_until(lambda: _healthy(http, controller), 30, "the controller's HTTPS /healthz")
+            wait_until(lambda: controller_healthy(http, controller), 30, "the controller's HTTPS /healthz")
         return stack
     except BaseException:
         for p in procs:
