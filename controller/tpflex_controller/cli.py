@@ -143,6 +143,7 @@ def show_plan(d: dict) -> str:
         f"job {d['job']}  generation {d['generation']}  policy {d['policy']}  "
         f"expected throughput {_ratio(d['expected_throughput_ratio'])}  created {_ts(d['created_at'])}"
         + (f"  cause: {d['cause']}" if d["cause"] else "")
+        + (f" by {d['by']}" if d.get("by") else "")
     )
     return head + "\n" + _replicas(d)
 
@@ -161,12 +162,13 @@ def show_events(d: dict) -> str:
 
 
 def show_event_rows(events: list, header: bool = True) -> str:
-    rows = [[e["seq"], _ts(e["at"]), e["kind"], e["job"] or "-", e["generation"] or "-", e["cause"] or "-"] for e in events]
-    out = table(["SEQ", "AT", "KIND", "JOB", "GEN", "CAUSE"], rows, widths=_EVENT_WIDTHS)
+    rows = [[e["seq"], _ts(e["at"]), e["kind"], e["job"] or "-", e["generation"] or "-", e.get("by") or "-",
+             e["cause"] or "-"] for e in events]
+    out = table(["SEQ", "AT", "KIND", "JOB", "GEN", "BY", "CAUSE"], rows, widths=_EVENT_WIDTHS)
     return out if header else out.split("\n", 1)[1]
 
 
-_EVENT_WIDTHS = [6, 19, 14, 16, 5, 0]  # fixed under --watch, so that later rows line up
+_EVENT_WIDTHS = [6, 19, 14, 16, 5, 12, 0]  # fixed under --watch, so that later rows line up
 
 
 def show_drain(d: dict) -> str:

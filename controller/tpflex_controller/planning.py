@@ -74,6 +74,8 @@ class Planned:
     cause: str
     detected_at: float
     planned_at: float
+    by: str = ""  # the operator whose change caused this decision (a named REST token)
+    note: str = ""  # what that change was: "drain n1:3 by alice: flaky NVLink"
 
 
 def build_commit(
@@ -81,6 +83,8 @@ def build_commit(
 ) -> tuple[PlanCommit, dict[str, NodePower], types_pb2.Event]:
     generation = p.prev.generation + 1 if p.prev is not None else 1
     header, parts = encoder.split(p.result, generation, cause=p.cause, now=p.planned_at)
+    if p.by:  # Plan.by (field 14) appended: the encoding of the merged message
+        header += codec.encode(types_pb2.Plan(by=p.by))
     old = p.prev.parts if p.prev is not None else []
     # the encoder gives unchanged parts as the same objects (and says which it rebuilt)
     maybe = range(len(parts)) if len(old) != len(parts) else moved(old, parts)
@@ -105,7 +109,8 @@ def build_commit(
         job=p.job,
         generation=generation,
         cause=p.cause,
-        reasons=decision_reasons(old, p.result),
+        by=p.by,
+        reasons=([p.note] if p.note else []) + decision_reasons(old, p.result),
         phases=[
             types_pb2.PhaseTiming(phase="detected", at=p.detected_at),
             types_pb2.PhaseTiming(phase="committed", at=p.planned_at),
@@ -445,7 +450,7 @@ def pin_events(p: Planned, generation: int, at: float) -> list[types_pb2.Event]:
             what = "suspended" if kind == "pin_suspended" else "holds again, was suspended"
             reasons = [f"replica {x.replica}: TP pin {x.tp_degree} {what}: {x.reason}" for x in pins]
             out.append(types_pb2.Event(at=at, kind=kind, job=p.job, generation=generation,
-                                       cause=p.cause, reasons=reasons))
+                                       cause=p.cause, reasons=reasons, by=p.by))
     return out
 
 

@@ -48,9 +48,12 @@ from tpflex_controller.planning import (
     rank_count_since,
 )
 from tpflex_controller.rollout import Phase, Rollout, RolloutTracker
-from tpflex_controller.workqueue import Action, DirtyJob, Result, WorkQueue
+from tpflex_controller.workqueue import OPERATOR_CAUSES, Action, DirtyJob, Result, WorkQueue
 
 log = logging.getLogger(__name__)
+
+
+MAX_OPERATOR_NOTES = 16  # operator changes named per decision (a burst of drains)
 
 
 class Reconciler:
@@ -89,6 +92,9 @@ class Reconciler:
         self._queue = WorkQueue(override_coalesce_s)
         self._conflict_nodes: dict[str, list[str]] = {}  # power keys of a lost CAS
         self._unplannable: dict[str, str] = {}
+        # job -> the operators' changes (name, note) folded since its last decision: the
+        # next plan and event carry who (Plan.by, Event.by) and what (a reason line)
+        self._operators: dict[str, list[tuple[str, str]]] = {}
         self._rollouts = RolloutTracker()
         self._need_load = True  # until the informer's initial state is folded
         self._stop = threading.Event()
@@ -302,6 +308,8 @@ class Reconciler:
                 self._forget_handled(ev)
             for job, cause in self.view.fold_change(ev):
                 self._mark(job, cause, at, ev.mod_revision)
+                if cause in OPERATOR_CAUSES:
+                    self._note_operator(job, cause, ev)
             # the changed racks' gauges are set when idle, off the decision's path
             self._after_fold(ev, self._racks_seen, acked)
         for job, ranks in acked.items():
@@ -338,11 +346,41 @@ class Reconciler:
     def _mark(self, job: str, cause: str, at: float, revision: int = 0) -> None:
         self._queue.mark(job, cause, at, self._clock.mono(), revision)
 
+    def _note_operator(self, job: str, cause: str, ev: Change) -> None:
+        """Who made the operator change ``ev`` (its override's ``by``, set by the REST API
+        from the caller's token name) and what it was, for ``job``'s next decision. An
+        override removed (a full undrain, a cleared override) names nobody."""
+        k = ev.parsed
+        if k is None:
+            return
+        if k.kind is Kind.GPU_OVERRIDE:
+            o = self.view.snap.gpu_overrides.get((k.name, k.number))
+            what = f"{cause} {k.name}:{k.number}"
+        elif k.kind is Kind.JOB_OVERRIDE:
+            o = self.view.snap.job_overrides.get(k.name)
+            what = f"override of job {k.name}"
+        else:
+            return
+        if o is None or not o.by:
+            return
+        note = f"{what} by {o.by}" + (f": {o.reason}" if o.reason and cause != "power_pin" else "")
+        seen = self._operators.setdefault(job, [])
+        if len(seen) < MAX_OPERATOR_NOTES and (o.by, note) not in seen:
+            seen.append((o.by, note))
+
+    def _operator_fields(self, job: str) -> tuple[str, list[str]]:
+        """``by`` (the names, in order, comma-separated) and the notes for ``job``'s next
+        decision."""
+        seen = self._operators.get(job, ())
+        names = list(dict.fromkeys(by for by, _ in seen))
+        return ",".join(names), [note for _, note in seen]
+
     def _forget_handled(self, ev: Change) -> None:
         """A follower sees the leader commit a plan: the changes before it are handled
         (kept only so that a new leader reports the right cause)."""
         k = ev.parsed
         if k is not None and k.kind is Kind.JOB_PLAN:
+            self._operators.pop(k.name, None)  # the changes before it are in its decision
             d = self._queue.get(k.name)
             if d is not None and d.revision < ev.mod_revision:
                 self._queue.forget(k.name)
@@ -433,6 +471,7 @@ class Reconciler:
         except (PlanningError, ValueError) as exc:
             self._job_plans.pop(job, None)
             self._record_unplannable(job, str(exc), d)
+            self._operators.pop(job, None)
             return Result.UNPLANNABLE
         self._job_plans[job] = jp
         self._to_warm.add(job)
@@ -441,8 +480,11 @@ class Reconciler:
             self.metrics.unplannable_jobs.set(len(self._unplannable))
         prev = self.view.plans.get(job)
         if prev is not None and result.same_decision(prev.decision()):
+            self._operators.pop(job, None)
             return Result.OK
-        self._commit(Planned(job, result, prev, d.cause, d.detected_at, now))
+        by, notes = self._operator_fields(job)
+        self._commit(Planned(job, result, prev, d.cause, d.detected_at, now, by, "; ".join(notes)))
+        self._operators.pop(job, None)
         return Result.OK
 
     def _commit(self, p: Planned) -> None:
@@ -595,6 +637,7 @@ class Reconciler:
         """A deleted job's per-job state leaves with its plan (a cluster that creates and
         deletes jobs must not keep each one's last plan alive)."""
         self._ranks.pop(job, None)
+        self._operators.pop(job, None)
         self._plan_ranks.pop(job, None)
         self._conflict_nodes.pop(job, None)
         self._encoder.forget(job)
@@ -625,8 +668,10 @@ class Reconciler:
         session = self._session
         if session is None:
             raise NotLeader("not leading")
+        by, notes = self._operator_fields(job)
         event = types_pb2.Event(
-            at=self._clock.wall(), kind="plan_failed", job=job, cause=d.cause, reasons=[reason]
+            at=self._clock.wall(), kind="plan_failed", job=job, cause=d.cause, reasons=[reason, *notes],
+            by=by,
         )
         append_event(session, self.view, event)
         self._unplannable[job] = reason

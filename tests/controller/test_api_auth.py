@@ -26,7 +26,7 @@ def test_load_tokens_scopes(tmp_path):
 
 
 @pytest.mark.parametrize("admin,read_only,why", [
-    ("a b\n", "", "contains whitespace"),
+    ("a b c\n", "", "contains no whitespace"),
     ("x\n", "x\n", "both admin and read-only"),
 ])
 def test_bad_token_files_are_refused_with_the_reason(tmp_path, admin, read_only, why):

@@ -13,6 +13,7 @@ import pytest
 from tpflex_controller.api import create_app
 from tpflex_controller.api.cache import ApiStateCache
 from tpflex_controller.api.console import live, routes
+from tpflex_controller.api.deps import anonymous_name
 from tpflex_controller.api.feed import Change, Kind
 from tpflex_controller.store import Store
 from tpflex_proto import codec, keys, types_pb2
@@ -69,8 +70,11 @@ def test_the_console_endpoints_need_a_known_token_even_with_open_reads(api):
         for path in ("/v1/console/session", "/v1/console/stream"):
             r = api.http.get(path, headers=headers)
             assert r.status_code == 401 and r.json()["error"]["code"] == "unauthorized", (path, headers)
-    assert api.http.get("/v1/console/session", headers=h.reader()).json() == {"scope": "read-only"}
-    assert api.http.get("/v1/console/session", headers=h.admin()).json() == {"scope": "admin"}
+    # the harness's token files list bare tokens: named by their SHA-256 (docs/api.md)
+    assert api.http.get("/v1/console/session", headers=h.reader()).json() == {
+        "scope": "read-only", "name": anonymous_name(h.READER)}
+    assert api.http.get("/v1/console/session", headers=h.admin()).json() == {
+        "scope": "admin", "name": anonymous_name(h.ADMIN)}
 
 
 def _messages(http: httpx.Client, headers: dict, out: list, stop: threading.Event) -> None:

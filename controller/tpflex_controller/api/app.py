@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends, FastAPI
 
 from tpflex_controller import __version__
 from tpflex_controller.api import schemas as s
+from tpflex_controller.api.audit_trail import AuditTrail
 from tpflex_controller.api.console import routes as console
 from tpflex_controller.api.deps import ApiDeps, require_reader
 from tpflex_controller.api.errors import install_error_handlers
@@ -15,7 +16,8 @@ from tpflex_controller.api.routes import events, jobs, nodes, racks, system
 
 _ERRORS = {
     401: {"model": s.ErrorBody, "description": "no or unknown bearer token"},
-    403: {"model": s.ErrorBody, "description": "read-only token on a mutating call"},
+    403: {"model": s.ErrorBody, "description": "read-only token on a mutating call, or an admin "
+          "token limited to other jobs or racks"},
     404: {"model": s.ErrorBody, "description": "unknown rack, node, GPU or job"},
     413: {"model": s.ErrorBody, "description": "request body above rest.max_body_bytes"},
     422: {"model": s.ErrorBody, "description": "impossible or malformed request"},
@@ -24,7 +26,8 @@ _ERRORS = {
 
 DESCRIPTION = """tpflex controller API: inspect racks, nodes, GPUs, jobs, plans and events;
 drain/undrain GPUs, force a job's reconfiguration, dry-run a plan. Mutating calls need
-`Authorization: Bearer <admin token>`. Errors: `{"error": {"code": ..., "message": ...}}`."""
+`Authorization: Bearer <admin token>`; each is recorded on the `tpflex.audit` logger
+under the token's name, with the request's `X-Request-Id` (echoed back). Errors: `{"error": {"code": ..., "message": ...}}`."""
 
 
 def create_app(deps: ApiDeps) -> FastAPI:
@@ -53,4 +56,7 @@ def create_app(deps: ApiDeps) -> FastAPI:
     app.add_middleware(BodyGuard, tokens=deps.tokens, max_bytes=deps.max_body_bytes,
                        max_bodies=deps.max_bodies, wait_s=deps.busy_wait_s,
                        body_timeout_s=deps.body_timeout_s)
+    # outermost of all: every mutating call's audit record (api/audit_trail.py), the
+    # refusals of the middleware above included
+    app.add_middleware(AuditTrail, tokens=deps.tokens, router=app)
     return app

@@ -82,10 +82,10 @@ def auth_problem(tokens, method: str, path: str, headers) -> tuple[ErrorCode, st
     token = bearer(headers)
     if token is None:
         return ErrorCode.UNAUTHORIZED, "missing bearer token: send 'Authorization: Bearer <token>'"
-    scope = tokens.scope_of(token)
-    if scope is None:
+    caller = tokens.caller_of(token)
+    if caller is None:
         return ErrorCode.UNAUTHORIZED, "unknown bearer token"
-    if need == "admin" and scope != "admin":
+    if need == "admin" and caller.scope != "admin":
         return ErrorCode.FORBIDDEN, "this token is read-only; an admin token is required"
     return None
 

@@ -236,6 +236,16 @@ def _place(settings: ControllerSettings) -> None:
             log.warning("rest.cpus not applied cpus=%s error=%s", settings.rest.cpus, exc)
 
 
+def audit_records_kept() -> None:
+    """The audit trail (``tpflex.audit``, api/audit_trail.py) is written at INFO: kept
+    whatever ``controller.log_level`` says, on the same stream as this process's other
+    lines (its stderr, the controller's: journald under systemd). A site routes it
+    elsewhere with a handler on that logger (docs/api.md, "Audit log")."""
+    audit_log = logging.getLogger("tpflex.audit")
+    if audit_log.level == logging.NOTSET or audit_log.level > logging.INFO:
+        audit_log.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tpflex-controller-rest", description="the controller's REST "
                                 "process (started by tpflex-controller; settings as JSON on stdin)")
@@ -249,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = ControllerSettings.model_validate(json.loads(sys.stdin.read()))
     logging.basicConfig(level=settings.controller.log_level,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    audit_records_kept()
     _place(settings)
     return _serve(settings, ns.listen_fd, ns.link_fd, ns.parent_pid)
 

@@ -214,6 +214,7 @@ class PlanView(PlanDecision):
     generation: int
     created_at: float
     cause: str
+    by: str = Field("", description="the operator (named REST token) whose change caused it; empty when none did")
 
 
 class PlanSummary(BaseModel):
@@ -222,6 +223,7 @@ class PlanSummary(BaseModel):
     expected_throughput_ratio: float
     created_at: float
     cause: str
+    by: str = Field("", description="the operator (named REST token) whose change caused it; empty when none did")
     replica_tp_degrees: list[int]
     degraded_replicas: int
     dropped_replicas: int
@@ -246,6 +248,7 @@ class JobOverrideView(BaseModel):
     policy: str
     reason: str
     at: float
+    by: str = Field("", description="the operator (named REST token) who set it")
 
 
 class UnitFamilyView(BaseModel):
@@ -352,6 +355,7 @@ class EventView(BaseModel):
     cause: str
     reasons: list[str]
     phases: list[PhaseView]
+    by: str = Field("", description="the operator (named REST token) whose change caused it; empty when none did")
 
 
 class EventList(BaseModel):

@@ -147,7 +147,7 @@ def plan_decision(plan: types_pb2.Plan) -> s.PlanDecision:
 def plan_view(plan: types_pb2.Plan) -> s.PlanView:
     return s.PlanView(
         job=plan.job, generation=plan.generation, created_at=plan.created_at, cause=plan.cause,
-        **_decision_fields(plan),
+        by=plan.by, **_decision_fields(plan),
     )
 
 
@@ -189,6 +189,7 @@ def plan_json(plan: types_pb2.Plan) -> bytes:
         "suspended_pins": [{"replica": p.replica, "tp_degree": p.tp_degree, "reason": p.reason}
                            for p in plan.suspended_pins],
         "job": plan.job, "generation": plan.generation, "created_at": plan.created_at, "cause": plan.cause,
+        "by": plan.by,
     })
     return "".join((head[:-1], ',"replicas":[', replicas, '],"power_caps":[', caps, "],", tail[1:])).encode()
 
@@ -228,7 +229,7 @@ def plan_summary(plan: types_pb2.Plan) -> s.PlanSummary:
     return s.PlanSummary(
         generation=plan.generation, policy=plan.policy,
         expected_throughput_ratio=plan.expected_throughput_ratio, created_at=plan.created_at,
-        cause=plan.cause, replica_tp_degrees=[r.tp_degree for r in plan.replicas],
+        cause=plan.cause, by=plan.by, replica_tp_degrees=[r.tp_degree for r in plan.replicas],
         degraded_replicas=sum(r.state == types_pb2.REPLICA_DEGRADED for r in plan.replicas),
         dropped_replicas=sum(r.state == types_pb2.REPLICA_DROPPED for r in plan.replicas),
         suspended_pins=suspended_pins(plan),
@@ -239,7 +240,7 @@ def override_view(o: types_pb2.JobOverride | None) -> s.JobOverrideView | None:
     if o is None:
         return None
     pins = [s.PinView(replica=p.replica, tp_degree=p.tp_degree) for p in o.pins]
-    return s.JobOverrideView(job=o.job, pins=pins, policy=o.policy, reason=o.reason, at=o.at)
+    return s.JobOverrideView(job=o.job, pins=pins, policy=o.policy, reason=o.reason, at=o.at, by=o.by)
 
 
 def job_view(
@@ -270,6 +271,7 @@ def event_view(e: types_pb2.Event) -> s.EventView:
     return s.EventView(
         seq=e.seq, at=e.at, kind=e.kind, job=e.job, generation=e.generation, cause=e.cause,
         reasons=list(e.reasons), phases=[s.PhaseView(phase=p.phase, at=p.at) for p in e.phases],
+        by=e.by,
     )
 
 

@@ -69,12 +69,12 @@ async def console_asset(name: str) -> Response:
 
 
 @api.get("/session", summary="The scope of the caller's token (the console's login check)")
-async def session(scope: Scope) -> dict:
-    return {"scope": scope}
+async def session(caller: Scope) -> dict:
+    return {"scope": caller.scope, "name": caller.name}
 
 
 @api.get("/stream", include_in_schema=False)  # an endless stream: docs/console.md, not OpenAPI
-async def stream(request: Request, deps: Deps, scope: Scope) -> StreamingResponse:
+async def stream(request: Request, deps: Deps, caller: Scope) -> StreamingResponse:
     feed = deps.reads
     if not hasattr(feed, "subscribe"):
         raise ApiError(ErrorCode.NOT_READY, "live updates need the watch-fed view of etcd")
@@ -82,7 +82,7 @@ async def stream(request: Request, deps: Deps, scope: Scope) -> StreamingRespons
     counter = _counter(request)
     if not counter.acquire():
         raise ApiError(ErrorCode.BUSY, f"busy: {MAX_STREAMS} console streams open; retry")
-    view = ConsoleView(deps.reads, deps.steps, scope)
+    view = ConsoleView(deps.reads, deps.steps, caller.scope)
     return _BoundedStream(
         _messages(view, feed, counter), media_type="text/event-stream",
         headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},

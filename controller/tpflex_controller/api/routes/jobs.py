@@ -14,7 +14,7 @@ from tpflex_controller import convert, plandiff
 from tpflex_controller.api import schemas as s
 from tpflex_controller.api import views
 from tpflex_controller.api.checks import check_gpus_exist, check_pins
-from tpflex_controller.api.deps import Admin, ApiDeps, Deps
+from tpflex_controller.api.deps import Admin, ApiDeps, Deps, check_job_limit
 from tpflex_controller.api.errors import ApiError, ErrorCode, invalid, not_found
 from tpflex_controller.api.paging import After, PageLimit, page
 from tpflex_controller.api.params import JobName, Limit
@@ -76,7 +76,8 @@ def plan_history(
     "/{job}/spec", response_model=s.SpecChangeResult, status_code=202,
     summary="Change a registered job's spec (admin); checked as RegisterJob checks a new one",
 )
-def change_spec(job: JobName, body: s.JobSpecRequest, deps: Deps, _: Admin) -> s.SpecChangeResult:
+def change_spec(job: JobName, body: s.JobSpecRequest, deps: Deps, caller: Admin) -> s.SpecChangeResult:
+    check_job_limit(caller, job)
     for _attempt in range(5):
         guard = deps.store.spec_guard_revision()
         kv = deps.etcd.get(keys.job_spec(job))
@@ -98,7 +99,8 @@ def change_spec(job: JobName, body: s.JobSpecRequest, deps: Deps, _: Admin) -> s
     "/{job}", response_model=s.JobDeleted, status_code=202,
     summary="Delete a job (admin): its spec, override and acks; the leader removes its plan",
 )
-def delete_job(job: JobName, deps: Deps, _: Admin) -> s.JobDeleted:
+def delete_job(job: JobName, deps: Deps, caller: Admin) -> s.JobDeleted:
+    check_job_limit(caller, job)
     for _attempt in range(5):
         guard = deps.store.spec_guard_revision()
         kv = deps.etcd.get(keys.job_spec(job))
@@ -145,7 +147,8 @@ def _checked(spec: types_pb2.JobSpec, deps: ApiDeps) -> None:
     "/{job}/reconfigure", response_model=s.ReconfigureResult, status_code=202,
     summary="Pin replicas' TP degrees and/or switch the policy (writes the job override)",
 )
-def reconfigure(job: JobName, body: s.ReconfigureRequest, deps: Deps, _: Admin) -> s.ReconfigureResult:
+def reconfigure(job: JobName, body: s.ReconfigureRequest, deps: Deps, caller: Admin) -> s.ReconfigureResult:
+    check_job_limit(caller, job)
     spec = job_spec(deps.reads, job)
     if not body.pins and body.policy is None and not body.clear:
         raise invalid("nothing to do: give pins, a policy, or clear=true")
@@ -155,7 +158,8 @@ def reconfigure(job: JobName, body: s.ReconfigureRequest, deps: Deps, _: Admin) 
     try:  # only while the spec exists: an override written after a delete would outlive the job
         _, new, revision = deps.store.update(
             keys.job_override(job), types_pb2.JobOverride,
-            lambda old: merged_override(job, None if body.clear else old, pins, body, deps.clock()),
+            lambda old: merged_override(job, None if body.clear else old, pins, body, deps.clock(),
+                                        by=caller.name),
             requires=keys.job_spec(job),
         )
     except RequiredKeyGone:
@@ -166,17 +170,18 @@ def reconfigure(job: JobName, body: s.ReconfigureRequest, deps: Deps, _: Admin) 
 
 def merged_override(
     job: str, old: types_pb2.JobOverride | None, pins: dict[int, int], body: s.ReconfigureRequest,
-    at: float,
+    at: float, by: str = "",
 ) -> types_pb2.JobOverride | None:
     """The job override after a reconfigure: the stored pins with the new ones on top, the
-    new policy or the stored one; None (no override) when nothing is left."""
+    new policy or the stored one; None (no override) when nothing is left. ``by``: the
+    operator who asked (the token's name)."""
     merged = {p.replica: p.tp_degree for p in old.pins} if old else {}
     merged.update(pins)
     policy = body.policy.value if body.policy is not None else (old.policy if old else "")
     if not merged and not policy:
         return None
     return types_pb2.JobOverride(
-        job=job, policy=policy, reason=body.reason or (old.reason if old else ""), at=at,
+        job=job, policy=policy, reason=body.reason or (old.reason if old else ""), at=at, by=by,
         pins=[types_pb2.ReplicaPin(replica=r, tp_degree=t) for r, t in sorted(merged.items())],
     )
 

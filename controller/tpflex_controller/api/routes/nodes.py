@@ -11,7 +11,7 @@ from tpflex_proto import keys, types_pb2
 from tpflex_controller.api import schemas as s
 from tpflex_controller.api import views
 from tpflex_controller.api.checks import unknown_gpu
-from tpflex_controller.api.deps import Admin, Deps
+from tpflex_controller.api.deps import Admin, Caller, Deps, check_rack_limit
 from tpflex_controller.api.errors import not_found
 from tpflex_controller.api.paging import After, PageLimit, gpu_cursor, page, parse_gpu_cursor
 from tpflex_controller.api.params import NAME_PATTERN, GpuIndex, NodeName
@@ -106,8 +106,9 @@ async def get_gpu(node: NodeName, index: GpuIndex, deps: Deps) -> s.GpuView:
     "/nodes/{node}/gpus/{index}/drain", response_model=s.DrainResult, status_code=202,
     summary="Drain a GPU (the leader re-plans without it)",
 )
-def drain_gpu(node: NodeName, index: GpuIndex, body: s.DrainRequest, deps: Deps, _: Admin) -> s.DrainResult:
-    _existing_gpu(deps, node, index)
+def drain_gpu(node: NodeName, index: GpuIndex, body: s.DrainRequest, deps: Deps,
+              caller: Admin) -> s.DrainResult:
+    _existing_gpu(deps, node, index, caller)
     at = deps.clock()
 
     def drained(old: types_pb2.GpuOverride | None) -> types_pb2.GpuOverride:
@@ -115,7 +116,7 @@ def drain_gpu(node: NodeName, index: GpuIndex, body: s.DrainRequest, deps: Deps,
             return old  # already so: no write
         return types_pb2.GpuOverride(
             gpu=types_pb2.GpuRef(node=node, index=index), drained=True, reason=body.reason,
-            power_cap_w=old.power_cap_w if old else 0.0, at=at,
+            power_cap_w=old.power_cap_w if old else 0.0, at=at, by=caller.name,
         )
 
     old, _, revision = deps.store.update(keys.gpu_override(node, index), types_pb2.GpuOverride, drained)
@@ -128,15 +129,15 @@ def drain_gpu(node: NodeName, index: GpuIndex, body: s.DrainRequest, deps: Deps,
     "/nodes/{node}/gpus/{index}/undrain", response_model=s.DrainResult, status_code=202,
     summary="Undrain a GPU (removes the drain override)",
 )
-def undrain_gpu(node: NodeName, index: GpuIndex, deps: Deps, _: Admin) -> s.DrainResult:
-    _existing_gpu(deps, node, index)
+def undrain_gpu(node: NodeName, index: GpuIndex, deps: Deps, caller: Admin) -> s.DrainResult:
+    _existing_gpu(deps, node, index, caller)
     at = deps.clock()
 
     def undrained(old: types_pb2.GpuOverride | None) -> types_pb2.GpuOverride | None:
         if old is None or not old.drained:
             return old  # nothing to undo: no write
         if old.power_cap_w > 0:  # keep an operator power pin
-            return types_pb2.GpuOverride(gpu=old.gpu, power_cap_w=old.power_cap_w, at=at)
+            return types_pb2.GpuOverride(gpu=old.gpu, power_cap_w=old.power_cap_w, at=at, by=caller.name)
         return None
 
     old, _, revision = deps.store.update(keys.gpu_override(node, index), types_pb2.GpuOverride, undrained)
@@ -145,9 +146,12 @@ def undrain_gpu(node: NodeName, index: GpuIndex, deps: Deps, _: Admin) -> s.Drai
     return s.DrainResult(node=node, index=index, drained=False, changed=changed)
 
 
-def _existing_gpu(deps, node: str, index: int):
+def _existing_gpu(deps, node: str, index: int, caller: Caller) -> None:
+    """404 for an unknown GPU; 403 for a token limited to racks that do not hold it."""
     found = deps.reads.node_cluster(node)
     snap = found[0] if found is not None else Snapshot()
     known = views.gpu_locations(snap, node)
     if (node, index) not in known:
         raise unknown_gpu((node, index), known)
+    rack = found[1] if found is not None else None
+    check_rack_limit(caller, rack, f"GPU {node}:{index} (rack {rack!r})")

@@ -12,7 +12,7 @@ from tpflex_proto import keys, types_pb2
 from tpflex_controller import convert, plandiff
 from tpflex_controller.api import schemas as s
 from tpflex_controller.api import views
-from tpflex_controller.api.deps import Admin, ApiDeps, Deps
+from tpflex_controller.api.deps import Admin, ApiDeps, Deps, check_rack_limit
 from tpflex_controller.api.errors import ApiError, ErrorCode, invalid, not_found
 from tpflex_controller.api.paging import After, PageLimit, page
 from tpflex_controller.api.params import RackName
@@ -58,7 +58,9 @@ _ATTEMPTS = 5
     "/{rack}", response_model=s.RackWriteResult,
     summary="Create or replace a rack record (admin); ?dry_run=true validates only",
 )
-def put_rack(rack: RackName, body: s.RackRequest, deps: Deps, _: Admin, dry_run: DryRun = False) -> s.RackWriteResult:
+def put_rack(rack: RackName, body: s.RackRequest, deps: Deps, caller: Admin,
+             dry_run: DryRun = False) -> s.RackWriteResult:
+    check_rack_limit(caller, rack, f"rack {rack!r}")
     _same_name(rack, body.name)
     new = types_pb2.Rack(name=rack, **body.model_dump(exclude={"name"}))
     return _write(deps, rack, lambda old: new, dry_run)
@@ -68,8 +70,9 @@ def put_rack(rack: RackName, body: s.RackRequest, deps: Deps, _: Admin, dry_run:
     "/{rack}", response_model=s.RackWriteResult,
     summary="Change some fields of a stored rack record (admin); ?dry_run=true validates only",
 )
-def patch_rack(rack: RackName, body: s.RackPatchRequest, deps: Deps, _: Admin,
+def patch_rack(rack: RackName, body: s.RackPatchRequest, deps: Deps, caller: Admin,
                dry_run: DryRun = False) -> s.RackWriteResult:
+    check_rack_limit(caller, rack, f"rack {rack!r}")
     _same_name(rack, body.name)
     fields = body.model_dump(exclude={"name"}, exclude_none=True)
     if not fields:
@@ -96,7 +99,8 @@ def patch_rack(rack: RackName, body: s.RackPatchRequest, deps: Deps, _: Admin,
     "/{rack}", response_model=s.RackWriteResult,
     summary="Delete a rack record (admin); 409 while a job uses it; ?dry_run=true validates only",
 )
-def delete_rack(rack: RackName, deps: Deps, _: Admin, dry_run: DryRun = False) -> s.RackWriteResult:
+def delete_rack(rack: RackName, deps: Deps, caller: Admin, dry_run: DryRun = False) -> s.RackWriteResult:
+    check_rack_limit(caller, rack, f"rack {rack!r}")
     def gone(old: types_pb2.Rack | None) -> None:
         if old is None:
             raise not_found(f"rack {rack!r} not found")

@@ -217,7 +217,7 @@ function eventItem(e) {
   const detected = (e.phases.find((p) => p.phase === "detected") || {}).at;
   const phases = e.phases.filter((p) => p.phase !== "detected")
     .map((p) => `${p.phase.replace("_", " ")} +${detected ? Math.round((p.at - detected) * 1000) : "?"} ms`).join(", ");
-  const head = `#${e.seq} ${at} ${e.kind}${e.job ? ` ${e.job}` : ""}${e.generation ? ` gen ${e.generation}` : ""}: ${e.cause || "-"}`;
+  const head = `#${e.seq} ${at} ${e.kind}${e.job ? ` ${e.job}` : ""}${e.generation ? ` gen ${e.generation}` : ""}: ${e.cause || "-"}${e.by ? ` by ${e.by}` : ""}`;
   return el("li", { "data-seq": e.seq }, el("div", { text: head }),
     phases ? el("div", { class: "muted", text: `timings from detection: ${phases}` }) : null,
     e.reasons.length ? el("ul", { class: "reasons" }, ...e.reasons.map((r) => el("li", { text: r }))) : null);
