@@ -170,7 +170,8 @@ def run_job(cluster: DemoCluster, work: Path, steps: int, *, stop_file: Path | N
             [str(Path(sys.executable).parent / "tpflex-run"), "--controller", cluster.trainer_endpoint,
              "--job-spec", str(work / "job.json"), "--node", r.node, "--log-dir", str(work / "ranks"),
              "--backoff-s", "0.5", "--backoff-max-s", str(BACKOFF_MAX_S), "--max-restarts", "1000",
-             "--beat-timeout-s", "3", *(["--preload", ",".join(worker_preload())] if preload else []), "--",
+             "--beat-timeout-s", "3", "--register-token-file", str(cluster.admin_token_file),
+             *(["--preload", ",".join(worker_preload())] if preload else []), "--",
              sys.executable, "-m", "tpflex_trainer.demo.worker"],
             env=env, stdout=subprocess.DEVNULL, stderr=open(work / f"{r.node}.log", "wb"), start_new_session=True))
     return spec, procs

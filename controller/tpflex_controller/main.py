@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="file of admin REST tokens, one per line (tokens are never arguments)")
     p.add_argument("--readonly-tokens-file", dest="readonly_tokens_file",
                    help="file of read-only REST tokens, one per line")
+    p.add_argument("--job-credentials", dest="job_credentials", choices=["required", "off"],
+                   help="[trainer] job_credentials: trainer-plane calls need their job's credential")
     p.add_argument("--log-level", dest="log_level")
     p.add_argument("--print-config", action="store_true", help="print the effective configuration and exit")
     return p
@@ -84,7 +86,7 @@ def _arg_layers(ns: argparse.Namespace) -> dict[str, dict]:
             "admin_tokens_file": ns.admin_tokens_file,
             "readonly_tokens_file": ns.readonly_tokens_file,
         },
-        "trainer": {"listen": ns.trainer_listen},
+        "trainer": {"listen": ns.trainer_listen, "job_credentials": ns.job_credentials},
     }
 
 
@@ -117,6 +119,36 @@ def _trainer_tls(s: ControllerSettings) -> ServerTls | None:
     if not t.tls_cert_file:
         return None
     return ServerTls(t.tls_cert_file, t.tls_key_file, t.client_ca_file, frozenset(t.client_names))
+
+
+def _job_auth(s: ControllerSettings, etcd):
+    """The trainer plane's per-job credential check (``[trainer] job_credentials``), with
+    the REST admin tokens allowed to register a job and be issued its credential."""
+    from tpflex_controller.api import load_tokens
+    from tpflex_controller.credentials import Credentials, JobAuth
+
+    if s.trainer.job_credentials == "off":
+        log.warning("trainer.job_credentials = off: any caller that reaches the trainer port may "
+                    "act on any job (docs/deploy.md, 'Trust model')")
+        return None
+    r = s.rest
+    tokens = load_tokens(r.admin_tokens_file or None, r.readonly_tokens_file or None)
+    return JobAuth(Credentials(etcd), admin_check=lambda token, job: _admin_name(tokens, token, job))
+
+
+def _admin_name(tokens, token: str, job: str) -> str | None:
+    """The name of an admin REST token allowed to act on ``job``, or None."""
+    caller = tokens.scope_of(token)
+    if caller is None:
+        return None
+    if isinstance(caller, str):  # anonymous tokens: (scope)
+        return "admin" if caller == "admin" else None
+    if getattr(caller, "scope", "") != "admin":
+        return None
+    jobs = getattr(caller, "jobs", None)
+    if jobs and job not in jobs:
+        return None
+    return caller.name
 
 
 def _start_rest(
@@ -195,6 +227,7 @@ class ControllerProcess:
             liveness=s.liveness.policy(),
             on_liveness=self.metrics.liveness_outcome,
             informer=self.informer,
+            job_auth=_job_auth(s, self.etcd),
         )
         self.rest = _start_rest(s, self.registry, self.steps)
         self.grpc_server.start()

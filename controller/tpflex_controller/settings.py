@@ -149,6 +149,11 @@ class TrainerSection(config.ClientCaListener, _Listener):
     step_report_stale_s: float = Field(
         10.0, gt=0, le=3600, description="a replica whose reports stopped this long counts 0"
     )
+    job_credentials: Literal["required", "off"] = Field(
+        "required",
+        description="required: every trainer-plane call carries a credential of the job it names"
+        " (docs/deploy.md, 'Trust model'); off: any caller that reaches the port may act on any job",
+    )
 
 
 class LivenessSection(config.Section):

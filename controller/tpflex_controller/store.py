@@ -142,7 +142,7 @@ class Store:
 
     def write_spec(self, job: str, spec: types_pb2.JobSpec | None, *, spec_revision: int,
                    guard_revision: int) -> int:
-        """Store (or with None delete, with its override and acks) a job spec, only if
+        """Store (or with None delete, with its override, acks and credentials) a job spec, only if
         neither the spec key nor the spec guard moved since they were read at the given
         mod revisions (0 = absent). The write's revision; 0 when a key moved (nothing
         written)."""
@@ -151,7 +151,8 @@ class Store:
         if spec is not None:
             ops = [Op.put(key, codec.encode(spec))]
         else:
-            ops = [Op.delete(key), Op.delete_prefix(keys.job_acks(job)), Op.delete(keys.job_override(job))]
+            ops = [Op.delete(key), Op.delete_prefix(keys.job_acks(job)), Op.delete(keys.job_override(job)),
+                   Op.delete_prefix(keys.job_credentials(job))]  # its credentials die with it
         ops.append(Op.put(keys.SPEC_GUARD, job.encode()))
         done = self.etcd.txn(compare, ops)
         return done.revision if done.succeeded else 0

@@ -30,6 +30,8 @@ from tpflex_proto.etcd import Cmp, Etcd, EtcdError, EtcdUnavailable, Op
 from tpflex_proto.informer import Informer
 from tpflex_proto.tls import ServerTls, TlsFilesError, bind_grpc, server_interceptors
 
+from tpflex_controller import audit
+from tpflex_controller.credentials import CALLER, CredentialError, Credentials, JobAuth
 from tpflex_controller.liveness import LivenessPolicy, Outcome
 from tpflex_controller.liveness_service import LivenessRefused, LivenessService
 from tpflex_controller.planfeed import PlanFeed
@@ -150,8 +152,9 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
                  min_step_seconds: float = DEFAULT_MIN_STEP_SECONDS,
                  liveness: LivenessPolicy = LivenessPolicy(),
                  on_liveness: Callable[[str, Outcome], None] = lambda job, out: None,
-                 informer: Informer | None = None):
+                 informer: Informer | None = None, credentials: Credentials | None = None):
         self.etcd = etcd
+        self.credentials = credentials or Credentials(etcd)
         self.store = Store(etcd)
         self.steps = steps
         self.clock = clock
@@ -199,7 +202,20 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
 
     def RegisterJob(self, request, context):
         model = request.model if request.HasField("model") else None
-        return self._run(context, self._register, request.spec, model)
+        response = self._run(context, self._register, request.spec, model)
+        caller = CALLER.get()
+        if caller is not None and caller.operator:  # an admin token: issue the job a credential
+            name = request.credential_name or "register"
+            try:
+                token = self.credentials.issue(request.spec.name, name, f"operator:{caller.operator}")
+            except CredentialError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except EtcdError as exc:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
+            audit.record(who=caller.who, what="trainer.RegisterJob", target=f"job:{request.spec.name}",
+                         outcome="ok", credential=name)
+            response.credential, response.credential_name = token, name
+        return response
 
     def _register(self, spec: types_pb2.JobSpec,
                   model: types_pb2.ModelUnits | None = None) -> controller_pb2.RegisterJobResponse:
@@ -361,6 +377,7 @@ def create_grpc_server(
     liveness: LivenessPolicy = LivenessPolicy(),
     on_liveness: Callable[[str, Outcome], None] = lambda job, out: None,
     informer: Informer | None = None,
+    job_auth: JobAuth | None = None,
 ) -> tuple[grpc.Server, int]:
     """A started-not-yet ``grpc.Server`` serving ``Trainer`` (and the jobs' ``Rendezvous``
     store unless ``rendezvous`` is None), bound to ``bind``; returns it and the bound port
@@ -371,11 +388,12 @@ def create_grpc_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="trainer-rpc"),
         options=[("grpc.max_send_message_length", 64 << 20)],
-        interceptors=server_interceptors(tls, service="trainer"),
+        interceptors=[*server_interceptors(tls, service="trainer"), *([job_auth] if job_auth else [])],
     )
     servicer = TrainerServicer(etcd, steps=steps or StepStats(), clock=clock,
                                min_step_seconds=min_step_seconds, liveness=liveness,
-                               on_liveness=on_liveness, informer=informer)
+                               on_liveness=on_liveness, informer=informer,
+                               credentials=job_auth.credentials if job_auth else None)
     servicer.liveness.start()
     controller_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
     if rendezvous is not None:  # parked calls hold worker threads: at most half of them

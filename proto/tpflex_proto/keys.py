@@ -32,6 +32,7 @@ SPEC_GUARD = PREFIX + "spec-guard"
 STEPS = PREFIX + "steps/"
 RENDEZVOUS = "/tpflex/rendezvous/v1/"
 LIVENESS = "/tpflex/liveness/v1/"
+CREDENTIALS = "/tpflex/credentials/v1/"
 
 # node, rack and controller names (one etcd key segment each)
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
@@ -248,3 +249,13 @@ def liveness(job: str) -> str:
     """The job's restart epoch and recent soft failures (``types.Liveness``); outside
     ``/tpflex/v1/`` like the rendezvous store: the trainer service owns it."""
     return f"{LIVENESS}{job}"
+
+
+def job_credentials(job: str) -> str:
+    """/tpflex/credentials/v1/<job>/: the job's trainer credentials (JobCredential), kept out
+    of the cluster state's prefix (no reader of the cluster view mirrors them)."""
+    return f"{CREDENTIALS}{job}/"
+
+
+def job_credential(job: str, name: str) -> str:
+    return f"{CREDENTIALS}{job}/{name}"

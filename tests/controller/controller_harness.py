@@ -157,6 +157,10 @@ class ControllerProc:
         self._command = [*prefix, CONTROLLER_BIN, "--name", name, "--etcd", ",".join(endpoints),
                          "--lease-ttl-s", str(ttl)]
         self._extra = list(extra)
+        if "--job-credentials" not in self._extra and "--config" not in self._extra:
+            # these tests' trainers carry no job credential (tests/security/test_job_credentials.py
+            # tests the required mode against real processes)
+            self._extra += ["--job-credentials", "off"]
         self._env = {k: v for k, v in os.environ.items() if not k.startswith("TPFLEX_")}
         self._env.update(env or {})
         self._launch()

@@ -54,7 +54,7 @@ def start_job(cluster: DemoCluster, tmp: Path, job: str, env: dict[str, str], ru
         launchers.append(subprocess.Popen(
             [RUN, "--controller", cluster.trainer_endpoint, "--job-spec", str(tmp / "job.json"),
              "--node", r.node, "--log-dir", str(tmp / r.node), "--preload", ",".join(worker_preload()),
-             *run_args, "--",
+             "--register-token-file", str(cluster.admin_token_file), *run_args, "--",
              sys.executable, "-m", "tpflex_trainer.demo.worker"],
             env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{r.node}.log", "wb"),
             start_new_session=True))

@@ -129,6 +129,11 @@ class DemoCluster:
         return self.workdir / "secrets"
 
     @property
+    def admin_token_file(self) -> Path:
+        """The admin token's file (tpflex-run --register-token-file takes it)."""
+        return self.workdir / "admin.tokens"
+
+    @property
     def trainer_endpoint(self) -> str:
         return f"127.0.0.1:{self.ports.trainer}"
 
@@ -227,6 +232,25 @@ class DemoCluster:
         c = self.certs
         return {"TPFLEX_TLS_CA": c.ca, "TPFLEX_TLS_CERT": c.cert("trainer"),
                 "TPFLEX_TLS_KEY": c.key("trainer")}
+
+    def register_job(self, spec: types_pb2.JobSpec, name: str = "demo") -> dict[str, str]:
+        """Register ``spec`` as an operator does (RegisterJob with the admin token) and
+        return the ranks' environment for the credential issued: its file, which only
+        this user can read (docs/launch.md, "Job credentials")."""
+        from tpflex_trainer.hooks.control import ControlConfig
+        from tpflex_trainer.launch.credential import register_for_credential
+
+        tls = self.trainer_env()
+        control = ControlConfig(endpoints=(self.trainer_endpoint,), job=spec.name, rank=0,
+                                tls_ca_file=tls.get("TPFLEX_TLS_CA"), tls_cert_file=tls.get("TPFLEX_TLS_CERT"),
+                                tls_key_file=tls.get("TPFLEX_TLS_KEY"))
+        token = register_for_credential(control, spec, self.admin_token, name)
+        path = self.workdir / f"{spec.name}.credential"
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(token + "\n")
+        return {"TPFLEX_JOB_CREDENTIAL_FILE": str(path)}
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """For HTTPS to the REST API and the agents' /metrics (None when TLS is off)."""

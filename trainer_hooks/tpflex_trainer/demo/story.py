@@ -139,7 +139,7 @@ class Story:
         spec = demo_job_spec(JOB, [(r.name, r.node, r.gpus) for r in racks], LOCAL_BATCH,
                              demo_model(self.config.model_dir, racks[0].gpus).units, policy=self.config.policy,
                              stages=self.topo.stages)
-        env = {**self.cluster.trainer_env(), **self.config.worker_env}
+        env = {**self.cluster.trainer_env(), **self.cluster.register_job(spec), **self.config.worker_env}
         if self.config.hold_for_repair:
             hold = self.config.workdir / "hold"
             hold.parent.mkdir(parents=True, exist_ok=True)

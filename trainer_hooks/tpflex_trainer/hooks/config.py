@@ -44,6 +44,7 @@ class HooksConfig:
     tls_cert_file: str = ""
     tls_key_file: str = ""
     tls_server_name: str = ""
+    job_credential: str = ""  # TPFLEX_JOB_CREDENTIAL_FILE's token (tpflex-run writes it)
     extra: Mapping[str, str] = field(default_factory=dict)
 
     @property
@@ -92,6 +93,7 @@ class HooksConfig:
             watchdog_s=number("TPFLEX_WATCHDOG_S", 0.0),
             incarnation=int(number("TPFLEX_RESTART_COUNT", 0, int)),
             beat_file=env.get("TPFLEX_BEAT_FILE", "").strip(),
+            job_credential=_credential_from_env(env),
             **_tls_from_env(env),
         )
 
@@ -114,6 +116,21 @@ def _tls_from_env(env: Mapping[str, str]) -> dict[str, str]:
         if path and not os.access(path, os.R_OK):
             raise HooksConfigError(f"{var}: cannot read {path}")
     return tls
+
+
+def _credential_from_env(env: Mapping[str, str]) -> str:
+    from tpflex_trainer.hooks.control import read_credential
+
+    path = env.get("TPFLEX_JOB_CREDENTIAL_FILE", "").strip()
+    if not path:
+        return ""
+    try:
+        return read_credential(path)
+    except OSError as exc:
+        raise HooksConfigError(f"TPFLEX_JOB_CREDENTIAL_FILE: cannot read {path}: "
+                               f"{exc.strerror or exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HooksConfigError(f"TPFLEX_JOB_CREDENTIAL_FILE: {exc}") from None
 
 
 def _missing(name: str):

@@ -47,6 +47,51 @@ class ControlConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_server_name: str | None = None
+    # the job's credential (tpflex-run's TPFLEX_JOB_CREDENTIAL_FILE), sent with every call as
+    # ``authorization: Bearer``; the controller refuses calls on other jobs
+    credential: str | None = None
+
+
+class _Credential(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                  grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds ``authorization: Bearer <credential>`` to every call of a channel (TLS or not:
+    gRPC's call credentials need TLS, and a loopback test controller may run without)."""
+
+    def __init__(self, token: str) -> None:
+        self._pair = ("authorization", f"Bearer {token}")
+
+    def _details(self, details):
+        metadata = [*(details.metadata or ()), self._pair]
+        return _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                            getattr(details, "wait_for_ready", None),
+                            getattr(details, "compression", None))
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        return continuation(self._details(details), request_iterator)
+
+
+class _CallDetails(grpc.ClientCallDetails):
+    def __init__(self, method, timeout, metadata, credentials, wait_for_ready, compression):
+        self.method, self.timeout, self.metadata = method, timeout, metadata
+        self.credentials, self.wait_for_ready, self.compression = credentials, wait_for_ready, compression
+
+
+def read_credential(path: str) -> str:
+    """A job credential from its file (one line; surrounding whitespace ignored)."""
+    with open(path, encoding="utf-8") as f:
+        token = f.read().strip()
+    if not token or any(c.isspace() for c in token):
+        raise ValueError(f"{path}: not a job credential (one token, no whitespace)")
+    return token
 
 
 def _read(path: str | None) -> bytes | None:
@@ -70,8 +115,12 @@ def open_channel(config: ControlConfig, endpoint: str) -> grpc.Channel:
     """A channel to one controller endpoint with ``config``'s TLS settings (the plan stream
     and the rendezvous store share this)."""
     if config.tls_ca_file:
-        return grpc.secure_channel(endpoint, *_tls(config))
-    return grpc.insecure_channel(endpoint)
+        channel = grpc.secure_channel(endpoint, *_tls(config))
+    else:
+        channel = grpc.insecure_channel(endpoint)
+    if config.credential:
+        channel = grpc.intercept_channel(channel, _Credential(config.credential))
+    return channel
 
 
 class PlanRejected(ValueError):
@@ -188,6 +237,9 @@ class ControlClient:
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
                 raise RegistrationRefused(exc.details()) from None
+            if exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                raise RegistrationRefused(f"the controller refused this trainer's job credential "
+                                          f"({exc.code().name}): {exc.details()}") from None
             raise
         if resp.HasField("plan") and resp.plan.generation:
             self._offer(resp.plan)

@@ -113,6 +113,7 @@ class TpflexHooks:
             tls_cert_file=config.tls_cert_file or None,
             tls_key_file=config.tls_key_file or None,
             tls_server_name=config.tls_server_name or None,
+            credential=config.job_credential or None,
             beat_interval_s=config.beat_interval_s, incarnation=config.incarnation,
             beat_file=config.beat_file,
         ), on_round=self.aborts.on_round, beat_state=self._beat_state)

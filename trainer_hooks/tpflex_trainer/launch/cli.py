@@ -25,8 +25,15 @@ from tpflex_proto import keys
 from tpflex_proto.tls import TlsFilesError, check_client_files
 
 from tpflex_trainer.hooks.config import HooksConfigError, load_spec
-from tpflex_trainer.hooks.control import ControlConfig, endpoints_from
+from tpflex_trainer.hooks.control import ControlConfig, endpoints_from, read_credential
 from tpflex_trainer.hooks.store_client import STORE_SCHEME
+from tpflex_trainer.launch.credential import (
+    CredentialRefused,
+    credential_from_file,
+    read_token_file,
+    register_for_credential,
+    write_private,
+)
 from tpflex_trainer.launch.devices import (
     MAX_GPUS,
     LocalGpu,
@@ -105,6 +112,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store", help=f"rendezvous store (TPFLEX_STORE; default {STORE_SCHEME}: the controller's)")
     for flag, var in _TLS:
         p.add_argument(flag, help=f"({var})")
+    p.add_argument("--job-credential-file",
+                   help="the job's credential, issued by the controller (TPFLEX_JOB_CREDENTIAL_FILE)")
+    p.add_argument("--register-token-file",
+                   help="an admin REST token (best limited to this job): register the job with it "
+                        "and be issued a credential for this node (TPFLEX_REGISTER_TOKEN_FILE)")
     p.add_argument("--max-restarts", type=_positive_int, default=3, help="restarts of one rank per window (3)")
     p.add_argument("--restart-window-s", type=_seconds, default=300.0, help="the window (300)")
     p.add_argument("--backoff-s", type=_seconds, default=1.0, help="first restart delay, doubling (1)")
@@ -214,11 +226,24 @@ def _setting(ns: argparse.Namespace, env: Mapping[str, str]) -> tuple[RankSettin
                 raise UsageError(f"--gpus: {exc} (or pass --isolate-gpus)") from None
     store = ns.store or env.get("TPFLEX_STORE", "") or STORE_SCHEME
     _check_endpoints(endpoints_from(store.removeprefix(STORE_SCHEME)), "--store")
+    credential = ns.job_credential_file or env.get("TPFLEX_JOB_CREDENTIAL_FILE", "")
+    register = ns.register_token_file or env.get("TPFLEX_REGISTER_TOKEN_FILE", "")
+    if credential and register:
+        raise UsageError("--register-token-file: pass it or --job-credential-file, not both")
+    try:
+        if credential:
+            credential_from_file(credential, "--job-credential-file")
+            credential = str(Path(credential).resolve())
+        elif register:
+            read_token_file(register, "--register-token-file")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     _log_dir(ns.log_dir)  # before the "launching" line: nothing is started after a refusal
     log.info("launching node=%s node_source=%s job=%s gpus=%s gpus_from=%s store=%s", node.name,
              node.source, job, ",".join(map(str, indices)), chosen_by.replace(" ", "_"), store)
     return RankSetting(controller=controller, job=job, job_spec=str(Path(spec_path).resolve()),
-                       node=node.name, store=store, isolate_gpus=ns.isolate_gpus, tls=tls), gpus
+                       node=node.name, store=store, isolate_gpus=ns.isolate_gpus, tls=tls,
+                       credential_file=credential), gpus
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,6 +271,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"tpflex-run: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    register = ns.register_token_file or os.environ.get("TPFLEX_REGISTER_TOKEN_FILE", "")
+    if register:
+        try:
+            setting = _registered(setting, register)
+        except CredentialRefused as exc:
+            print(f"tpflex-run: error: registering job {setting.job}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     keepalive = None
     if setting.store.startswith(STORE_SCHEME):
         endpoints = endpoints_from(setting.store[len(STORE_SCHEME):]) or setting.controller
@@ -260,8 +292,23 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         reports.stop()
         shutil.rmtree(beat_dir, ignore_errors=True)
+        if register:  # the credential file tpflex-run wrote
+            shutil.rmtree(Path(setting.credential_file).parent, ignore_errors=True)
         if keepalive is not None:
             keepalive.stop()
+
+
+def _registered(s: RankSetting, token_file: str) -> RankSetting:
+    """``s`` with the credential issued for this node when tpflex-run registers the job
+    with the admin token of ``token_file``."""
+    import dataclasses
+
+    token = read_token_file(token_file, "--register-token-file")
+    credential = register_for_credential(_control(s, s.controller), load_spec(s.job_spec), token,
+                                         f"node-{s.node}"[:64])
+    path = write_private(credential)
+    log.info("job registered; credential issued job=%s credential=node-%s", s.job, s.node)
+    return dataclasses.replace(s, credential_file=str(path))
 
 
 def _control(s: RankSetting, endpoints: tuple[str, ...]) -> ControlConfig:
@@ -269,7 +316,8 @@ def _control(s: RankSetting, endpoints: tuple[str, ...]) -> ControlConfig:
                          tls_ca_file=s.tls.get("TPFLEX_TLS_CA") or None,
                          tls_cert_file=s.tls.get("TPFLEX_TLS_CERT") or None,
                          tls_key_file=s.tls.get("TPFLEX_TLS_KEY") or None,
-                         tls_server_name=s.tls.get("TPFLEX_TLS_SERVER_NAME") or None)
+                         tls_server_name=s.tls.get("TPFLEX_TLS_SERVER_NAME") or None,
+                         credential=read_credential(s.credential_file) if s.credential_file else None)
 
 
 if __name__ == "__main__":

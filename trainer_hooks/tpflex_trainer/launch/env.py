@@ -20,6 +20,7 @@ class RankSetting:
     store: str
     isolate_gpus: bool = False
     tls: Mapping[str, str] = field(default_factory=dict)  # TPFLEX_TLS_* -> path or name
+    credential_file: str = ""  # the job credential's file (TPFLEX_JOB_CREDENTIAL_FILE)
 
 
 def rank_env(base: Mapping[str, str], s: RankSetting, gpu: LocalGpu, local_rank: int,
@@ -47,6 +48,10 @@ def rank_env(base: Mapping[str, str], s: RankSetting, gpu: LocalGpu, local_rank:
     else:
         env["TPFLEX_CUDA_DEVICE"] = str(cuda_device_for(gpu, base.get("CUDA_VISIBLE_DEVICES")))
     env.update({k: v for k, v in s.tls.items() if v})
+    env.pop("TPFLEX_JOB_CREDENTIAL_FILE", None)
+    env.pop("TPFLEX_REGISTER_TOKEN_FILE", None)  # the admin token stays with tpflex-run
+    if s.credential_file:
+        env["TPFLEX_JOB_CREDENTIAL_FILE"] = s.credential_file
     env.setdefault("OMP_NUM_THREADS", "1")
     # an NCCL error or an abort cleans the communicator up without ending the process: the
     # hooks re-form the groups in-process (docs/launch.md "On each kind of failure")
