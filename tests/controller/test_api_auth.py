@@ -20,7 +20,7 @@ def test_load_tokens_scopes(tmp_path):
     (tmp_path / "admin").write_text("a1\n# a comment\n\n  a2  # trailing comment\n")
     (tmp_path / "ro").write_text("r1\n")
     tokens = load_tokens(tmp_path / "admin", tmp_path / "ro", protect_reads=True)
-    assert tokens.scope_of("a2") == "admin" and tokens.scope_of("r1") == "read-only"
+    assert tokens.scope_of("a2").scope == "admin" and tokens.scope_of("r1").scope == "read-only"
     assert tokens.scope_of("a") is None and tokens.scope_of("") is None and tokens.protect_reads
     assert load_tokens().admin == frozenset() and not load_tokens().protect_reads
 

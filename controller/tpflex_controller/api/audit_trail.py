@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import re
 
-from starlette.routing import Match
-
 from tpflex_controller import audit
 from tpflex_controller.api.limits import BODY_METHODS, _is_dry_run, bearer
 
@@ -55,20 +53,37 @@ def outcome_of(status: int | None) -> str:
     return "ok"
 
 
-def route_template(app, scope) -> str:
-    """The path template of the route a request goes to (``/v1/jobs/{job}``), or its
-    concrete path when none matches."""
-    partial = None
-    for route in getattr(app, "routes", ()):
+class RouteTemplates:
+    """The API's path templates (``/v1/jobs/{job}``) by method, from its OpenAPI paths
+    (read once, on first use); ``of(method, path)`` -> the template that path matches
+    (with that method when one does), else the concrete path."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self._table: list[tuple[re.Pattern, str, frozenset[str]]] | None = None
+
+    def _build(self) -> list[tuple[re.Pattern, str, frozenset[str]]]:
         try:
-            match, _ = route.matches(scope)
-        except Exception:  # a route that cannot judge this scope is not it
-            continue
-        if match is Match.FULL:
-            return getattr(route, "path", scope["path"])
-        if match is Match.PARTIAL and partial is None:
-            partial = getattr(route, "path", None)
-    return partial or scope["path"]
+            paths = self.app.openapi().get("paths", {})
+        except Exception:  # no schema: concrete paths only
+            paths = {}
+        table = []
+        for template, ops in paths.items():
+            pattern = re.escape(template)
+            pattern = re.sub(r"\\\{[^/]+?\\\}", "[^/]+", pattern)
+            table.append((re.compile(pattern), template, frozenset(m.upper() for m in ops)))
+        return table
+
+    def of(self, method: str, path: str) -> str:
+        if self._table is None:
+            self._table = self._build()
+        other = None
+        for pattern, template, methods in self._table:
+            if pattern.fullmatch(path):
+                if method in methods:
+                    return template
+                other = other or template
+        return other or path
 
 
 def reason_of(body: bytes) -> str | None:
@@ -86,7 +101,8 @@ class AuditTrail:
     templates are read from (the FastAPI app)."""
 
     def __init__(self, app, *, tokens, router) -> None:
-        self.app, self.tokens, self.router = app, tokens, router
+        self.app, self.tokens = app, tokens
+        self.templates = RouteTemplates(router)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or not audited(scope["method"], scope["path"]):
@@ -95,9 +111,18 @@ class AuditTrail:
         rid = request_id_of(scope["headers"])
         token = bearer(scope["headers"])
         caller = self.tokens.caller_of(token) if token is not None else None
-        what = f"{scope['method']} {route_template(self.router, scope)}"
+        what = f"{scope['method']} {self.templates.of(scope['method'], scope['path'])}"
         body = bytearray()
-        status: int | None = None
+        done = False
+
+        def write(status: int | None) -> None:
+            nonlocal done
+            done = True
+            audit.record(
+                who=caller.name if caller is not None else "anonymous", what=what,
+                target=scope["path"], outcome=outcome_of(status), request_id=rid,
+                status=status, reason=reason_of(bytes(body)) if body else None,
+            )
 
         async def reading():
             message = await receive()
@@ -106,9 +131,10 @@ class AuditTrail:
             return message
 
         async def sending(message) -> None:
-            nonlocal status
             if message["type"] == "http.response.start":
-                status = message["status"]
+                # recorded before the client sees the answer (a client that reads the
+                # audit trail after its call finds the call in it)
+                write(message["status"])
                 headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != REQUEST_ID_HEADER]
                 headers.append((REQUEST_ID_HEADER, rid.encode()))
                 message = {**message, "headers": headers}
@@ -117,8 +143,5 @@ class AuditTrail:
         try:
             await self.app(scope, reading, sending)
         finally:
-            audit.record(
-                who=caller.name if caller is not None else "anonymous", what=what,
-                target=scope["path"], outcome=outcome_of(status), request_id=rid,
-                status=status, reason=reason_of(bytes(body)) if body else None,
-            )
+            if not done:  # no answer at all: the app failed or the client went away
+                write(None)
