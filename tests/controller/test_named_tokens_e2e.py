@@ -9,8 +9,15 @@ from __future__ import annotations
 import json
 
 import httpx
+from tpflex_proto import codec, keys, types_pb2
 
-from tests.controller.controller_harness import ControllerProc, PlanWatcher, put_job, small_cluster
+from tests.controller.controller_harness import (
+    ControllerProc,
+    PlanWatcher,
+    controller_on_job,
+    put_job,
+    small_cluster,
+)
 from tests.support.wait import wait_until
 
 ALICE = "alice-0a1b2c3d4e5f"
@@ -105,3 +112,44 @@ def test_an_operators_name_reaches_plan_events_console_and_audit(etcd_server, et
     finally:
         watcher.close()
         proc.kill()
+
+
+# ---- the leader alone (in-process controller): which operator a decision names ----
+
+
+def _events(etcd) -> list[types_pb2.Event]:
+    kvs, _ = etcd.get_prefix(keys.EVENTS)
+    return [codec.decode(types_pb2.Event, kv.value) for kv in kvs]
+
+
+def _drain(etcd, node: str, index: int, by: str, reason: str) -> None:
+    etcd.put(keys.gpu_override(node, index), codec.encode(types_pb2.GpuOverride(
+        gpu=types_pb2.GpuRef(node=node, index=index), drained=True, reason=reason, by=by)))
+
+
+def test_the_leader_names_the_operators_of_a_decision_and_nobody_otherwise(etcd_server, etcd):
+    with controller_on_job(etcd_server, etcd) as (_, watcher, _ctl):
+        watcher.wait_generation(1, timeout=20)
+        _drain(etcd, "rack1-n00", 1, "alice", "flaky NVLink")
+        gen2 = watcher.wait_generation(2)
+        assert (gen2.by, gen2.cause) == ("alice", "drain")
+        # a job override by another operator: its name and reason
+        etcd.put(keys.job_override("job1"), codec.encode(types_pb2.JobOverride(
+            job="job1", pins=[types_pb2.ReplicaPin(replica=0, tp_degree=3)], reason="test TP 3",
+            by="bob")))
+        gen3 = watcher.wait_generation(3)
+        assert (gen3.by, gen3.cause) == ("bob", "override")
+        # a full undrain deletes the override: the decision names nobody
+        etcd.delete(keys.gpu_override("rack1-n00", 1))
+        gen4 = watcher.wait_generation(4)
+        assert (gen4.by, gen4.cause) == ("", "undrain")
+
+        def committed() -> dict[int, types_pb2.Event]:
+            found = {e.generation: e for e in _events(etcd) if e.kind == "plan_committed"}
+            return found if len(found) >= 4 else {}
+
+        events = wait_until(committed, 10, "4 plan events")
+        assert events[1].by == "" and events[4].by == ""
+        assert events[2].by == "alice" and events[2].reasons[0] == "drain rack1-n00:1 by alice: flaky NVLink"
+        assert events[3].by == "bob" and events[3].reasons[0] == "override of job job1 by bob: test TP 3"
+        assert not any("by " in r for r in events[4].reasons)
