@@ -224,6 +224,12 @@ def test_outcomes_request_ids_and_what_is_not_audited(api, audit):
     assert r.status_code in (404, 422)
     assert [(x["outcome"], x["what"]) for x in audit()] == [
         ("invalid", DRAIN_WHAT), ("invalid", DRAIN_WHAT), ("invalid", "PUT /v1/jobs/{job}/spec")]
+    # a hostile body (nested 100,000 deep, with a "reason") is refused, and audited
+    nested = '{"reason": "x", "pins": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    r = api.http.post(f"/v1/jobs/{h.JOB}/reconfigure", content=nested,
+                      headers={**bearer(ALICE), "Content-Type": "application/json"})
+    assert r.status_code == 422, r.text
+    assert (audit()[-1]["outcome"], audit()[-1]["status"]) == ("invalid", 422)
     # a client's request id is bounded and cut to safe characters; an unusable one replaced
     r = api.http.post("/v1/nodes/rack-a-n0/gpus/1/undrain",
                       headers={**bearer(ALICE), "X-Request-Id": 'a b"c<d>\\' + "x" * 100})
@@ -236,3 +242,24 @@ def test_outcomes_request_ids_and_what_is_not_audited(api, audit):
     assert api.http.get("/v1/racks").status_code == 200
     assert api.http.post(f"/v1/jobs/{h.JOB}/dry-run", json={}).status_code == 200
     assert len(audit()) == before
+
+
+def test_tpflexctl_events_and_the_console_show_who():
+    from pathlib import Path
+
+    from tpflex_controller import cli
+
+    events = [{"seq": 7, "at": 1790000000.0, "kind": "plan_committed", "job": "llama", "generation": 3,
+               "cause": "drain", "by": "alice", "reasons": [], "phases": []},
+              {"seq": 8, "at": 1790000001.0, "kind": "plan_committed", "job": "llama", "generation": 4,
+               "cause": "gpu_failed", "by": "", "reasons": [], "phases": []}]
+    header, alice, nobody = cli.show_events({"events": events}).splitlines()
+    assert header.split() == ["SEQ", "AT", "KIND", "JOB", "GEN", "BY", "CAUSE"]
+    assert alice.split()[-2:] == ["alice", "drain"] and nobody.split()[-2:] == ["-", "gpu_failed"]
+    plan = {"job": "llama", "generation": 3, "policy": "ntp-pw", "expected_throughput_ratio": 0.9,
+            "created_at": 1790000000.0, "cause": "drain", "by": "alice", "replicas": [],
+            "power_caps": [], "suspended_pins": [], "reasons": []}
+    assert "cause: drain by alice" in cli.show_plan(plan)
+    # the console's decision list renders each event's "by" after its cause
+    js = (Path(cli.__file__).parent / "api/console/static/console.js").read_text()
+    assert '${e.cause || "-"}${e.by ? ` by ${e.by}` : ""}' in js

@@ -87,9 +87,13 @@ class RouteTemplates:
 
 
 def reason_of(body: bytes) -> str | None:
+    """The ``reason`` of a JSON object body, or None (never raises: a hostile body, e.g.
+    nested 100,000 deep, is the app's to refuse, not the audit's to fail on)."""
+    if b'"reason"' not in body:
+        return None
     try:
         doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     reason = doc.get("reason") if isinstance(doc, dict) else None
     return reason if isinstance(reason, str) and reason else None
@@ -118,10 +122,14 @@ class AuditTrail:
         def write(status: int | None) -> None:
             nonlocal done
             done = True
+            try:
+                reason = reason_of(bytes(body)) if body else None
+            except Exception:  # the record is written whatever the body was
+                reason = None
             audit.record(
                 who=caller.name if caller is not None else "anonymous", what=what,
                 target=scope["path"], outcome=outcome_of(status), request_id=rid,
-                status=status, reason=reason_of(bytes(body)) if body else None,
+                status=status, reason=reason,
             )
 
         async def reading():
