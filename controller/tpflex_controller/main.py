@@ -137,16 +137,12 @@ def _job_auth(s: ControllerSettings, etcd):
 
 
 def _admin_name(tokens, token: str, job: str) -> str | None:
-    """The name of an admin REST token allowed to act on ``job``, or None."""
+    """The name of an admin REST token allowed to act on ``job`` (unlimited, or limited
+    with ``jobs=`` naming it), or None."""
     caller = tokens.scope_of(token)
-    if caller is None:
+    if caller is None or caller.scope != "admin":
         return None
-    if isinstance(caller, str):  # anonymous tokens: (scope)
-        return "admin" if caller == "admin" else None
-    if getattr(caller, "scope", "") != "admin":
-        return None
-    jobs = getattr(caller, "jobs", None)
-    if jobs and job not in jobs:
+    if caller.limited and (caller.jobs is None or job not in caller.jobs):
         return None
     return caller.name
 

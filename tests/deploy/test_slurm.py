@@ -66,12 +66,15 @@ def test_the_sbatch_example_starts_one_tpflex_run_per_node(tmp_path, dev_certs):
     (venv / "tpflex-run").symlink_to(Path(sys.executable).parent / "tpflex-run")
     for name in ("ca.pem", "trainer.pem", "trainer-key.pem"):  # tpflex-run checks them at start
         (tls / name).write_bytes((dev_certs / name).read_bytes())
+    credential = tmp_path / "job.credential"  # issued already (the other way: a register token)
+    credential.write_text("tpjc:tpflex-train-4242:ops:" + "s" * 43 + "\n")
     env = base_env(
         PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="4242", SLURM_JOB_NAME="tpflex-train",
         SLURM_JOB_NODELIST="gpu-[a-b]", SLURM_SUBMIT_DIR=str(REPO), SLURM_GPUS_PER_NODE="h100:4",
         TPFLEX_VENV=str(venv.parent), TLS_DIR=str(tls), JOB_DIR=str(tmp_path / "job"),
         CHECKPOINT_DIR=str(tmp_path / "checkpoints" / "tpflex-train"),
-        TPFLEX_CONTROLLER="127.0.0.1:1", TRAIN_SCRIPT=CHILD[1], UNITS="heads=8,ffn=8", LOCAL_BATCH="4")
+        TPFLEX_CONTROLLER="127.0.0.1:1", TRAIN_SCRIPT=CHILD[1], UNITS="heads=8,ffn=8", LOCAL_BATCH="4",
+        TPFLEX_JOB_CREDENTIAL_FILE=str(credential))
     batch = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60)
     assert batch.returncode == 0, batch.stderr
 
@@ -105,6 +108,7 @@ def test_the_sbatch_example_starts_one_tpflex_run_per_node(tmp_path, dev_certs):
         assert sorted((s["env"]["TPFLEX_NODE"], s["env"]["TPFLEX_GPU"]) for s in starts if s["env"]["TPFLEX_NODE"] == node) \
             == [(node, str(i)) for i in range(4)]
         assert {s["env"]["TPFLEX_TLS_CA"] for s in starts} == {str(tls / "ca.pem")}
+        assert {s["env"]["TPFLEX_JOB_CREDENTIAL_FILE"] for s in starts} == {str(credential)}
     logs = sorted(p.name for p in (tmp_path / "job" / "logs").iterdir())
     assert logs == sorted(f"{n}-rank-{r}.log" for n in NODES for r in range(4))  # no clash on a shared dir
 

@@ -173,7 +173,7 @@ def test_day_one_from_an_empty_etcd_to_a_job_that_survives_a_gpu_failure(cluster
     rest_spec.write_text(_ok(c.tpflexctl("job-spec", "--model", str(model), *alloc, "--format", "rest",
                                          "--no-self-test", timeout=180)))
 
-    # ---- one tpflex-run per node: the ranks register the job and train ----
+    # ---- one tpflex-run per node registers the job (admin token), its ranks train ----
     hold = tmp_path / "hold"
     hold.write_text(f"{HOLD_STEP} 1000000\n")  # the ranks wait before step 3 until released
     out = tmp_path / "steps.jsonl"
@@ -189,6 +189,9 @@ def test_day_one_from_an_empty_etcd_to_a_job_that_survives_a_gpu_failure(cluster
             launchers.append(subprocess.Popen(
                 [RUN, "--controller", c.trainer_endpoints, "--job-spec", str(spec_file), "--node", node,
                  "--tls-ca", str(c.certs / "ca.pem"), "--log-dir", str(tmp_path / "logs"),
+                 # the operator's admin token: tpflex-run registers the job with it and hands
+                 # its ranks the job credential it is issued (docs/launch.md)
+                 "--register-token-file", str(c.base / "secrets" / "admin.tokens"),
                  "--preload", ",".join(worker_preload(model)), "--",
                  sys.executable, "-m", "tpflex_trainer.demo.worker"],
                 env=env, stdout=subprocess.DEVNULL, stderr=logs[-1],

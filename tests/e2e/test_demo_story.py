@@ -70,6 +70,26 @@ def _security_checks(cluster: DemoCluster) -> None:
         stub = controller_pb2_grpc.TrainerStub(ch)
         assert _refused(stub.RegisterJob, register) == grpc.StatusCode.UNAVAILABLE
 
+    # per-job credentials: the trainer certificate alone is transport authentication only;
+    # the demo registered the job with its admin token and its ranks carry the credential
+    trainer_tls = channel_credentials(c.ca, c.cert("trainer"), c.key("trainer"))
+    watch = controller_pb2.WatchPlanRequest(job=JOB)
+    with grpc.secure_channel(cluster.trainer_endpoint, trainer_tls) as ch:
+        stub = controller_pb2_grpc.TrainerStub(ch)
+        with pytest.raises(grpc.RpcError) as err:
+            next(stub.WatchPlan(watch, timeout=3))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED, err.value.details()
+        token = (cluster.workdir / f"{JOB}.credential").read_text().strip()
+        assert oct((cluster.workdir / f"{JOB}.credential").stat().st_mode & 0o777) == "0o600"
+        plan = next(stub.WatchPlan(watch, timeout=10, metadata=(("authorization", f"Bearer {token}"),)))
+        assert plan.job == JOB and plan.generation >= 1
+        other = controller_pb2.WatchPlanRequest(job="another-job")
+        with pytest.raises(grpc.RpcError) as err:
+            next(stub.WatchPlan(other, timeout=3, metadata=(("authorization", f"Bearer {token}"),)))
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, err.value.details()
+    stored = cluster.etcd.get(keys.job_credential(JOB, "demo"))
+    assert stored is not None and token.encode() not in stored.value
+
     # an agent: plaintext and certificate-less TLS refused, mTLS with a CA-signed one served
     agent = cluster.agent_addresses["node-0"]
     for creds in (None, channel_credentials(c.ca)):

@@ -43,6 +43,7 @@ def test_every_rank_gets_its_gpu_the_job_and_the_control_plane(tmp_path):
             "TPFLEX_RESTART_COUNT": "0", "TPFLEX_CUDA_DEVICE": str(local), "TPFLEX_TLS_CA": str(ca),
             "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": "2", "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
             "CUDA_VISIBLE_DEVICES": None, "RANK": None, "OMP_NUM_THREADS": "3",
+            "TPFLEX_JOB_CREDENTIAL_FILE": None, "TPFLEX_REGISTER_TOKEN_FILE": None,
         }
 
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from tpflex_controller import synthetic
 from tpflex_controller.agent_client import AgentPusher, PushResult
+from tpflex_controller.credentials import Credentials
 from tpflex_proto import (
     agent_pb2,
     agent_pb2_grpc,
@@ -153,11 +154,13 @@ def test_trainer_plan_stream_over_tls(stack, rogue_certs):
         synthetic.store_cluster(etcd, racks)
         spec = synthetic.job("job-tls", ["rk-tls"], racks[0].domain_size)
         etcd.put(keys.job_spec("job-tls"), codec.encode(spec))
+        credential = Credentials(etcd).issue("job-tls", "test", "test")  # as RegisterJob issues it
     finally:
         etcd.close()
     endpoint = f"localhost:{stack.trainer_port}"
     client = ControlClient(ControlConfig(
         endpoints=(endpoint,), job="job-tls", rank=0, tls_ca_file=str(stack.certs / "ca.pem"),
+        credential=credential,
     )).start()
     try:
         plan = client.wait_for_generation(1, timeout=30)

@@ -132,7 +132,7 @@ def test_incomplete_tls_settings_are_refused(certs, service, env, words):
 
 def test_a_bad_token_file_stops_the_controller_at_start(tmp_path):
     tokens = tmp_path / "admin.tokens"
-    tokens.write_text("two words\n")
+    tokens.write_text("one two three\n")
     result = _run("controller", "--etcd", "127.0.0.1:9", "--rest-listen", "127.0.0.1:0",
                   "--trainer-listen", "127.0.0.1:0", "--admin-tokens-file", str(tokens))
     _refused(result, str(tokens), "whitespace")

@@ -22,6 +22,7 @@ SERVICE_PASSWORDS = {"tpflex-controller": "controller-pw", "tpflex-agent": "agen
 TPFLEX_PREFIX = b"/tpflex/v1/"
 RENDEZVOUS_PREFIX = b"/tpflex/rendezvous/v1/"  # the jobs' rendezvous stores (controller only)
 LIVENESS_PREFIX = b"/tpflex/liveness/v1/"  # the jobs' restart epochs (controller only)
+CREDENTIALS_PREFIX = b"/tpflex/credentials/v1/"  # the jobs' credential hashes (controller only)
 
 
 class DevCertsError(RuntimeError):
@@ -69,7 +70,8 @@ def enable_etcd_auth(endpoint: str, certs: CertSet, *, root_password: str = ROOT
                      users: Mapping[str, str] = SERVICE_PASSWORDS, timeout_s: float = 5.0) -> None:
     """Root user, a ``tpflex`` role with read-write on /tpflex/v1/, ``users`` (name ->
     password) holding that role, a ``tpflex-rendezvous`` role with read-write on
-    /tpflex/rendezvous/v1/ and /tpflex/liveness/v1/ for ``tpflex-controller``; then auth on
+    /tpflex/rendezvous/v1/, /tpflex/liveness/v1/ and /tpflex/credentials/v1/ for
+    ``tpflex-controller``; then auth on
     (etcd's gRPC Auth API, as etcdctl would)."""
     from pyetcd import etcdrpc
 
@@ -81,7 +83,8 @@ def enable_etcd_auth(endpoint: str, certs: CertSet, *, root_password: str = ROOT
         for role in ("tpflex", "tpflex-rendezvous"):
             auth.RoleAdd(etcdrpc.AuthRoleAddRequest(name=role), timeout=timeout_s)
         for role, prefix in (("tpflex", TPFLEX_PREFIX), ("tpflex-rendezvous", RENDEZVOUS_PREFIX),
-                             ("tpflex-rendezvous", LIVENESS_PREFIX)):
+                             ("tpflex-rendezvous", LIVENESS_PREFIX),
+                             ("tpflex-rendezvous", CREDENTIALS_PREFIX)):
             perm = etcdrpc.Permission(permType=etcdrpc.Permission.READWRITE, key=prefix,
                                       range_end=_prefix_end(prefix))
             auth.RoleGrantPermission(etcdrpc.AuthRoleGrantPermissionRequest(name=role, perm=perm),
