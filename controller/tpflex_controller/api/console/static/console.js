@@ -54,14 +54,15 @@ async function signIn(token) {
   if (resp.status === 401) return "This token is not accepted by the controller.";
   if (!resp.ok) return `The controller answered HTTP ${resp.status}; try again.`;
   ui.token = token;
-  ui.scope = (await resp.json()).scope;
+  const session = await resp.json();
+  ui.scope = session.scope;
   sessionStorage.setItem(TOKEN_KEY, token);
   $("login-screen").hidden = true;
   $("console").hidden = false;
   $("signout").hidden = false;
   const badge = $("scope");
   badge.hidden = false;
-  badge.textContent = isAdmin() ? "admin" : "read-only";
+  badge.textContent = `${session.name ? `${session.name}: ` : ""}${isAdmin() ? "admin" : "read-only"}`;
   badge.className = "badge" + (isAdmin() ? " admin" : "");
   connect();
   return null;
