@@ -1,12 +1,12 @@
 """The audit trail: one structured line per mutating REST call and per refused
-trainer-plane call, on the dedicated logger ``tpflex.audit`` (docs/deploy.md, "Audit
-log": route it to the site's log system with its own handler).
+trainer-plane call, on the dedicated logger ``tpflex.audit`` (docs/api.md, "Audit log":
+route it to the site's log system with its own handler).
 
 Each record is one JSON object: ``ts`` (Unix seconds), ``who`` (the caller: a named
 operator token, ``job:<job>/<credential>`` for a trainer, ``anonymous``), ``what`` (the
-operation: ``POST /v1/gpus/{node}/{gpu}/drain``, ``trainer.AckPlan``), ``target`` (what it
-acted on), ``outcome`` (``ok``, ``refused``, ``denied``, ``error``, ``invalid``) and
-``request_id``; optional ``reason``/``detail``.
+operation: ``POST /v1/nodes/{node}/gpus/{index}/drain``, ``trainer.AckPlan``), ``target``
+(what it acted on), ``outcome`` (``ok``, ``denied``, ``invalid``, ``error``) and
+``request_id``; optional ``reason``, ``status``, ``peer``.
 """
 
 from __future__ import annotations

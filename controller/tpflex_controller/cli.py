@@ -308,6 +308,39 @@ def _run_racks(c: Client, a: argparse.Namespace):
     return _list("/v1/racks", show_racks)(c, a)
 
 
+def _run_issue_credential(c: Client, a: argparse.Namespace):
+    """Issue a job credential and write its secret to ``--out`` (created 0600, never over
+    an existing file; ``-``: standard output): the answer printed leaves the secret out."""
+    out = None
+    if a.out != "-":
+        try:  # before the call: a credential issued into a file that cannot be written is lost
+            out = os.open(a.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError as exc:
+            raise CliError(f"--out: cannot create {a.out}: {exc.strerror}", 2) from None
+    try:
+        d = c.call("POST", f"/v1/jobs/{_q(a.job)}/credentials", {"name": a.name})
+    except BaseException:
+        if out is not None:
+            os.close(out)
+            os.unlink(a.out)
+        raise
+    secret = d.pop("credential", "")
+    if out is None:
+        print(secret)
+    else:
+        with os.fdopen(out, "w") as f:
+            f.write(secret + "\n")
+    where = "printed above" if out is None else f"written to {a.out}"
+    return d, lambda d: (f"job {d['job']}: credential {d['name']} issued ({where}; pass it to "
+                         f"tpflex-run --job-credential-file)")
+
+
+def show_credentials(items: list[dict]) -> str:
+    rows = [(c["name"], c["issued_by"], time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(c["issued_at"])))
+            for c in items]
+    return table(["NAME", "ISSUED BY", "ISSUED AT (UTC)"], rows)
+
+
 COMMANDS: dict[str, Command] = {
     "status": lambda c, a: (c.call("GET", "/v1/status"), show_status),
     "racks": _run_racks,
@@ -323,6 +356,11 @@ COMMANDS: dict[str, Command] = {
     "set-spec": _run_set_spec,
     "delete-job": lambda c, a: (c.call("DELETE", f"/v1/jobs/{_q(a.job)}"),
                                 lambda d: f"job {d['job']} deleted. {d['note']}"),
+    "credentials": lambda c, a: (c.call("GET", f"/v1/jobs/{_q(a.job)}/credentials"), show_credentials),
+    "issue-credential": _run_issue_credential,
+    "revoke-credential": lambda c, a: (
+        c.call("DELETE", f"/v1/jobs/{_q(a.job)}/credentials/{_q(a.name)}"),
+        lambda d: f"job {d['job']}: credential {d['name']} revoked ({d['note']})"),
 }
 
 _POLICIES = ["ntp-pw", "ntp", "dp-drop", "spare"]
@@ -393,6 +431,15 @@ def build_parser() -> argparse.ArgumentParser:
     ss.add_argument("--file", required=True, help="the spec as JSON (see docs/api.md)")
     dj = sub.add_parser("delete-job", help="delete a job: spec, override, acks; its plan goes (admin)")
     dj.add_argument("job")
+    cr = sub.add_parser("credentials", help="a job's trainer credentials: names, issuer, time (admin)")
+    cr.add_argument("job")
+    ic = sub.add_parser("issue-credential", help="issue a trainer credential of a job (admin)")
+    ic.add_argument("job")
+    ic.add_argument("name", help="e.g. node-<node>; an existing name gets a new secret")
+    ic.add_argument("--out", required=True, help="file for the secret (created 0600); - prints it")
+    rc = sub.add_parser("revoke-credential", help="revoke a trainer credential of a job (admin)")
+    rc.add_argument("job")
+    rc.add_argument("name")
     cli_jobspec.add_parser(sub)  # no controller contacted
     return p
 

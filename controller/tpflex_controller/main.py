@@ -271,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.controller.log_level,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    logging.getLogger("tpflex.audit").setLevel(logging.INFO)  # whatever log_level says
     # before any thread: at most 2 glibc arenas here and in the REST child (heap.py)
     heap.limit_arenas()
     memtrace.install_if_asked()  # debug only: TPFLEX_DEBUG_MEMTRACE_FRAMES=N (memtrace.py)

@@ -17,6 +17,7 @@ from tpflex_controller.store import Store
 from tpflex_controller.trainer_service import create_grpc_server
 from tpflex_proto import codec, controller_pb2, controller_pb2_grpc, keys, types_pb2
 
+from tests.controller import api_harness as h
 from tests.controller.controller_harness import small_cluster
 from tests.security.trainer_calls import bearer, every_call, status_of
 
@@ -172,3 +173,83 @@ def test_a_heartbeat_stream_cannot_switch_to_another_job(etcd, plane):
     code, details = status_of(lambda: stub.Heartbeat(beats, timeout=5, metadata=bearer(cred_a)))
     assert code in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT), details
     assert etcd.get(keys.liveness("job-b")) == before
+
+
+def test_operators_list_issue_and_revoke_credentials_over_rest(etcd, plane, tmp_path):
+    """The REST routes over real HTTP (uvicorn) on the same etcd: a limited token only on
+    its job; the secret once, never in a listing; a revoked one refused by the trainer
+    plane once its 1 s cache of the positive check lapses."""
+    channel, _, clock = plane
+    _, a, b = _jobs(etcd)
+    _register(channel, a, ADMIN, "node-a")
+    _register(channel, b, ADMIN, "node-b")
+    (tmp_path / "admin.tokens").write_text(f"ops {ADMIN}\nlauncher-a {LIMITED} jobs=job-a\n")
+    (tmp_path / "readonly.tokens").write_text("")
+    served = h.serve(etcd, tmp_path)
+    http = served.http
+    try:
+        ops, limited = ({"Authorization": f"Bearer {t}"} for t in (ADMIN, LIMITED))
+        r = http.post("/v1/jobs/job-a/credentials", json={"name": "spare"}, headers=limited)
+        assert r.status_code == 201, r.text
+        issued = r.json()
+        assert issued["issued_by"] == "operator:launcher-a" and parse_token(issued["credential"]) == ("job-a", "spare")
+        assert http.post("/v1/jobs/job-b/credentials", json={"name": "x"}, headers=limited).status_code == 403
+        assert http.post("/v1/jobs/job-a/credentials", json={"name": "bad name"}, headers=ops).status_code == 422
+        assert http.post("/v1/jobs/nope/credentials", json={"name": "x"}, headers=ops).status_code == 404
+        listed = http.get("/v1/jobs/job-a/credentials", headers=ops).json()
+        assert [c["name"] for c in listed] == ["node-a", "spare"]
+        assert issued["credential"] not in str(listed)
+
+        numkeys = every_call(channel, a, "rack0-n00", 0, bearer(issued["credential"]))["rendezvous.NumKeys"]
+        assert status_of(numkeys)[0] == grpc.StatusCode.OK
+        r = http.delete("/v1/jobs/job-a/credentials/spare", headers=limited)
+        assert r.status_code == 200 and r.json()["revoked"], r.text
+        assert http.delete("/v1/jobs/job-a/credentials/spare", headers=ops).status_code == 404
+        assert [c["name"] for c in http.get("/v1/jobs/job-a/credentials", headers=ops).json()] == ["node-a"]
+        assert status_of(numkeys)[0] == grpc.StatusCode.OK  # the trainer plane's 1 s cache...
+        clock.now += 1.0
+        assert status_of(numkeys)[0] == grpc.StatusCode.UNAUTHENTICATED  # ...then refused
+    finally:
+        http.close()
+        served.app_server.stop()
+
+
+def test_tpflexctl_issues_lists_and_revokes_credentials(etcd, plane, tmp_path):
+    """tpflexctl against the served API: the secret goes to a 0600 file (never printed
+    with --out), the listing names it, revoking it removes it; bad input exits 2."""
+    import subprocess
+    import sys
+
+    channel, _, _ = plane
+    _, a, _ = _jobs(etcd)
+    _register(channel, a, ADMIN, "node-a")
+    (tmp_path / "admin.tokens").write_text(f"ops {ADMIN}\n")
+    (tmp_path / "readonly.tokens").write_text("")
+    token_file = tmp_path / "ops.token"
+    token_file.write_text(ADMIN + "\n")
+    served = h.serve(etcd, tmp_path)
+
+    def ctl(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "tpflex_controller.cli", "--url", served.url,
+                               "--token-file", str(token_file), *args], capture_output=True, text=True,
+                              timeout=60)
+    try:
+        out = tmp_path / "spare.credential"
+        issued = ctl("issue-credential", "job-a", "spare", "--out", str(out))
+        assert issued.returncode == 0, issued.stderr
+        secret = out.read_text().strip()
+        assert parse_token(secret) == ("job-a", "spare") and oct(out.stat().st_mode & 0o777) == "0o600"
+        assert secret not in issued.stdout + issued.stderr and str(out) in issued.stdout
+        again = ctl("issue-credential", "job-a", "spare", "--out", str(out))  # never over a file
+        assert again.returncode == 2 and "cannot create" in again.stderr and out.read_text().strip() == secret
+        listed = ctl("credentials", "job-a")
+        assert listed.returncode == 0 and "spare" in listed.stdout and "operator:ops" in listed.stdout
+        assert secret not in listed.stdout
+        revoked = ctl("revoke-credential", "job-a", "spare")
+        assert revoked.returncode == 0 and "revoked" in revoked.stdout, revoked.stderr
+        assert "spare" not in ctl("credentials", "job-a").stdout
+        missing = ctl("revoke-credential", "job-a", "spare")
+        assert missing.returncode != 0 and "Traceback" not in missing.stderr
+    finally:
+        served.http.close()
+        served.app_server.stop()

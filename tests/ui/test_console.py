@@ -3,6 +3,7 @@ etcd, a tpflex-controller process, simulated agents (tests/ui/stack.py)."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -33,7 +34,8 @@ def signed_in(stack, tabs, token: str) -> Page:
 
 def test_read_only_token_sees_the_cluster_and_no_actions(stack, tabs):
     page = signed_in(stack, tabs, stack.readonly_token)
-    expect(page.locator("#scope")).to_have_text("read-only")
+    # the token's name (a bare token's: token-<sha256 prefix>) and its scope
+    expect(page.locator("#scope")).to_have_text(re.compile(r"^token-[0-9a-f]{8}: read-only$"))
     expect(page.locator("#conn")).to_have_text("live")
     expect(replica(page, 0)).to_have_attribute("data-tp", "4")
     expect(page.locator('[data-count="GPUs"]')).to_have_text("8")
@@ -93,7 +95,7 @@ def test_gpu_failure_turns_its_cell_failed_within_2s_and_the_degree_changes(stac
 
 def test_admin_drains_a_gpu_from_the_page_and_the_committed_plan_shows_it(stack, tabs):
     page = signed_in(stack, tabs, stack.admin_token)
-    expect(page.locator("#scope")).to_have_text("admin")
+    expect(page.locator("#scope")).to_have_text(re.compile(r"^token-[0-9a-f]{8}: admin$"))
     node = stack.node(1)
     before = stack.plan()
     assert before["replicas"][1]["tp_degree"] == 4

@@ -12,7 +12,7 @@ from tpflex_controller.api.deps import ApiDeps, require_reader
 from tpflex_controller.api.errors import install_error_handlers
 from tpflex_controller.api.limits import BodyGuard, InFlightLimit
 from tpflex_controller.api.respcache import ResponseCache
-from tpflex_controller.api.routes import events, jobs, nodes, racks, system
+from tpflex_controller.api.routes import credentials, events, jobs, nodes, racks, system
 
 _ERRORS = {
     401: {"model": s.ErrorBody, "description": "no or unknown bearer token"},
@@ -42,7 +42,7 @@ def create_app(deps: ApiDeps) -> FastAPI:
     app.include_router(system.probes)
     v1 = APIRouter(prefix="/v1", responses=_ERRORS, dependencies=[Depends(require_reader)])
     for router in (system.status_router, racks.router, racks.inventory, nodes.router, jobs.router,
-                   events.router):
+                   credentials.router, events.router):
         v1.include_router(router)
     v1.include_router(console.api)
     app.include_router(v1)
