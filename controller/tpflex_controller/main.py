@@ -131,6 +131,9 @@ def _job_auth(s: ControllerSettings, etcd):
         log.warning("trainer.job_credentials = off: any caller that reaches the trainer port may "
                     "act on any job (docs/deploy.md, 'Trust model')")
         return None
+    if not s.trainer.tls_cert_file:
+        log.warning("trainer port without TLS: job credentials cross the network in clear "
+                    "(set [trainer] tls_cert_file and tls_key_file)")
     r = s.rest
     tokens = load_tokens(r.admin_tokens_file or None, r.readonly_tokens_file or None)
     return JobAuth(Credentials(etcd), admin_check=lambda token, job: _admin_name(tokens, token, job))
