@@ -76,10 +76,11 @@ bench: install fake-nvml ## run every benchmark in bench/ (one JSON line each)
 screenshot: install ## the console screenshot of the README and docs/console.md (docs/img/console.png)
 	PYTHONPATH=. $(BIN)/python -m tests.ui.screenshot docs/img/console.png
 
-lint: install ## ruff (pinned in tests/requirements.txt); .ci/run runs it before the tests
+lint: install ## ruff and the import contracts (.importlinter; both pinned in tests/requirements.txt); .ci/run runs it before the tests
 	$(BIN)/ruff check --line-length 100 --target-version py311 \
 	  --select E,F,W,I,B,UP --ignore E501,B008 --exclude '*_pb2*.py' \
 	  proto controller agent trainer_hooks tests bench
+	$(BIN)/lint-imports --config .importlinter --no-cache
 
 clean: ## remove the venv, generated code and build outputs
 	rm -rf $(VENV) proto/tpflex_proto/*_pb2*.py proto/tpflex_proto/*_pb2.pyi agent/fake_nvml/build
