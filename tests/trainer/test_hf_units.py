@@ -96,13 +96,21 @@ def test_tp_plan_mapping_and_refusals():
     above = HfAdapter(AutoConfig.for_model("qwen3", head_dim=4, **small), base_tp=3)
     assert above.unit_counts["attn"] == 4 and above.derived == {"kv": Derived("attn", 2)}
     refused = {
-        ("gpt_neox", 2): "embed_tokens",  # its own embedding name (and fused q/k/v rows)
+        # GPT-NeoX's per-head fused q/k/v is multi-head only (the config's 2 KV heads are not its model's)
+        ("gpt_neox", 2): "fused q/k/v by head is supported for multi-head attention",
         ("phi3", 3): "fused q/k/v above the KV heads",  # fused q/k/v: units by KV group only
     }
     for (family, base_tp), why in refused.items():
         cfg = AutoConfig.for_model(family, **small)
         with pytest.raises(UnsupportedModelError, match=why):
             HfAdapter(cfg, base_tp=base_tp)
+    mha = {k: v for k, v in small.items() if k != "num_key_value_heads"}
+    neox = HfAdapter(AutoConfig.for_model("gpt_neox", tie_word_embeddings=False, **mha), base_tp=2, self_test=False)
+    names = {s.name: s for s in neox.specs}  # its own names: embed_in, layers, final_layer_norm
+    assert names["gpt_neox.embed_in.weight"].family == names["lm_head.weight"].family == "vocab"
+    qkv = names["gpt_neox.layers.0.attention.query_key_value.weight"]
+    assert (qkv.family, qkv.unit_rows, qkv.chunk_rows) == ("attn", 12, ())  # one head's q, k, v rows in turn
+    assert neox.place_of("gpt_neox.final_layer_norm.weight") == neox.place_of("lm_head.weight")
     fused = HfAdapter(AutoConfig.for_model("phi3", **small), base_tp=2)  # KV-group units: q, k, v rows
     qkv = next(s for s in fused.specs if s.name.endswith("layers.0.self_attn.qkv_proj.weight"))
     assert qkv.chunk_rows == (8, 4, 4) and qkv.unit_rows == 16

@@ -54,17 +54,35 @@ def load_config(path: str | os.PathLike):
     return AutoConfig.from_pretrained(str(path))
 
 
+def lm_from_config(config, **kwargs) -> nn.Module:
+    """``AutoModelForCausalLM.from_config``, and for a text config of a composite model type
+    that the auto mapping does not register (Emu3's), the mapped causal LM class whose
+    ``config_class`` it is."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        return AutoModelForCausalLM.from_config(config, **kwargs)
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise
+        for name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+            cls = getattr(transformers, name, None) if isinstance(name, str) else None
+            if cls is not None and getattr(cls, "config_class", None) is type(config):
+                return cls._from_config(config, **kwargs)
+        raise
+
+
 def build_meta_model(config) -> nn.Module:
     """The user's causal LM class with parameters on the meta device, fp32, with the
     attention implementation the config asks for (HF's default where it names none: never
     forced, since some families need eager attention). Built from a copy of ``config``:
     ``from_config`` records the dtype it builds in on the config it is given, and the
     user's config (its ``dtype`` included) is what ``export_hf`` writes."""
-    from transformers import AutoModelForCausalLM
-
     config = copy.deepcopy(config)
     with parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = lm_from_config(config, dtype=torch.float32)
     return model
 
 
@@ -122,6 +140,17 @@ def local_attention_config(block: nn.Module, groups: int, plan: HfPlan) -> None:
     for attr, value in (("num_heads", heads), ("num_key_value_heads", groups)):
         if hasattr(block, attr):
             setattr(block, attr, value)
+
+
+def local_attention_blocks(block: nn.Module, n_units: int, plan: HfPlan) -> None:
+    """CodeGen's attention splits its fused q/v/k into ``mp_num`` blocks of
+    ``embed_dim / mp_num`` rows (each [q | v | k] of n_heads / mp_num heads): a member holding
+    ``n_units`` blocks gets that many, and the matching ``embed_dim``, so the model's own
+    split sees its blocks."""
+    per_block = int(block.embed_dim) // int(block.mp_num)
+    block.mp_num, block.embed_dim = n_units, n_units * per_block
+    if hasattr(block, "num_attention_heads"):
+        block.num_attention_heads = n_units * (plan.n_heads // plan.n_kv)
 
 
 class HfAdapter(ModelAdapter):
@@ -194,13 +223,13 @@ class HfAdapter(ModelAdapter):
     def place_of(self, name: str) -> int | str:
         from tpflex_trainer.ntp.stages import FIRST, LAST
 
-        p = self.prefix
-        if name.startswith(f"{p}.embed_tokens."):
+        p, plan = self.prefix, self.plan
+        if name.startswith(f"{p}.{plan.embed}."):
             return FIRST
-        if name.startswith((f"{p}.norm.", "lm_head.")):
+        if name.startswith(f"{plan.head}.") or (plan.norm is not None and name.startswith(f"{p}.{plan.norm}.")):
             return LAST
-        if name.startswith(f"{p}.layers."):
-            return int(name[len(p) + 8:].split(".", 1)[0])
+        if name.startswith(f"{p}.{plan.layers}."):
+            return int(name[len(f"{p}.{plan.layers}."):].split(".", 1)[0])
         raise UnsupportedModelError(f"parameter {name} is neither in a decoder layer, the embedding, "
                                     "the final norm nor the output layer: no pipeline stage for it")
 
@@ -219,7 +248,8 @@ class HfAdapter(ModelAdapter):
         dropout.keyed(lm, lambda path, _m: self.local_heads(units) if path in attn_blocks else None)
         specs = [s for s in self.specs if s.name in tensors]
         params = {s.name: nn.Parameter(tensors[s.name]) for s in specs}
-        in_stage = {f"{self.prefix}.layers.{i}" for i in layers}
+        plan = self.plan
+        in_stage = {f"{self.prefix}.{plan.layers}.{i}" for i in layers}
 
         def mine(path: str) -> bool:
             return any(path == q or path.startswith(q + ".") for q in in_stage)
@@ -251,22 +281,25 @@ class HfAdapter(ModelAdapter):
             block = modules[path]
             if kind == ATTN and self.plan.head_units:
                 block.num_key_value_groups = 1  # one (gathered) KV head per local query head
+            if kind == ATTN and plan.mp_blocks:
+                local_attention_blocks(block, len(units[ATTN]), plan)
             copy_to_tp_at_input(block, group)
-        base.layers = nn.ModuleList([base.layers[i] for i in layers])
-        embed_name = f"{self.prefix}.embed_tokens.weight"
+        setattr(base, plan.layers, nn.ModuleList([getattr(base, plan.layers)[i] for i in layers]))
+        embed_name = f"{self.prefix}.{plan.embed}.weight"
         if first:
-            base.embed_tokens = VocabParallelEmbedding(base.embed_tokens, params[embed_name], units[VOCAB],
-                                                       self.plan.vocab_block, self.vocab, group)
+            setattr(base, plan.embed, VocabParallelEmbedding(getattr(base, plan.embed), params[embed_name],
+                                                             units[VOCAB], plan.vocab_block, self.vocab, group))
         else:
-            base.embed_tokens = nn.Identity()  # the stage gets hidden states (inputs_embeds)
+            setattr(base, plan.embed, nn.Identity())  # the stage gets hidden states (inputs_embeds)
         lookup = None
         if last:
-            head_w = params[embed_name] if self.plan.tied else params["lm_head.weight"]
-            lm.lm_head = VocabParallelHead(head_w, params.get("lm_head.bias"), group)
-            lookup = vocab_lookup(units[VOCAB], self.plan.vocab_block, self.vocab, head_w.device)
+            head_w = params[embed_name] if plan.tied else params[f"{plan.head}.weight"]
+            setattr(lm, plan.head, VocabParallelHead(head_w, params.get(f"{plan.head}.bias"), group))
+            lookup = vocab_lookup(units[VOCAB], plan.vocab_block, self.vocab, head_w.device)
         else:
-            base.norm = nn.Identity()  # the final norm runs on the last stage
-            lm.lm_head = nn.Identity()
+            if plan.norm is not None:
+                setattr(base, plan.norm, nn.Identity())  # the final norm runs on the last stage
+            setattr(lm, plan.head, nn.Identity())
         for s in specs:
             owner = s.name.rsplit(".", 1)[0]
             if s.family == REPLICATED and owner not in self.plan.roles:

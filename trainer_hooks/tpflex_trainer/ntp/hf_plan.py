@@ -38,7 +38,8 @@ COLUMN_STYLES = ("colwise", "colwise_gather_output")
 ROW_STYLES = ("rowwise", "rowwise_split_input")
 # plan styles for the embedding table that tpflex's own vocab-parallel embedding supersedes
 EMBEDDING_STYLES = ("embedding_rowwise", "rowwise")
-EMBEDDING = "embed_tokens"
+# plan styles of expert layers (the MoE issue): such a model is refused as mixture-of-experts
+MOE_STYLES = ("moe_tp_experts", "packed_colwise", "packed_rowwise", "moe_identity_expert")
 ATTN, KV, FFN, VOCAB = "attn", "kv", "ffn", "vocab"
 
 
@@ -71,6 +72,15 @@ class HfPlan:
     vocab_block: int
     tied: bool
     prefix: str = "model"  # the base model's attribute (``base_model_prefix``)
+    # the model's own names: the base model's embedding, decoder-layer list and final norm
+    # (None: none found, so no pipeline stages), and the causal LM's output layer
+    embed: str = "embed_tokens"
+    layers: str = "layers"
+    norm: str | None = "norm"
+    head: str = "lm_head"
+    # attention modules whose head count the model reads from attributes it sets itself:
+    # CodeGen's ``mp_num`` blocks of its fused q/v/k (a unit is one such block)
+    mp_blocks: bool = False
 
 
 def check_base_tp(base_tp: int) -> None:
@@ -158,30 +168,60 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not plan:
         raise UnsupportedModelError(f"{type(config).__name__} has no base_model_tp_plan")
-    base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
+    experts = sorted({f"{k}: {v}" for k, v in plan.items() if v in MOE_STYLES})
+    if experts:
+        raise UnsupportedModelError(f"{type(config).__name__}: a mixture-of-experts model (tp plan {experts[:2]}): "
+                                    "expert layers are not supported under NTP yet")
     prefix = getattr(model, "base_model_prefix", "model")
-    embed = getattr(base, "embed_tokens", None) if base is not None else None
+    base = getattr(model, prefix, None)
+    if base is None and prefix != "model":
+        prefix, base = "model", getattr(model, "model", None)  # Llama 4's text model: prefix language_model
+    if base is None:
+        raise UnsupportedModelError(f"{type(model).__name__}: no base model at {prefix!r}")
+    embed_name, embed = _child_named(base, _try(base.get_input_embeddings))
     if not isinstance(embed, nn.Embedding) or [n for n, _ in embed.named_parameters()] != ["weight"]:
-        raise UnsupportedModelError(f"{type(model).__name__}: {prefix}.embed_tokens is not an nn.Embedding "
-                                    "(or a subclass) whose only parameter is its weight")
-    head = getattr(model, "lm_head", None)
+        raise UnsupportedModelError(f"{type(model).__name__}: {prefix}.{embed_name or 'embed_tokens'} is not an "
+                                    "nn.Embedding (or a subclass) whose only parameter is its weight")
+    head_name, head = _child_named(model, _try(model.get_output_embeddings))
     if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
-        raise UnsupportedModelError(f"{type(model).__name__}: lm_head must be a plain Linear")
+        raise UnsupportedModelError(f"{type(model).__name__}: the output layer ({head_name or 'lm_head'}) must be "
+                                    "a plain Linear")
     check_dropout(model, config)
-    if EMBEDDING in plan:
-        if plan[EMBEDDING] not in EMBEDDING_STYLES:
-            raise UnsupportedModelError(f"tp plan style {plan[EMBEDDING]!r} of {EMBEDDING!r} is not "
+    if embed_name in plan:
+        if plan[embed_name] not in EMBEDDING_STYLES:
+            raise UnsupportedModelError(f"tp plan style {plan[embed_name]!r} of {embed_name!r} is not "
                                         f"supported (supported: {', '.join(EMBEDDING_STYLES)})")
-        del plan[EMBEDDING]  # vocab-parallel below, whatever the plan says
+        del plan[embed_name]  # vocab-parallel below, whatever the plan says
     if not plan:
         raise UnsupportedModelError(f"{type(config).__name__}: its tp plan shards only the embedding, so every "
                                     "member would hold and run the whole decoder: no tensor parallelism for NTP to "
                                     "keep (train it data-parallel)")
+    layers_name = _layer_list(base, plan, type(model).__name__)
+    norm_name = _final_norm(base, {embed_name, layers_name})
     planned = _planned_modules(model, plan, prefix)
     modules = dict(model.named_modules())
     n_heads, n_kv = attention_heads(config)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // n_heads)
+    attn_parents = {name.rsplit(".", 1)[0] for name in planned if _is_attention(modules[name.rsplit(".", 1)[0]])}
+    mp = {getattr(modules[a], "mp_num", None) for a in attn_parents}
+    mp_blocks = any(v is not None for v in mp)
+    if mp_blocks:
+        # CodeGen: its fused qkv_proj is ``mp_num`` blocks of [q | v | k] rows of
+        # n_heads / mp_num heads each, split by the module's own mp_num and embed_dim: a unit is
+        # one block (the module gets the member's block count, ``local_attention_blocks``)
+        blocks_n = next(iter(mp)) if len(mp) == 1 else None
+        if isinstance(blocks_n, int) and blocks_n >= 1 and n_heads == n_kv and n_heads % blocks_n == 0:
+            n_kv = blocks_n  # attention units: groups of n_heads / mp_num heads
+        elif base_tp == 1:
+            n_kv, mp_blocks = 1, False  # one member holds every head: one unit, HF's module as it is
+        else:
+            raise UnsupportedModelError(f"attention of {n_heads} heads ({n_kv} KV heads) in mp_num "
+                                        f"{sorted(map(str, mp))} blocks: a unit must be a whole block of heads "
+                                        "(multi-head attention, the heads a multiple of mp_num)")
     head_units = base_tp > n_kv
+    if head_units and mp_blocks:
+        raise UnsupportedModelError(f"base TP {base_tp} above the {n_kv} mp_num blocks of the fused q/v/k "
+                                    "projection: a unit is a whole block")
     parents: dict[str, dict[str, list[str]]] = {}
     for name, style in planned.items():
         if style != "replicated_with_grad_allreduce" and not isinstance(modules[name], nn.Linear):
@@ -191,7 +231,7 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
         parents.setdefault(parent, {}).setdefault(kind, []).append(name)
     roles, blocks = {}, {}
     for parent, by_style in parents.items():
-        attn = hasattr(modules[parent], "head_dim") and hasattr(modules[parent], "num_key_value_groups")
+        attn = parent in attn_parents
         roles.update(_block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, head_dim))
         blocks[parent] = ATTN if attn else FFN
     ffn_sizes = {modules[n].in_features for n, r in roles.items() if r.family == FFN and r.kind == "row"}
@@ -201,11 +241,68 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
     counts = {ATTN: n_heads if head_units else n_kv, VOCAB: choose_units(vocab, base_tp)}
     if ffn_sizes:
         counts[FFN] = choose_units(ffn_sizes.pop(), base_tp)
-    tied = head.weight is base.embed_tokens.weight
-    specs = _specs(model, roles, blocks, prefix, counts, n_heads, n_kv, head_dim, head_units, config)
+    tied = head.weight is embed.weight
+    specs = _specs(model, roles, blocks, (f"{prefix}.{embed_name}", head_name), counts, n_heads, n_kv, head_dim,
+                   head_units, config)
     derived = {KV: Derived(ATTN, n_heads // n_kv)} if head_units else {}
     return HfPlan(specs, counts, derived, roles, blocks, head_units, n_heads, n_kv, head_dim,
-                  vocab // counts[VOCAB], tied, prefix)
+                  vocab // counts[VOCAB], tied, prefix, embed_name, layers_name, norm_name, head_name, mp_blocks)
+
+
+def _try(fn):
+    try:
+        return fn()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def _child_named(parent: nn.Module, module: nn.Module | None) -> tuple[str | None, nn.Module | None]:
+    """(attribute name, module) of ``module`` among ``parent``'s direct children."""
+    if module is None:
+        return None, None
+    for name, child in parent.named_children():
+        if child is module:
+            return name, module
+    return None, module
+
+
+def _layer_list(base: nn.Module, plan: dict[str, str], model_name: str) -> str:
+    """The base model's decoder-layer list: the ``nn.ModuleList`` child that the plan's
+    per-layer entries (``layers.*.…``, GPT-J's ``h.*.…``) index."""
+    names = {key.split(".", 1)[0] for key in plan if ".*." in key}
+    if len(names) != 1 or not isinstance(getattr(base, next(iter(names)), None), nn.ModuleList):
+        raise UnsupportedModelError(f"{model_name}: the tp plan's per-layer entries do not name one decoder-layer "
+                                    f"list of the base model (they name {sorted(names)})")
+    return names.pop()
+
+
+def _final_norm(base: nn.Module, taken: set[str]) -> str | None:
+    """The base model's final norm: ``norm``, else its one direct child named like a norm
+    (``final_layernorm``, ``final_layer_norm``, ``ln_f``), else its one direct child with
+    parameters other than the embedding and the decoder layers (None when none is found:
+    no pipeline stages)."""
+    children = [(n, m) for n, m in base.named_children() if n not in taken]
+    if any(n == "norm" for n, _ in children):
+        return "norm"
+    named = [n for n, _ in children if "norm" in n.lower() or n == "ln_f"]
+    if len(named) == 1:
+        return named[0]
+    found = [n for n, m in children if any(True for _ in m.parameters())]
+    return found[0] if len(found) == 1 else None
+
+
+# attention modules whose fused q/k/v interleaves the heads (each head's q, k, v rows in
+# turn): a unit's rows are contiguous, the module splits them per head itself
+PER_HEAD_QKV = ("GPTNeoXAttention",)
+
+
+def _is_attention(module: nn.Module) -> bool:
+    """An attention module: Llama-style (``head_dim`` and ``num_key_value_groups``), or a
+    module named ``*Attention`` with a head size (GPT-NeoX's ``head_size``, GPT-J's and
+    CodeGen's ``head_dim``)."""
+    if hasattr(module, "head_dim") and hasattr(module, "num_key_value_groups"):
+        return True
+    return type(module).__name__.endswith("Attention") and (hasattr(module, "head_dim") or hasattr(module, "head_size"))
 
 
 def _block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, head_dim) -> dict[str, Role]:
@@ -226,9 +323,17 @@ def _block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, hea
         return roles
     if modules[rows[0]].in_features != n_heads * head_dim:
         raise UnsupportedModelError(f"{rows[0]} does not take num_attention_heads x head_dim inputs")
+    contiguous = type(modules[parent]).__name__ in PER_HEAD_QKV or hasattr(modules[parent], "mp_num")
     for n in cols:
         out = modules[n].out_features
-        if out == n_heads * head_dim and (n_heads != n_kv or not n.endswith(("k_proj", "v_proj"))):
+        if contiguous and out == 3 * n_heads * head_dim and n_heads % n_kv == 0:
+            if head_units or (n_heads != n_kv and not hasattr(modules[parent], "mp_num")):
+                raise UnsupportedModelError(f"{n}: a fused q/k/v by head is supported for multi-head attention "
+                                            "at a base TP up to its heads")
+            # GPT-NeoX's query_key_value (per head: q, k, v rows), CodeGen's qkv_proj (per
+            # mp_num block: q, v, k rows): a unit's rows are contiguous, the module splits them
+            roles[n] = Role("column", ATTN, fused=3)
+        elif out == n_heads * head_dim and (n_heads != n_kv or not n.endswith(("k_proj", "v_proj"))):
             roles[n] = Role("column", ATTN)
         elif out == n_kv * head_dim:
             roles[n] = Role("kv", KV if head_units else ATTN)
@@ -244,7 +349,7 @@ def _block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, hea
     return roles
 
 
-def _specs(model, roles, blocks, prefix, counts, n_heads, n_kv, head_dim, head_units, config) -> list[ParamSpec]:
+def _specs(model, roles, blocks, vocab_modules, counts, n_heads, n_kv, head_dim, head_units, config) -> list[ParamSpec]:
     std = float(getattr(config, "initializer_range", 0.02))
     per_attn_unit = 1 if head_units else n_heads // n_kv  # query heads per attention unit
     kv_rows = head_dim  # a K or V unit is one KV head's rows
@@ -252,7 +357,7 @@ def _specs(model, roles, blocks, prefix, counts, n_heads, n_kv, head_dim, head_u
     for name, p in model.named_parameters():  # a tied output layer appears once
         module, leaf = name.rsplit(".", 1)
         shape = tuple(p.shape)
-        if module == f"{prefix}.embed_tokens" or module == "lm_head":
+        if module in vocab_modules:
             specs.append(ParamSpec(name, shape, VOCAB, shape[0] // counts[VOCAB], std))
             continue
         role = roles.get(module)
@@ -279,7 +384,7 @@ def _specs(model, roles, blocks, prefix, counts, n_heads, n_kv, head_dim, head_u
             continue
         chunk_rows = role.chunk_rows
         if role.family == ATTN and role.kind == "column":
-            rows = sum(chunk_rows) if chunk_rows else per_attn_unit * head_dim
+            rows = sum(chunk_rows) if chunk_rows else per_attn_unit * head_dim * role.fused
         elif role.kind == "kv":
             rows = kv_rows
         else:

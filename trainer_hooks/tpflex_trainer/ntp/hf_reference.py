@@ -43,14 +43,14 @@ def load_reference_model(model_dir: str, seed: int = 0):
     weights) with the same seeded initial tensors the NTP runtime starts from."""
     from transformers import AutoModelForCausalLM
 
-    from tpflex_trainer.ntp.hf_adapter import HfAdapter, load_config
+    from tpflex_trainer.ntp.hf_adapter import HfAdapter, lm_from_config, load_config
     from tpflex_trainer.ntp.hf_io import has_weights
 
     if has_weights(model_dir):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     else:
         config = load_config(model_dir)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = lm_from_config(config, dtype=torch.float32)
         model.load_state_dict(HfAdapter(config, 1, self_test=False).full_state(seed), strict=False)
     return model
 

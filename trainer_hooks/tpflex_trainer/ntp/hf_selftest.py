@@ -46,6 +46,10 @@ VOCAB, HIDDEN_PER_HEAD, FFN, SEQ, BATCH, LAYERS = 96, 8, 48, 12, 3, 2
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings")
 TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+# multi-head latent attention (DeepSeek-style, Youtu): its low ranks and head parts, shrunk
+# where the config sets them (a None rank keeps its meaning: no low-rank query)
+MLA_SIZES = {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": HIDDEN_PER_HEAD, "qk_nope_head_dim": 4,
+             "v_head_dim": HIDDEN_PER_HEAD, "qk_head_dim": HIDDEN_PER_HEAD + 4}
 
 
 @dataclass(frozen=True)
@@ -106,8 +110,19 @@ def miniature_config(config, kv_heads: int = 4):
     small = dict(vocab_size=VOCAB, hidden_size=heads * HIDDEN_PER_HEAD, intermediate_size=FFN,
                  num_hidden_layers=len(keep), num_attention_heads=heads, num_key_value_heads=kv,
                  max_position_embeddings=64)
-    if getattr(config, "head_dim", None) is not None:
-        small["head_dim"] = HIDDEN_PER_HEAD
+    if "head_dim" in d or getattr(config, "head_dim", None) is not None:
+        small["head_dim"] = HIDDEN_PER_HEAD  # also where the config leaves it None (Ministral's default)
+    rotary = d.get("rotary_dim")
+    if isinstance(rotary, int) and not isinstance(rotary, bool) and rotary > 0:
+        # GPT-J / CodeGen rotate the first rotary_dim of each head: the same fraction of the
+        # miniature's head (at least one pair, partial where the model's is partial)
+        full = int(config.hidden_size) // n_heads
+        frac = min(rotary / full, 1.0) if full else 1.0
+        small["rotary_dim"] = HIDDEN_PER_HEAD if frac >= 1 else min(max(2, 2 * round(frac * HIDDEN_PER_HEAD / 2)),
+                                                                     HIDDEN_PER_HEAD - 2)
+    for k, value in MLA_SIZES.items():
+        if isinstance(d.get(k), int) and not isinstance(d.get(k), bool):
+            small[k] = value
     for std, value in small.items():
         d[key(std)] = value
     for i, k in enumerate(TOKEN_FIELDS):
@@ -129,10 +144,10 @@ def miniature_config(config, kv_heads: int = 4):
 
 
 def _reference(config, seed: int):
-    from transformers import AutoModelForCausalLM
+    from tpflex_trainer.ntp.hf_adapter import lm_from_config
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = lm_from_config(config, dtype=torch.float32)
     with torch.no_grad():  # off the init's symmetries (unit norms, zero biases, a zero padding row)
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
