@@ -63,3 +63,20 @@ def test_glm4_fused_gate_up(tmp_path):
     model = make_model_dir(tmp_path / "glm4", "glm4", heads=8, kv=4, pad_token_id=0, eos_token_id=1,
                            bos_token_id=2)
     _run(tmp_path, model, make_data(tmp_path / "tokens.npy"))
+
+
+def test_gpt_neox_own_names_fused_qkv_by_head(tmp_path):
+    """GPT-NeoX: its own module names (embed_in, final_layer_norm), query_key_value fused
+    per head (q, k, v rows of each head in turn: a unit is a head's rows), partial rotary,
+    parallel attention + MLP, biases; read from and exported to its safetensors."""
+    model = make_model_dir(tmp_path / "gpt_neox", "gpt_neox", heads=8, kv=8, use_parallel_residual=True,
+                           partial_rotary_factor=0.5)
+    _run(tmp_path, model, make_data(tmp_path / "tokens.npy"))
+
+
+def test_olmo2_whole_projection_qk_norm(tmp_path):
+    """OLMo 2: q_norm / k_norm over the whole q / k projection as a distributed norm (its
+    weight sharded like the projection's rows, the sums of squares all-reduced over the
+    replica's TP members) through the degree changes."""
+    model = make_model_dir(tmp_path / "olmo2", "olmo2", heads=8, kv=4)
+    _run(tmp_path, model, make_data(tmp_path / "tokens.npy"))

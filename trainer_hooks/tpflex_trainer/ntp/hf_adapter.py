@@ -25,6 +25,7 @@ from tpflex_trainer.ntp.adapter import ModelAdapter
 from tpflex_trainer.ntp.config import REPLICATED, ParamSpec, to_user
 from tpflex_trainer.ntp.errors import ConfigError, NtpError, UnsupportedModelError
 from tpflex_trainer.ntp.hf_layers import (
+    DistributedRMSNorm,
     ExpandedKVLinear,
     FusedLocalLinear,
     LocalLinear,
@@ -42,6 +43,7 @@ from tpflex_trainer.ntp.hf_plan import (
     analyse,
     attention_heads,
     check_base_tp,
+    norm_eps,
 )
 from tpflex_trainer.ntp.layers import Group, vocab_lookup, vocab_parallel_cross_entropy
 
@@ -210,10 +212,10 @@ class HfAdapter(ModelAdapter):
     def initial_local(self, spec: ParamSpec, units: tuple[int, ...], seed: int) -> torch.Tensor:
         if self.weights_dir is None:
             return super().initial_local(spec, units, seed)
-        from tpflex_trainer.ntp.hf_io import SafetensorsReader
+        from tpflex_trainer.ntp.hf_io import SafetensorsReader, checkpoint_renamer
 
         if self._reader is None:
-            self._reader = SafetensorsReader(self.weights_dir)
+            self._reader = SafetensorsReader(self.weights_dir, checkpoint_renamer(build_meta_model(self.config)))
         return self._reader.rows(spec, units)
 
     def build(self, units: Mapping[str, tuple[int, ...]], tensors: Mapping[str, torch.Tensor],
@@ -262,7 +264,10 @@ class HfAdapter(ModelAdapter):
                 self._set_params(module, path, params)
                 continue
             w, b = params[f"{path}.weight"], params.get(f"{path}.bias")
-            if role.kind == "row":
+            if role.kind == "norm":
+                spec = next(s for s in self.specs if s.name == f"{path}.weight")
+                new = DistributedRMSNorm(w, spec.shape[0], norm_eps(module), group)
+            elif role.kind == "row":
                 new = RowParallel(w, b, group)
             elif self._chunk_rows[f"{path}.weight"]:
                 new = FusedLocalLinear(w, b, self._chunk_rows[f"{path}.weight"])

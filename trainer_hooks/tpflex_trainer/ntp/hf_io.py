@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -40,7 +40,10 @@ def _runs(units: tuple[int, ...]) -> list[tuple[int, int]]:
 
 
 class SafetensorsReader:
-    def __init__(self, path: str | os.PathLike) -> None:
+    """``rename``: stored key -> the model's parameter name (transformers' checkpoint key
+    renamings, GPT-NeoX's ``embed_out`` -> ``lm_head``: ``checkpoint_renamer``)."""
+
+    def __init__(self, path: str | os.PathLike, rename: Callable[[str], str] | None = None) -> None:
         from safetensors import safe_open
 
         self.path = Path(path)
@@ -55,12 +58,16 @@ class SafetensorsReader:
         if weight_map is None:
             weight_map = dict.fromkeys(self.handles[SINGLE].keys(), SINGLE)
         self.weight_map = weight_map
+        self.stored = {k: k for k in weight_map}
+        if rename is not None:
+            self.stored = {rename(k): k for k in weight_map}
         self.bytes_read = 0
 
     def _slice(self, name: str):
-        if name not in self.weight_map:
+        if name not in self.stored:
             raise CheckpointError(f"{self.path} has no tensor {name!r}")
-        return self.handles[self.weight_map[name]].get_slice(name)
+        key = self.stored[name]
+        return self.handles[self.weight_map[key]].get_slice(key)
 
     def rows(self, spec: ParamSpec, units: tuple[int, ...]) -> torch.Tensor:
         """The canonical (unit-major) rows of ``units`` of ``spec``, fp32; a replicated
@@ -85,6 +92,29 @@ class SafetensorsReader:
             out = torch.cat(pieces) if pieces else torch.empty((0, *spec.shape[1:]))
         self.bytes_read += out.numel() * out.element_size()
         return out.to(torch.float32).contiguous()
+
+
+def checkpoint_renamer(model) -> Callable[[str], str]:
+    """Stored safetensors key -> the model's parameter name, by transformers' own checkpoint
+    conversion mapping for ``model`` (key renamings such as GPT-NeoX's ``embed_out.`` ->
+    ``lm_head.``). A key that a weight *converter* would rewrite (tensors merged or split on
+    load) is refused: tpflex reads a member's rows straight from the file."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+
+    def rename(key: str) -> str:
+        name, converted = rename_source_key(key, renamings, converters)
+        if converted is not None:
+            raise CheckpointError(f"{key}: transformers converts this checkpoint tensor on load ({converted}); "
+                                  "tpflex reads the stored rows as they are: save the model with this "
+                                  "transformers (save_pretrained) first")
+        return name
+
+    return rename
 
 
 def model_dtype(config) -> torch.dtype:

@@ -67,6 +67,26 @@ class ExpandedKVLinear(nn.Module):
         return F.linear(x, w.reshape(-1, self.weight.shape[-1]), b)
 
 
+class DistributedRMSNorm(nn.Module):
+    """An RMSNorm over a whole column-parallel projection's output (OLMo 2's q_norm /
+    k_norm over all heads) on a member's columns: the sum of squares of its columns,
+    all-reduced over the TP group (one float per token: forward sum; backward sum, since
+    every member's columns depend on it), divided by the full width; the weight is the
+    member's rows of the norm's weight, sharded like the projection's. OLMo 2's arithmetic:
+    fp32, ``(weight * x * rsqrt(mean(x^2) + eps)).to(dtype)``."""
+
+    def __init__(self, weight: nn.Parameter, full: int, eps: float, group: Group) -> None:
+        super().__init__()
+        self.weight, self.full, self.eps, self.group = weight, int(full), float(eps), group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        squares = reduce_from_tp(copy_to_tp(h.pow(2).sum(-1, keepdim=True), self.group), self.group)
+        h = h * torch.rsqrt(squares / self.full + self.eps)
+        return (self.weight * h).to(dtype)
+
+
 class RowParallel(nn.Module):
     """A row-parallel linear (weight stored transposed, rows by unit): local product,
     sum over the TP group, then the (replicated) bias once."""

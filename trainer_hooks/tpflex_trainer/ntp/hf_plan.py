@@ -47,7 +47,8 @@ ATTN, KV, FFN, VOCAB = "attn", "kv", "ffn", "vocab"
 class Role:
     """What a planned module becomes: ``kind`` is column / row / kv (a column-parallel
     K or V projection whose rows are shared KV units) / partial (replicated, partial
-    gradient)."""
+    gradient) / norm (an RMSNorm over a whole column projection, OLMo 2's q_norm: a
+    distributed norm, weight sharded like the projection)."""
 
     kind: str
     family: str
@@ -346,7 +347,42 @@ def _block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, hea
     if sum(1 for n in cols if roles[n].kind == "column") != 1 and n_heads != n_kv:
         raise UnsupportedModelError(f"block {parent} needs exactly one query projection")
     roles[rows[0]] = Role("row", ATTN)
+    roles.update(_projection_norms(parent, modules, roles, cols, head_units, head_dim))
     return roles
+
+
+def _projection_norms(parent, modules, roles, cols, head_units, head_dim) -> dict[str, Role]:
+    """OLMo 2's q_norm / k_norm: an RMSNorm over a whole column projection's output (its
+    weight as long as the projection's outputs, longer than a head). It becomes a
+    distributed norm (``hf_layers.DistributedRMSNorm``): its weight sharded like the
+    projection's rows, the sum of squares all-reduced over the TP group (one float per
+    token), never a gather."""
+    sizes = {modules[n].out_features: roles[n] for n in cols}
+    out = {}
+    for leaf, child in modules[parent].named_children():
+        path = f"{parent}.{leaf}"
+        params = dict(child.named_parameters())
+        if path in roles or list(params) != ["weight"] or params["weight"].dim() != 1:
+            continue
+        size = params["weight"].shape[0]
+        if size == head_dim or size not in sizes:
+            continue  # a per-head norm (Qwen3's) or not over a projection: replicated
+        if not type(child).__name__.endswith("RMSNorm") or norm_eps(child) is None:
+            raise UnsupportedModelError(f"{path}: a norm over the whole of a column-parallel projection that is "
+                                        "not an RMSNorm (with variance_epsilon or eps): not supported")
+        if head_units:
+            raise UnsupportedModelError(f"{path}: a norm over a whole q/k projection (OLMo 2) at a base TP above "
+                                        "the KV heads (replicated KV units) is not supported")
+        out[path] = Role("norm", sizes[size].family)
+    return out
+
+
+def norm_eps(module: nn.Module) -> float | None:
+    for attr in ("variance_epsilon", "eps"):
+        value = getattr(module, attr, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
 
 
 def _specs(model, roles, blocks, vocab_modules, counts, n_heads, n_kv, head_dim, head_units, config) -> list[ParamSpec]:
@@ -381,6 +417,9 @@ def _specs(model, roles, blocks, vocab_modules, counts, n_heads, n_kv, head_dim,
             canon = (shape[1], shape[0])
             specs.append(ParamSpec(name, canon, role.family, canon[0] // counts[role.family], std,
                                    transposed=True))
+            continue
+        if role.kind == "norm":  # a distributed norm's weight: sharded like its projection's rows
+            specs.append(ParamSpec(name, shape, role.family, shape[0] // counts[role.family], 0.0, 1.0))
             continue
         chunk_rows = role.chunk_rows
         if role.family == ATTN and role.kind == "column":

@@ -1,0 +1,100 @@
+"""Families made exact for issue 34 beyond the Llama layout, checked in-process by the
+fidelity self-test (NTP threads against HF's own module, losses and every gradient) at
+configs other than the coverage table's defaults: the model's own module names (GPT-NeoX's
+``embed_in`` / ``final_layer_norm``, GPT-J's and CodeGen's ``wte`` / ``h`` / ``ln_f``),
+fused q/k/v by head (GPT-NeoX) and by ``mp_num`` block (CodeGen), parallel attention + MLP
+blocks, partial rotary, and OLMo 2's whole-projection q/k RMSNorm as a distributed norm
+(one all-reduce of sums of squares). And the refusals the self-test must still give when
+the layout or the norm is wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tpflex_trainer.ntp import hf_layers, hf_plan, hf_selftest
+from tpflex_trainer.ntp.errors import UnsupportedModelError
+from tpflex_trainer.ntp.hf_adapter import HfAdapter
+from transformers import AutoConfig
+
+MHA = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
+
+
+def _passes(cfg, base_tp: int) -> HfAdapter:
+    ad = HfAdapter(cfg, base_tp)
+    assert ad.fidelity is not None and ad.fidelity.tensor_parallel is None, ad.fidelity
+    assert ad.fidelity.layouts and ad.fidelity.pipeline is None, ad.fidelity
+    return ad
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("gpt_neox", {"intermediate_size": 48, "use_parallel_residual": True, "tie_word_embeddings": False}),
+    ("gpt_neox", {"intermediate_size": 48, "use_parallel_residual": False, "attention_bias": False}),
+    ("gptj", {"rotary_dim": 4, "n_inner": 48, "tie_word_embeddings": False}),
+    ("codegen", {"rotary_dim": 2, "n_inner": 48, "tie_word_embeddings": False}),
+])
+def test_own_names_and_fused_layouts_pass_the_self_test(family, kw):
+    ad = _passes(AutoConfig.for_model(family, **MHA, **kw), 2)
+    assert ad.plan.embed in ("embed_in", "wte") and ad.plan.norm in ("final_layer_norm", "ln_f")
+
+
+def test_codegen_units_are_its_mp_num_blocks():
+    cfg = AutoConfig.for_model("codegen", **{**MHA, "num_attention_heads": 8}, rotary_dim=2, n_inner=48)
+    ad = HfAdapter(cfg, 2, self_test=False)
+    qkv = next(s for s in ad.specs if s.name.endswith("h.0.attn.qkv_proj.weight"))
+    # 4 blocks (mp_num) of 2 heads: a unit is a block's q, v and k rows, contiguous
+    assert ad.unit_counts["attn"] == 4 and qkv.unit_rows == 3 * 2 * 4 and qkv.chunk_rows == ()
+    with pytest.raises(UnsupportedModelError, match="mp_num"):
+        HfAdapter(cfg, 5, self_test=False)  # above its 4 blocks
+
+
+@pytest.mark.parametrize("family", ["olmo2", "olmo3"])
+@pytest.mark.parametrize("kv", [4, 2])
+def test_olmo_whole_projection_qk_norm_is_a_distributed_norm(family, kv):
+    cfg = AutoConfig.for_model(family, vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=8, num_key_value_heads=kv, max_position_embeddings=64)
+    ad = _passes(cfg, 2)
+    specs = {s.name: s for s in ad.specs}
+    q, k = specs["model.layers.0.self_attn.q_norm.weight"], specs["model.layers.0.self_attn.k_norm.weight"]
+    # sharded like the projections' rows: a KV group's query heads, its K head
+    assert (q.family, q.unit_rows) == ("attn", 64 // kv) and (k.family, k.unit_rows) == ("attn", 8)
+    with pytest.raises(UnsupportedModelError, match="above the KV heads"):
+        HfAdapter(cfg, kv + 1, self_test=False)
+
+
+def test_a_norm_over_the_members_columns_only_is_refused(monkeypatch):
+    """Without the all-reduce of the sums of squares each member would normalise over its
+    own heads: the self-test must refuse it, naming the attention block."""
+
+    def local_only(self, x):
+        h = x.to(torch.float32)
+        return (self.weight * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    monkeypatch.setattr(hf_layers.DistributedRMSNorm, "forward", local_only)
+    monkeypatch.setattr(hf_selftest, "_CACHE", {})
+    cfg = AutoConfig.for_model("olmo2", vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
+    with pytest.raises(UnsupportedModelError, match="self_attn"):
+        HfAdapter(cfg, 2)
+
+
+def test_gpt_neox_read_as_blocked_q_k_v_is_refused(monkeypatch):
+    """GPT-NeoX's query_key_value interleaves q, k, v per head; read as Phi-3's blocked
+    layout (all q rows, then k, then v) the self-test refuses it."""
+    monkeypatch.setattr(hf_plan, "PER_HEAD_QKV", ())
+    monkeypatch.setattr(hf_selftest, "_CACHE", {})
+    cfg = AutoConfig.for_model("gpt_neox", **MHA, intermediate_size=48)
+    with pytest.raises(UnsupportedModelError, match="attention"):
+        HfAdapter(cfg, 2)
+
+
+@pytest.mark.parametrize("family", ["ministral", "hunyuan_v1_dense"])
+def test_a_config_that_leaves_head_dim_none_builds(family):
+    """Ministral's and HunYuan's default configs leave head_dim None (their models then
+    fail to build): the miniature sets it; HunYuan's plan shards only the embedding."""
+    mini = hf_selftest.miniature_config(AutoConfig.for_model(family))
+    assert mini.head_dim == hf_selftest.HIDDEN_PER_HEAD
+    if family == "ministral":
+        _passes(mini, 2)
+    else:
+        with pytest.raises(UnsupportedModelError, match="only the embedding"):
+            HfAdapter(mini, 2)
