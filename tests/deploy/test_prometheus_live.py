@@ -20,6 +20,7 @@ import httpx
 import pytest
 from tpflex_agent.sim import SimGpuSpec
 from tpflex_controller import synthetic
+from tpflex_controller.credentials import Credentials
 from tpflex_proto import codec, controller_pb2, controller_pb2_grpc, keys, types_pb2
 from tpflex_proto.tls import channel_credentials
 
@@ -140,6 +141,7 @@ def test_every_metric_the_alerts_and_dashboard_use_is_exported_and_a_withheld_ac
                               gpu_min_w=low, gpu_max_w=high, nodes=[stack.agent_node], gpus_per_node=2)
         etcd.put(keys.rack("rack-sec"), codec.encode(rack))
         etcd.put(keys.job_spec(JOB), codec.encode(synthetic.job(JOB, ["rack-sec"], 2)))
+        credential = Credentials(etcd).issue(JOB, "test", "test")  # as registering issues one
     finally:
         etcd.close()
     not_acked = _alert_expr("TpflexPlanNotAcked")
@@ -148,14 +150,15 @@ def test_every_metric_the_alerts_and_dashboard_use_is_exported_and_a_withheld_ac
                                   channel_credentials(str(stack.certs / "ca.pem")))
     try:
         trainer = controller_pb2_grpc.TrainerStub(channel)
+        job_credential = (("authorization", f"Bearer {credential}"),)  # the trainer plane requires one
         wait_until(lambda: _query(url, f'tpflex_plan_generation{{training_job="{JOB}"}} == 1', proc), 30,
                    "generation 1 of the job in Prometheus")
         # rank 0 acks generation 1, rank 1 withholds its ack: the alert's expression has data
-        trainer.AckPlan(types_pb2.Ack(job=JOB, rank=0, generation=1), timeout=5)
+        trainer.AckPlan(types_pb2.Ack(job=JOB, rank=0, generation=1), timeout=5, metadata=job_credential)
         for step in (1, 2, 3):  # two steps at the base degree: a measured goodput ratio
             trainer.ReportStep(controller_pb2.StepReport(
                 job=JOB, rank=0, replica=0, step=step, generation=1, step_seconds=0.01, samples=8,
-                tp_degree=2, base_tp=2), timeout=5)
+                tp_degree=2, base_tp=2), timeout=5, metadata=job_credential)
         result = wait_until(firing, 30, f"{not_acked!r} returning data while rank 1 withholds its ack")
         assert [(r["metric"]["training_job"], r["value"][1]) for r in result] == [(JOB, "1")]
         acked = _query(url, f'tpflex_plan_acked_generation{{training_job="{JOB}"}}', proc)
@@ -175,7 +178,7 @@ def test_every_metric_the_alerts_and_dashboard_use_is_exported_and_a_withheld_ac
         assert [(r["metric"]["rack"], r["value"][1]) for r in result] == [("rack-sec", "1")]
         assert_used_metrics_exported(url, proc, 30)
         # the one rank of generation 2 acks it: the expression is empty again
-        trainer.AckPlan(types_pb2.Ack(job=JOB, rank=0, generation=2), timeout=5)
+        trainer.AckPlan(types_pb2.Ack(job=JOB, rank=0, generation=2), timeout=5, metadata=job_credential)
         wait_until(lambda: _query(url, f'tpflex_plan_acked_generation{{training_job="{JOB}"}} == 2', proc), 30,
                    "acked generation 2 in Prometheus")
         assert firing() == []
