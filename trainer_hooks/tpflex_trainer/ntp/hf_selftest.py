@@ -46,6 +46,11 @@ VOCAB, HIDDEN_PER_HEAD, FFN, SEQ, BATCH, LAYERS = 96, 8, 48, 12, 3, 2
 SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings")
 TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+# a sub-config of another modality inside the causal LM's config (Phi-4-multimodal's vision
+# and audio encoders, which its causal LM builds): shrunk as well, so the miniature is small;
+# their parameters are replicated and take no part in a text forward
+SUB_SIZES = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_blocks": 1,
+             "num_attention_heads": 2, "num_key_value_heads": 2}
 # multi-head latent attention (DeepSeek-style, Youtu): its low ranks and head parts, shrunk
 # where the config sets them (a None rank keeps its meaning: no low-rank query)
 MLA_SIZES = {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": HIDDEN_PER_HEAD, "qk_nope_head_dim": 4,
@@ -83,6 +88,14 @@ def _pick_layers(n: int, types: list | None) -> list[int]:
         if i not in keep:
             keep.append(i)
     return sorted(keep)
+
+
+def _small_sub(field: str, value):
+    if not isinstance(value, int) or isinstance(value, bool):
+        return value
+    if field in SUB_SIZES:
+        return SUB_SIZES[field]
+    return 16 if "channel" in field else value
 
 
 def miniature_config(config, kv_heads: int = 4):
@@ -125,6 +138,9 @@ def miniature_config(config, kv_heads: int = 4):
             small[k] = value
     for std, value in small.items():
         d[key(std)] = value
+    for sub in getattr(type(config), "sub_configs", {}) or {}:
+        if isinstance(d.get(sub), dict):
+            d[sub] = {k: _small_sub(k, v) for k, v in d[sub].items()}
     for i, k in enumerate(TOKEN_FIELDS):
         value = d.get(k)
         if isinstance(value, int) and not 0 <= value < VOCAB:
@@ -312,8 +328,15 @@ def _compare(adapter, model, layouts: list[tuple[str, int, int]]) -> str | None:
                 h.remove()
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[1].reshape(-1))
         loss.backward()
+        unused = [n for n, p in model.named_parameters() if p.grad is None]
+        if unused:
+            # torch's AdamW skips a parameter without a gradient; the NTP optimizer gives every
+            # parameter one (zeros) and would decay it: its weights would drift from HF's training
+            return (f"step {step}: {len(unused)} parameters get no gradient from a token-only forward "
+                    f"({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}: another modality's "
+                    "encoder?); NTP's AdamW would still decay them, where torch's skips them")
         state = {k: v.detach() for k, v in model.state_dict().items()}
-        want = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+        want = {n: p.grad for n, p in model.named_parameters()}
         for label, degree, stages in layouts:
             got_loss, got, split, acts = _ntp_grads(adapter, state, batch, degree, stages, step)
             where = f"step {step}, {label}"
