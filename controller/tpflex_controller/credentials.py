@@ -159,6 +159,7 @@ class Caller:
     who: str
     job: str = ""                  # the credential's job ("" for an operator)
     operator: str = ""             # the admin token's name, for RegisterJob
+    request_id: str = ""           # the call's x-request-id (or a fresh one)
 
 
 CALLER: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("tpflex_caller", default=None)
@@ -223,13 +224,13 @@ class JobAuth(grpc.ServerInterceptor):
             return _Refusal(what, "", job, rid, grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
         if verified is not None:
             if verified.job == job:
-                return Caller(who=verified.who, job=verified.job)
+                return Caller(who=verified.who, job=verified.job, request_id=rid)
             return _Refusal(what, verified.who, job, rid, grpc.StatusCode.PERMISSION_DENIED,
                             f"this credential is job {verified.job!r}'s, not job {job[:128]!r}'s")
         if register and token:
             operator = self.admin_check(token, job)
             if operator is not None:
-                return Caller(who=f"operator:{operator}", operator=operator)
+                return Caller(who=f"operator:{operator}", operator=operator, request_id=rid)
         if not token:
             reason = ("no job credential (send 'authorization: Bearer <job credential>'; tpflex-run "
                       "hands its ranks TPFLEX_JOB_CREDENTIAL_FILE)")

@@ -213,7 +213,7 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
             except EtcdError as exc:
                 context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")
             audit.record(who=caller.who, what="trainer.RegisterJob", target=f"job:{request.spec.name}",
-                         outcome="ok", credential=name)
+                         outcome="ok", request_id=caller.request_id, credential=name)
             response.credential, response.credential_name = token, name
         return response
 

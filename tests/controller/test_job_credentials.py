@@ -74,10 +74,15 @@ def _audit(caplog) -> list[dict]:
     return [json.loads(r.getMessage()) for r in caplog.records if r.name == "tpflex.audit"]
 
 
-def test_an_admin_token_registers_a_job_and_is_issued_its_credential(etcd, plane):
+def test_an_admin_token_registers_a_job_and_is_issued_its_credential(etcd, plane, caplog):
     channel, _, _ = plane
     racks, a, _ = _jobs(etcd)
+    caplog.set_level(logging.INFO, logger="tpflex.audit")
     got = _register(channel, a, ADMIN, "node-1")
+    (issued,) = _audit(caplog)
+    assert (issued["who"], issued["what"], issued["target"], issued["outcome"], issued["credential"]) == \
+        ("operator:ops", "trainer.RegisterJob", "job:job-a", "ok", "node-1")
+    assert issued["request_id"] and got.credential not in json.dumps(issued)
     assert got.credential_name == "node-1" and parse_token(got.credential) == ("job-a", "node-1")
     assert etcd.get(keys.job_spec("job-a")) is not None
     stored = codec.decode(types_pb2.JobCredential, etcd.get(keys.job_credential("job-a", "node-1")).value)
