@@ -32,6 +32,9 @@ run first in the same process go to stderr.
 ``TPFLEX_BENCH_PLANT=kill-rest-child`` plants a defect to see the accounting catch it: the
 bench SIGKILLs the controller's REST child once half the hostile requests are sent (the
 controller restarts it; the requests in flight fail on their connections).
+
+``--quick``: 200 hostile requests from 4 clients after 2 baseline decisions (the same keys,
+seconds; for the test suite, its figures are not the measurement's).
 """
 
 from __future__ import annotations
@@ -444,7 +447,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=8, help="concurrent hostile clients (default %(default)s)")
     p.add_argument("--baseline-decisions", type=int, default=10,
                    help="decisions timed before the abuse starts (default %(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help="200 requests, 4 clients, 2 baseline decisions (the same JSON keys)")
     a = p.parse_args(argv)
+    if a.quick:
+        a.requests, a.clients, a.baseline_decisions = 200, 4, 2
     if a.requests < 1 or a.clients < 1:
         p.error("--requests and --clients must be >= 1")
     try:

@@ -8,11 +8,13 @@
 - Baselines in the same run: a bare etcd put (etcd_put_p50_ms) and a bare gRPC round trip
   to the same server (grpc.health.v1 Check, grpc_noop_p50_ms).
 
-Run: PYTHONPATH=. .venv/bin/python bench/agent_latency.py
+Run: PYTHONPATH=. .venv/bin/python bench/agent_latency.py (``--quick``: 5 XIDs, 20 plans
+and 20 baseline calls each, the same keys, seconds; for the test suite).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import sys
@@ -120,7 +122,12 @@ def apply_plan(gpus: int) -> tuple[list[float], list[float] | None]:
         stop_agent(agent)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    global XID_SAMPLES, APPLY_SAMPLES, BASELINE_SAMPLES
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="5 XIDs, 20 plans and baseline calls (the same JSON keys)")
+    if ap.parse_args(argv).quick:
+        XID_SAMPLES, APPLY_SAMPLES, BASELINE_SAMPLES = 5, 20, 20
     logging.basicConfig(level=logging.ERROR, stream=sys.stderr)
     with EtcdCluster(1) as cluster:
         etcd = Etcd(cluster.endpoints)

@@ -20,6 +20,8 @@ Prints one JSON line:
 - ``watch_delivery_p50_ms`` (health put start to the stand-in's callback) and
   ``txn_p50_ms`` (the stand-in's transaction round trip), from the stand-in's clock
   (CLOCK_MONOTONIC, shared by both processes).
+
+``--quick``: 5 failures (the same keys, seconds; for the test suite).
 """
 
 from __future__ import annotations
@@ -87,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--watch-own", action=argparse.BooleanOptionalAction, default=True,
                     help="the stand-in watches its own commits too (/floor/, as the controller's"
                     " informer watches /tpflex/v1/; default) or only the health writes")
+    ap.add_argument("--quick", action="store_true", help="5 failures (the same JSON keys)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.failures = 5
     if min(args.failures, args.ops, args.bytes, args.compares) < 1:
         ap.error("--failures, --ops, --bytes and --compares must be at least 1")
     if args.standin:

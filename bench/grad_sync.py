@@ -5,10 +5,13 @@ the sync is plain DDP: one bucketed all-reduce per core pair), measured in one r
 healthy replica moves per step vs the lower bound (t_r - t_min) / t_r of its gradient.
 
 Prints one JSON line. Run: PYTHONPATH=. .venv/bin/python bench/grad_sync.py
+(``--quick``: one round of 2 measured steps per mode, the same keys, seconds; for the
+test suite, its figures are not the measurement's).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -35,7 +38,8 @@ def _batch(rt, step: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _worker(rank: int, world_size: int) -> dict:
+def _worker(rank: int, world_size: int, rounds: int = ROUNDS, warmup: int = WARMUP,
+            measured: int = MEASURED) -> dict:
     from tpflex_trainer.ntp.runtime import NtpRuntime
 
     me = MEMBERS[rank]
@@ -45,16 +49,16 @@ def _worker(rank: int, world_size: int) -> dict:
     times: dict[str, list[float]] = {"uniform": [], "nonuniform": []}
     finish: dict[str, list[float]] = {"uniform": [], "nonuniform": []}
     sent = {"uniform": 0, "nonuniform": 0}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for mode, plan in (("uniform", UNIFORM), ("nonuniform", NONUNIFORM)):
             rt.apply_plan(plan, world)
             if not rt.active:
                 continue
-            for i in range(WARMUP + MEASURED):
+            for i in range(warmup + measured):
                 before = rt.sync.sent_bytes
                 t0 = time.perf_counter()
                 rt.train_step(*_batch(rt, i))
-                if i >= WARMUP:
+                if i >= warmup:
                     times[mode].append(time.perf_counter() - t0)
                     finish[mode].append(rt.sync.finish_seconds)
                     sent[mode] += rt.sync.sent_bytes - before
@@ -62,8 +66,11 @@ def _worker(rank: int, world_size: int) -> dict:
     return {"member": tuple(me), "times": times, "finish": finish, "sent": sent}
 
 
-def main() -> None:
-    results = run_workers(_worker, len(MEMBERS), timeout_s=600)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one round of 2 measured steps (the same JSON keys)")
+    rounds, warmup, measured = (1, 1, 2) if ap.parse_args(argv).quick else (ROUNDS, WARMUP, MEASURED)
+    results = run_workers(_worker, len(MEMBERS), (rounds, warmup, measured), timeout_s=600)
     healthy = [r for r in results.values() if r["member"][0] == 0]
     uniform = statistics.median(t for r in healthy for t in r["times"]["uniform"])
     nonuniform = statistics.median(t for r in healthy for t in r["times"]["nonuniform"])
@@ -71,7 +78,7 @@ def main() -> None:
         mode: round(statistics.median(t for r in healthy for t in r["finish"][mode]), 5)
         for mode in ("uniform", "nonuniform")
     }
-    steps = ROUNDS * MEASURED
+    steps = rounds * measured
     grad_bytes = sum(r["sent"]["nonuniform"] for r in healthy) / steps
     sharded = sum(4 * s.shape[0] * s.row_numel for s in param_specs(CFG) if s.sharded)
     t_r, t_min = 4, 3

@@ -11,6 +11,8 @@ On this machine (2 shared cores, 8 processes) compute is time-shared, so the ste
 measure the runtime's overheads more than NVLink-era speed; at 4+3 one process fewer
 competes for the cores. Prints one JSON line.
 Run: PYTHONPATH=. .venv/bin/python bench/hf_step.py [--steps N]
+(``--quick``: a 2-layer Llama of hidden 64 and 1 measured step, the same keys, seconds;
+for the test suite, its figures are not the measurement's).
 """
 
 from __future__ import annotations
@@ -28,18 +30,20 @@ import torch
 CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
               num_attention_heads=8, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False,
               max_position_embeddings=256)
+QUICK_CONFIG = dict(CONFIG, vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    head_dim=8, max_position_embeddings=64)
 SEQ, GLOBAL_BATCH, TP = 64, 8, 4
 
 
-def make_model(root: Path) -> tuple[Path, Path, int]:
+def make_model(root: Path, config: dict = CONFIG) -> tuple[Path, Path, int]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = AutoConfig.for_model("llama", **CONFIG)
+    cfg = AutoConfig.for_model("llama", **config)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(root / "model")
     rng = np.random.default_rng(0)
-    np.save(root / "tokens.npy", rng.integers(0, CONFIG["vocab_size"], (64, SEQ + 1)).astype(np.int32))
+    np.save(root / "tokens.npy", rng.integers(0, config["vocab_size"], (64, SEQ + 1)).astype(np.int32))
     return root / "model", root / "tokens.npy", sum(p.numel() for p in model.parameters())
 
 
@@ -102,17 +106,22 @@ def grad_bytes_lower_bound(config: dict, unit_counts: dict[str, int], degree: in
     return total + (degree - t_min) * 4 * replicated
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=6, help="measured steps per configuration")
     p.add_argument("--rounds", type=int, default=1,
                    help="alternate the uniform and nonuniform runs this many times (medians)")
-    a = p.parse_args()
+    p.add_argument("--quick", action="store_true",
+                   help="a 2-layer Llama of hidden 64, 1 measured step, 1 round (the same JSON keys)")
+    a = p.parse_args(argv)
+    config = QUICK_CONFIG if a.quick else CONFIG
+    if a.quick:
+        a.steps, a.rounds = 1, 1
     from tpflex_trainer.ntp.hf_adapter import HfAdapter
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model_dir, data, params = make_model(root)
+        model_dir, data, params = make_model(root, config)
         dense = dense_step_s(model_dir, data, a.steps)
         u_times, n_times = [], []
         for r in range(a.rounds):  # alternated: load from other processes hits both alike
@@ -122,7 +131,7 @@ def main() -> None:
             n_times.append(healthy_step_s(nonuniform, 2))
         counts = HfAdapter.from_pretrained_dir(model_dir, TP).unit_counts
         moved = sum(b for m, b in nonuniform["grad_bytes"].items() if m[0] == 0)
-        bound = grad_bytes_lower_bound(CONFIG, counts, 4, 3)
+        bound = grad_bytes_lower_bound(config, counts, 4, 3)
         starts = [r for r in uniform["summary"]["reshards"] if r["at"] == "start"]
         load_s = max(r["phases"]["transfer_s"] for r in starts)
         u, n = statistics.median(u_times), statistics.median(n_times)

@@ -55,7 +55,9 @@ injector's first failure of a GPU a job uses goes into its ledger but not into e
 health records it writes leave that GPU healthy, and it is never recovered), as a failure
 lost on its way to the controller; ``failures_unreflected`` counts it.
 
-Default ``--minutes 1`` (the issue's figures: ``--minutes 10``). Loopback only; every
+Default ``--minutes 1`` (the issue's figures: ``--minutes 10``). ``--quick``: one job on
+576 nodes, 7 s of injection, 4 REST clients (the same keys, seconds; for the test suite,
+its figures are not the measurement's; it still exits 1 on a wrong decision). Loopback only; every
 process it starts is stopped at the end; bounded in count and time.
 """
 
@@ -790,7 +792,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="a failure no plan reflects within this many seconds is a miss: it counts in"
                    " failures_unreflected and as this deadline (or its later latency) in the p99s"
                    " (default %(default)s)")
+    p.add_argument("--quick", action="store_true",
+                   help="one job on 576 nodes, 7 s of injection, 4 REST clients (the same JSON keys)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.nodes, args.minutes, args.rate = 18 * RACKS_PER_JOB, 0.12, 120.0
+        args.rest_clients, args.rest_rate, args.rest_seconds, args.rest_requests = 4, 2.0, 3.0, 2
+        args.rest_on_off = args.rest_on_off or "1,1"
     if not (0 < args.reflect_deadline_s <= 600):
         p.error("--reflect-deadline-s: need 0 < seconds <= 600")
     try:

@@ -8,6 +8,9 @@ by their number, is ``rest_cpu_ms_per_request``; ``rest_cpu_ms_per_request_by_pa
 same per path kind measured in separate passes. Both include what the REST process spends
 meanwhile folding the changes into its view, measured alone (no requests, same injection)
 as ``rest_idle_cpu_ms_per_s``. Prints one JSON line.
+
+``--quick``: 576 nodes (one job), 20 requests of the mix and 5 per path kind, 0.5 s idle (the same
+keys, seconds; for the test suite, its figures are not the measurement's).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ def _run(args, workdir: Path) -> dict:
         log = PlanLog(etcd)
         ctl, url = _start_controller(cluster.endpoints, workdir)
         _wait(lambda: len(log.plans) == len(jobs), 120, "initial plans")
+        _wait(lambda: _rest_pid(ctl.pid) is not None, 120, "the REST process")  # a small cluster plans first
         child = _rest_pid(ctl.pid)
         paths = [f"/v1/jobs/{j}/plan" for j in jobs] + [f"/v1/jobs/{j}" for j in jobs] + [
             "/v1/status", "/v1/gpus?state=failed&limit=100", "/v1/nodes?limit=100",
@@ -120,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests-per-kind", type=int, default=200)
     p.add_argument("--idle-seconds", type=float, default=5.0, help="CPU of the REST process without requests")
     p.add_argument("--seed", type=int, default=8)
+    p.add_argument("--quick", action="store_true", help="576 nodes, 20 + 5 per kind requests (the same JSON keys)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.nodes, args.rate, args.requests, args.requests_per_kind, args.idle_seconds = 576, 600.0, 20, 5, 0.5
     if not (1 <= args.nodes <= 20_000 and 0 < args.rate <= 10_000 and 1 <= args.requests <= 100_000
             and 1 <= args.requests_per_kind <= 10_000):
         p.error("need 1 <= nodes <= 20000, 0 < rate <= 10000, 1 <= requests <= 100000, "

@@ -19,10 +19,13 @@ the stages' transfers cost, broadcasts included. Timings on 2 oversubscribed cor
 noisy.
 
 Prints one JSON line. Run: PYTHONPATH=. .venv/bin/python bench/pipeline.py
+(``--quick``: one round of 1 measured step per layout, the same keys, seconds; for the
+test suite, its figures are not the measurement's).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -62,7 +65,8 @@ def _batch(rt, step: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _worker(rank: int, world_size: int) -> dict:
+def _worker(rank: int, world_size: int, rounds: int = ROUNDS, warmup: int = WARMUP,
+            measured: int = MEASURED) -> dict:
     from tpflex_trainer.ntp.runtime import NtpRuntime
 
     me = MEMBERS[rank]
@@ -72,16 +76,16 @@ def _worker(rank: int, world_size: int) -> dict:
     times: dict[str, list[float]] = {m: [] for m in MODES}
     sent = {m: 0 for m in MODES}
     broadcast = {m: 0 for m in MODES}
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         for mode, plan in MODES.items():
             rt.apply_plan(plan, world)
             if not rt.active:
                 continue
-            for i in range(WARMUP + MEASURED):
+            for i in range(warmup + measured):
                 before, before_bcast = rt.pipe.sent_bytes, rt.pipe.broadcast_bytes
                 t0 = time.perf_counter()
                 rt.train_step(*_batch(rt, i))
-                if i >= WARMUP:
+                if i >= warmup:
                     times[mode].append(time.perf_counter() - t0)
                     sent[mode] += rt.pipe.sent_bytes - before
                     broadcast[mode] += rt.pipe.broadcast_bytes - before_bcast
@@ -115,9 +119,12 @@ def _bounds(plan: tuple[ReplicaPlacement, ...]) -> tuple[int, int, int]:
     return lower, pairs, bcast
 
 
-def main() -> None:
-    results = run_workers(_worker, len(MEMBERS), timeout_s=900)
-    steps = ROUNDS * MEASURED
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one round of 1 measured step (the same JSON keys)")
+    rounds, warmup, measured = (1, 1, 1) if ap.parse_args(argv).quick else (ROUNDS, WARMUP, MEASURED)
+    results = run_workers(_worker, len(MEMBERS), (rounds, warmup, measured), timeout_s=900)
+    steps = rounds * measured
     lower, pairs, bcast_bound = _bounds(MODES["degraded"])
     uniform_healthy = _step_s(results, "uniform", replica=0)
     degraded_healthy = _step_s(results, "degraded", replica=0)

@@ -23,10 +23,13 @@ has its new process group (failure noticed, groups aborted, plan received, rende
 and gloo initialisation done; the reshard comes next).
 ``speedup_vs_checkpoint_restart`` = checkpoint_restart_p50_s / recovery_p50_s.
 Prints one JSON line. Run: PYTHONPATH=. .venv/bin/python bench/recovery.py
+(``--quick``: one recovery and one checkpoint restart, 2 steps between events, the same
+keys; for the test suite, its figures are not the measurement's).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import statistics
@@ -136,7 +139,13 @@ class Bench:
         return t_all - t0
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    global RUNS, RESTARTS, STEPS_BETWEEN
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true",
+                    help="one recovery, one checkpoint restart, 2 steps between events (the same JSON keys)")
+    if ap.parse_args(argv).quick:
+        RUNS, RESTARTS, STEPS_BETWEEN = 1, 1, 2
     t_start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="tpflex-bench-recovery-") as tmp:
         bench = Bench(Path(tmp))

@@ -12,10 +12,12 @@ measured in the same processes;
 rebuild) with its phases. gloo on CPU, one process per rank, all on this machine's cores.
 
 Prints one JSON line. Run: PYTHONPATH=. .venv/bin/python bench/reshard.py
+(``--quick``: the one case 4 -> 3, the same keys, seconds; for the test suite).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -30,6 +32,7 @@ from tests.trainer.test_parity import unit_bytes
 CFG = GPTConfig(n_layers=2, hidden=288, n_heads=72, n_kv_groups=72, ffn_hidden=1152, ffn_block=8,
                 vocab=2304, vocab_block=16, seq_len=128)
 CASES = ((8, 7), (32, 28), (72, 71))
+QUICK_CASES = ((4, 3),)
 
 
 def _max_over_ranks(seconds: float) -> float:
@@ -83,9 +86,11 @@ def _worker(rank: int, world_size: int, from_tp: int, to_tp: int) -> dict:
             "apply_s": apply_s, "phases": phases, "reload_s": reload_s}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="the one case 4 -> 3 (the same JSON keys)")
     cases = []
-    for from_tp, to_tp in CASES:
+    for from_tp, to_tp in QUICK_CASES if ap.parse_args(argv).quick else CASES:
         t0 = time.perf_counter()
         res = list(run_workers(_worker, from_tp, (from_tp, to_tp), timeout_s=300).values())
         print(f"case {from_tp}->{to_tp} took {time.perf_counter() - t0:.1f}s", file=sys.stderr)

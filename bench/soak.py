@@ -329,7 +329,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reference", action="store_true",
                     help="also compare each run with the single-process reference on its own batches "
                          "(stderr; minutes for thousands of steps)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the smallest meaningful soak: one rank SIGKILL, paced steps, the replay baseline, "
+                         "preloaded ranks (minutes, not seconds: the suite runs tests/reliability/test_soak.py)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.faults, args.kinds, args.step_min_s, args.baseline, args.preload = 1, "rank_sigkill", 0.4, "replay", True
+        args.checkpoint_every = 20
     if not args.minutes > 0:
         ap.error("--minutes: must be > 0")
     if args.faults < 0:

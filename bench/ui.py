@@ -26,7 +26,8 @@ racks are degraded and boosted. Prints one JSON line:
 - ``agent_inject_to_etcd_p50_ms``: the baseline in the same run: the InjectFault RPC ->
   the agent's health write reaching the watcher; ``pixel_vs_agent_ratio`` = p50 over p50.
 Goals (issue 15): first paint <= 1 s at 1,024 racks. ``--racks``, ``--failures`` and
-``--loads`` make a small run.
+``--loads`` make a small run; ``--quick`` is 4 racks, 2 failures, 1 load (the same keys,
+seconds; for the test suite, its figures are not the goals').
 """
 
 from __future__ import annotations
@@ -218,7 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--racks", type=int, default=RACKS, help="NVL72 racks (default %(default)s)")
     p.add_argument("--failures", type=int, default=FAILURES, help="failures timed (default %(default)s)")
     p.add_argument("--loads", type=int, default=LOADS, help="fresh tabs for the first paint (default %(default)s)")
+    p.add_argument("--quick", action="store_true", help="4 racks, 2 failures, 1 load (the same JSON keys)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.racks, args.failures, args.loads = 4, 2, 1
     if not (2 <= args.racks <= 4096 and 1 <= args.failures <= 100 and 1 <= args.loads <= 20):
         p.error("need 2 <= --racks <= 4096, 1 <= --failures <= 100, 1 <= --loads <= 20")
     workdir = Path(tempfile.mkdtemp(prefix="tpflex-bench-ui-"))
