@@ -45,17 +45,25 @@ def _epoch_of(record: types_pb2.Liveness | None) -> int:
 
 
 class LivenessRefused(Exception):
+    """A trainer-plane call refused with a gRPC status (the Trainer service's too)."""
+
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code, self.message = code, message
 
 
-_CODES = {"invalid": grpc.StatusCode.INVALID_ARGUMENT, "future": grpc.StatusCode.FAILED_PRECONDITION,
-          "stale": grpc.StatusCode.FAILED_PRECONDITION, "unknown": grpc.StatusCode.NOT_FOUND}
+# what each kind of InputError (spec_checks) answers on the trainer plane: the one map
+INPUT_STATUS = {
+    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+    "conflict": grpc.StatusCode.ALREADY_EXISTS,
+    "stale": grpc.StatusCode.FAILED_PRECONDITION,
+    "future": grpc.StatusCode.FAILED_PRECONDITION,
+    "unknown": grpc.StatusCode.NOT_FOUND,
+}
 
 
-def _refused(exc: InputError) -> LivenessRefused:
-    return LivenessRefused(_CODES.get(exc.kind, grpc.StatusCode.INVALID_ARGUMENT), exc.message)
+def refused_for(exc: InputError) -> LivenessRefused:
+    return LivenessRefused(INPUT_STATUS.get(exc.kind, grpc.StatusCode.INVALID_ARGUMENT), exc.message)
 
 
 class LivenessService:
@@ -190,7 +198,7 @@ class LivenessService:
         try:
             check_job_name(job)
         except InputError as exc:
-            raise _refused(exc) from None
+            raise refused_for(exc) from None
 
     def _monitor(self) -> None:
         period = min(1.0, self.policy.beat_timeout_s / 4)
@@ -269,4 +277,4 @@ class LivenessService:
         try:
             check_beat(beat, facts, self.epoch(beat.job, beat.epoch))
         except InputError as exc:
-            raise _refused(exc) from None
+            raise refused_for(exc) from None

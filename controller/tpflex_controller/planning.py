@@ -4,7 +4,6 @@ it (``commit_plan``, the only I/O here)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import chain, islice
 from operator import attrgetter
@@ -23,9 +22,6 @@ from tpflex_controller.planner.model import (
     changed_since,
     moved,
 )
-
-# plan(cluster, job, *, policy=None, power_model=None, overrides=None, now=0.0) -> PlanResult
-PlanFn = Callable[..., PlanResult]
 
 MAX_EVENT_REASONS = 64
 # one transaction stays well inside etcd's defaults (--max-txn-ops 128,
@@ -58,12 +54,6 @@ class PlanCommit:
     power_groups: list[list[str]] = field(default_factory=list)
     # set by commit_plan: node -> etcd revision its power key was written at
     power_revs: dict[str, int] = field(default_factory=dict)
-
-
-def default_plan_fn() -> PlanFn:
-    from tpflex_controller.planner import plan  # the planner's pure entry point
-
-    return plan
 
 
 @dataclass

@@ -33,9 +33,8 @@ from tpflex_proto.tls import ServerTls, TlsFilesError, bind_grpc, server_interce
 from tpflex_controller import audit
 from tpflex_controller.credentials import CALLER, CredentialError, Credentials, JobAuth
 from tpflex_controller.liveness import LivenessPolicy, Outcome
-from tpflex_controller.liveness_service import LivenessRefused, LivenessService
+from tpflex_controller.liveness_service import LivenessRefused, LivenessService, refused_for
 from tpflex_controller.planfeed import PlanFeed
-from tpflex_controller.planner.model import PlanningError
 from tpflex_controller.rendezvous import RendezvousLimits, add_rendezvous
 from tpflex_controller.spec_checks import (
     DEFAULT_MIN_STEP_SECONDS,
@@ -57,33 +56,8 @@ from tpflex_controller.store import Store, decode_or_skip
 log = logging.getLogger(__name__)
 
 
-class _Abort(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-_STATUS = {
-    "invalid": grpc.StatusCode.INVALID_ARGUMENT,
-    "conflict": grpc.StatusCode.ALREADY_EXISTS,
-    "stale": grpc.StatusCode.FAILED_PRECONDITION,
-    "future": grpc.StatusCode.FAILED_PRECONDITION,
-    "unknown": grpc.StatusCode.NOT_FOUND,
-}
-
-
-def _abort_for(exc: InputError) -> _Abort:
-    return _Abort(_STATUS[exc.kind], exc.message)
-
-
-def validate_job(spec: types_pb2.JobSpec, racks: dict[str, types_pb2.Rack],
-                 others: dict[str, types_pb2.JobSpec] | None = None) -> None:
-    """Raise PlanningError (message says why) for a spec that cannot be registered."""
-    try:
-        check_spec(spec, racks, others or {})
-    except InputError as exc:
-        raise PlanningError(exc.message) from None
+_Abort = LivenessRefused  # one error type and one InputError -> status map (liveness_service)
+_abort_for = refused_for
 
 
 def replay_plans(
@@ -169,7 +143,7 @@ class TrainerServicer(controller_pb2_grpc.TrainerServicer):
     def _run(self, context, fn, *args):
         try:
             return fn(*args)
-        except (_Abort, LivenessRefused) as exc:
+        except LivenessRefused as exc:
             context.abort(exc.code, exc.message)
         except EtcdUnavailable as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, f"etcd unavailable: {exc}")

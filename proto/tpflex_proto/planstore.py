@@ -346,10 +346,6 @@ class PartIndex:
 # ---- readers ----
 
 
-def header_of(plan: types_pb2.Plan) -> bool:
-    return plan.split
-
-
 def whole_plans(kvs: Iterable, assembler: Assembler | None = None) -> tuple[dict, dict]:
     """From the key-values of one consistent read (any order): each job's current plan and
     its kept generations (oldest first), as whole ``Plan`` messages. Malformed or

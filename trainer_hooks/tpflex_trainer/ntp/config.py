@@ -176,6 +176,3 @@ def partner_pairs(specs: list[ParamSpec]) -> list[tuple[str, int, str, int]]:
     return pairs
 
 
-def family_unit_numel(specs: list[ParamSpec], family: str) -> int:
-    """Elements of one unit of ``family`` summed over its parameters (one tensor kind)."""
-    return sum(s.unit_numel for s in specs if s.family == family)

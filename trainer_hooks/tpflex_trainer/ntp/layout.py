@@ -127,14 +127,6 @@ def balanced_sizes(n: int, t: int) -> list[int]:
     return [n // t + (1 if i < n % t else 0) for i in range(t)]
 
 
-def contiguous_partitions(n: int, t: int) -> list[tuple[int, ...]]:
-    out, start = [], 0
-    for size in balanced_sizes(n, t):
-        out.append(tuple(range(start, start + size)))
-        start += size
-    return out
-
-
 def traffic_lower_bound(n: int, degree: int, partition_sizes: Sequence[int]) -> int:
     """Fewest units a replica at ``degree`` must move to its core ranks for gradient sync,
     over all balanced layouts whose core rank p holds a subset of partition p: the cores
