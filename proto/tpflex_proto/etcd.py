@@ -252,10 +252,12 @@ class Etcd:
         self.timeout = timeout
         self._target = "ipv4:" + ",".join(self.endpoints) if len(self.endpoints) > 1 else endpoints[0]
         self._tls = tls
+        self._creds = None
         if tls is not None:  # unusable files: refused here, not retried forever as UNAVAILABLE
-            from tpflex_proto.tls import check_client_files
+            from tpflex_proto.tls import ClientCertificateFiles
 
-            check_client_files(tls.ca_file, tls.cert_file, tls.key_file)
+            # read again when a file changes, for the next channel (a renewed certificate)
+            self._creds = ClientCertificateFiles(tls.ca_file, tls.cert_file, tls.key_file)
         self._channel_lock = threading.Lock()
         self._channel_born = 0.0
         self._make_channel()
@@ -288,14 +290,8 @@ class Etcd:
     _OLD_CHANNEL_GRACE_S = 30.0
 
     def _make_channel(self) -> None:
-        tls = self._tls
-        if tls is not None:
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=_read(tls.ca_file),
-                private_key=_read(tls.key_file) if tls.key_file else None,
-                certificate_chain=_read(tls.cert_file) if tls.cert_file else None,
-            )
-            channel = grpc.secure_channel(self._target, creds, options=self._OPTIONS)
+        if self._creds is not None:
+            channel = grpc.secure_channel(self._target, self._creds.get(), options=self._OPTIONS)
         else:
             channel = grpc.insecure_channel(self._target, options=self._OPTIONS)
         self._channel = channel
@@ -638,7 +634,3 @@ def _map_error(exc: grpc.RpcError) -> EtcdError:
         return EtcdUnavailable(f"etcd unavailable: {code.name if code else ''} {detail}")
     return EtcdError(f"etcd error: {code.name if code else ''} {detail}")
 
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()

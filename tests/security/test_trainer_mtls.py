@@ -65,3 +65,26 @@ def test_other_clients_are_refused_and_logged(mtls_trainer_server, certs, caplog
                        5, "the refusal log line")
     reason = "certificate CN 'tpflex-agent' is not an allowed client"
     assert re.search(rf"tls client refused service=trainer peer=127\.0\.0\.1:\d+ reason={reason}", lines[0]), lines
+
+
+def test_the_hooks_read_a_renewed_client_certificate_for_their_next_channel(certs, rogue_certs, tmp_path):
+    """The hooks' channels take their TLS credentials from tpflex_proto.tls (one
+    implementation): a certificate replaced on disk is read again for the next channel;
+    a half-written one keeps the last good credentials."""
+    import shutil
+
+    from tpflex_trainer.hooks import control
+
+    for name in ("ca.pem", "trainer.pem", "trainer-key.pem"):
+        shutil.copy(certs / name, tmp_path / name)
+    config = ControlConfig(endpoints=("127.0.0.1:1",), job="j", rank=0, tls_ca_file=str(tmp_path / "ca.pem"),
+                           tls_cert_file=str(tmp_path / "trainer.pem"), tls_key_file=str(tmp_path / "trainer-key.pem"))
+    first, _ = control._tls(config)
+    files = control._CREDENTIALS[(config.tls_ca_file, config.tls_cert_file, config.tls_key_file)]
+    assert control._tls(config)[0] is first and files.reloads == 0  # unchanged files: the same
+    for name in ("trainer.pem", "trainer-key.pem"):  # renewed (another CA's pair stands in)
+        shutil.copy(rogue_certs / name, tmp_path / name)
+    renewed, _ = control._tls(config)
+    assert renewed is not first and files.reloads == 1
+    (tmp_path / "trainer-key.pem").write_text("not a key")  # mid-rotation
+    assert control._tls(config)[0] is renewed and files.reloads == 1

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 from tpflex_proto import controller_pb2, controller_pb2_grpc, types_pb2
 from tpflex_proto.backoff import Backoff
+from tpflex_proto.tls import ClientCertificateFiles
 
 log = logging.getLogger(__name__)
 
@@ -94,21 +95,20 @@ def read_credential(path: str) -> str:
     return token
 
 
-def _read(path: str | None) -> bytes | None:
-    if not path:
-        return None
-    with open(path, "rb") as f:
-        return f.read()
+_CREDENTIALS: dict[tuple, ClientCertificateFiles] = {}
+_CREDENTIALS_LOCK = threading.Lock()
 
 
 def _tls(config: ControlConfig) -> tuple[grpc.ChannelCredentials, list[tuple[str, str]]]:
-    creds = grpc.ssl_channel_credentials(
-        root_certificates=_read(config.tls_ca_file),
-        private_key=_read(config.tls_key_file),
-        certificate_chain=_read(config.tls_cert_file),
-    )
+    """The channel's TLS credentials (tpflex_proto.tls: read again when a file changed, so a
+    renewed certificate is used by the next channel) and the server-name override."""
+    files = (config.tls_ca_file, config.tls_cert_file, config.tls_key_file)
+    with _CREDENTIALS_LOCK:
+        creds = _CREDENTIALS.get(files)
+        if creds is None:
+            creds = _CREDENTIALS[files] = ClientCertificateFiles(*files)
     options = [("grpc.ssl_target_name_override", config.tls_server_name)] if config.tls_server_name else []
-    return creds, options
+    return creds.get(), options
 
 
 def open_channel(config: ControlConfig, endpoint: str) -> grpc.Channel:
