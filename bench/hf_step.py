@@ -11,8 +11,8 @@ On this machine (2 shared cores, 8 processes) compute is time-shared, so the ste
 measure the runtime's overheads more than NVLink-era speed; at 4+3 one process fewer
 competes for the cores. Prints one JSON line.
 Run: PYTHONPATH=. .venv/bin/python bench/hf_step.py [--steps N]
-(``--quick``: a 2-layer Llama of hidden 64 and 1 measured step, the same keys, seconds;
-for the test suite, its figures are not the measurement's).
+(``--quick``: a 2-layer Llama of hidden 64 at TP 2+2 and 2+1, 1 measured step, the same
+keys, seconds; for the test suite, its figures are not the measurement's).
 """
 
 from __future__ import annotations
@@ -66,10 +66,10 @@ def dense_step_s(model_dir: Path, data: Path, steps: int) -> float:
     return statistics.median(times[1:])
 
 
-def ntp_run(model_dir: Path, data: Path, out: Path, steps: int, events: str) -> dict:
+def ntp_run(model_dir: Path, data: Path, out: Path, steps: int, events: str, tp: int = TP) -> dict:
     from tpflex_trainer.train.cli import Launcher, build_spec
 
-    argv = ["--model", str(model_dir), "--data", str(data), "--out", str(out), "--tp", str(TP),
+    argv = ["--model", str(model_dir), "--data", str(data), "--out", str(out), "--tp", str(tp),
             "--replicas", "2", "--global-batch", str(GLOBAL_BATCH), "--steps", str(steps),
             "--lr", "1e-4", "--events", events, "--collective-timeout", "600"]
     spec, model_type = build_spec(argv)
@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=1,
                    help="alternate the uniform and nonuniform runs this many times (medians)")
     p.add_argument("--quick", action="store_true",
-                   help="a 2-layer Llama of hidden 64, 1 measured step, 1 round (the same JSON keys)")
+                   help="a 2-layer Llama of hidden 64 at TP 2, 1 measured step, 1 round (the same JSON keys)")
     a = p.parse_args(argv)
-    config = QUICK_CONFIG if a.quick else CONFIG
+    config, tp = (QUICK_CONFIG, 2) if a.quick else (CONFIG, TP)
     if a.quick:
         a.steps, a.rounds = 1, 1
     from tpflex_trainer.ntp.hf_adapter import HfAdapter
@@ -125,13 +125,13 @@ def main(argv: list[str] | None = None) -> None:
         dense = dense_step_s(model_dir, data, a.steps)
         u_times, n_times = [], []
         for r in range(a.rounds):  # alternated: load from other processes hits both alike
-            uniform = ntp_run(model_dir, data, root / f"u{r}", a.steps + 1, "")
-            nonuniform = ntp_run(model_dir, data, root / f"n{r}", a.steps + 2, "1:drain=1:3")
+            uniform = ntp_run(model_dir, data, root / f"u{r}", a.steps + 1, "", tp)
+            nonuniform = ntp_run(model_dir, data, root / f"n{r}", a.steps + 2, f"1:drain=1:{tp - 1}", tp)
             u_times.append(healthy_step_s(uniform, 1))
             n_times.append(healthy_step_s(nonuniform, 2))
-        counts = HfAdapter.from_pretrained_dir(model_dir, TP).unit_counts
+        counts = HfAdapter.from_pretrained_dir(model_dir, tp).unit_counts
         moved = sum(b for m, b in nonuniform["grad_bytes"].items() if m[0] == 0)
-        bound = grad_bytes_lower_bound(config, counts, 4, 3)
+        bound = grad_bytes_lower_bound(config, counts, tp, tp - 1)
         starts = [r for r in uniform["summary"]["reshards"] if r["at"] == "start"]
         load_s = max(r["phases"]["transfer_s"] for r in starts)
         u, n = statistics.median(u_times), statistics.median(n_times)
