@@ -25,6 +25,7 @@ from itertools import chain, repeat
 from operator import is_
 
 from tpflex_proto import agent_pb2, codec, types_pb2
+from tpflex_proto.wire import encode_varint as _varint
 
 from tpflex_controller import convert
 from tpflex_controller.planner.caps import UniformCaps
@@ -187,17 +188,6 @@ def _u32(*values: int) -> bool:
 
 
 _STATE_NUMBER = {state: int(number) for state, number in convert._REPLICA_STATE.items()}
-
-
-def _varint(n: int) -> bytes:
-    if 0 <= n < 0x80:
-        return _ONE_BYTE[n]
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 _DOUBLE = struct.Struct("<d")

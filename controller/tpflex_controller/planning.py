@@ -10,6 +10,7 @@ from operator import attrgetter
 
 from tpflex_proto import codec, keys, types_pb2
 from tpflex_proto.etcd import Cmp, Op, TxnBuilder
+from tpflex_proto.wire import varint_len as _varint_len
 
 from tpflex_controller.cache import ClusterView, NodePower, PlanRecord
 from tpflex_controller.election import Conflict, LeaderSession
@@ -298,10 +299,6 @@ def _chunk(ops: list) -> list:
             break
         n += 1
     return ops[:max(n, 1)]
-
-
-def _varint_len(n: int) -> int:
-    return max(1, (n.bit_length() + 6) // 7)
 
 
 def _fenced(session: LeaderSession, compare: list, ops: list, job: str) -> int:

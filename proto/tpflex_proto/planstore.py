@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from tpflex_proto import codec, keys, types_pb2
+from tpflex_proto.wire import decode_varint as _varint
 
 _HEAD = (1, 2, 3)
 _REPLICAS, _CAPS, _REASONS = 4, 5, 7
@@ -80,19 +81,6 @@ def parse_key(key: str) -> PlanKey | None:
 
 
 # ---- wire format (top-level fields only) ----
-
-
-def _varint(data: bytes, pos: int) -> tuple[int, int]:
-    out = shift = 0
-    while True:
-        if pos >= len(data):
-            raise ValueError("truncated varint")
-        b = data[pos]
-        pos += 1
-        out |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return out, pos
-        shift += 7
 
 
 def fields(data: bytes) -> list[tuple[int, bytes]]:
