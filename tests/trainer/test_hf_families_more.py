@@ -98,3 +98,28 @@ def test_a_config_that_leaves_head_dim_none_builds(family):
     else:
         with pytest.raises(UnsupportedModelError, match="only the embedding"):
             HfAdapter(mini, 2)
+
+
+@pytest.mark.parametrize("base_tp", [2, 5])
+def test_granite_swa_sinks_are_sharded_with_their_heads(base_tp):
+    """Granite-SWA's plan shards the per-head ``self_attn.sinks`` parameter (``colwise``)
+    and marks the attention ``local_params``: the sinks go with the attention units (a KV
+    group's query heads; one head above the KV heads)."""
+    cfg = AutoConfig.for_model("granite_swa", vocab_size=96, hidden_size=32, intermediate_size=48,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               max_position_embeddings=64, sliding_window=6)
+    ad = HfAdapter(cfg, base_tp)
+    assert ad.fidelity.tensor_parallel is None, ad.fidelity
+    sinks = next(s for s in ad.specs if s.name.endswith("layers.0.self_attn.sinks"))
+    assert (sinks.family, sinks.unit_rows) == ("attn", 2 if base_tp <= 2 else 1)
+
+
+def test_pipeline_stages_see_their_own_layer_types():
+    """OLMo 3's base model picks each layer's mask and RoPE by ``config.layer_types[i]``
+    with i its position in the (stage's) layer list: a stage gets its layers' types."""
+    cfg = AutoConfig.for_model("olmo3", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                               sliding_window=4, tie_word_embeddings=False,
+                               layer_types=["sliding_attention", "full_attention"] * 2)
+    res = hf_selftest.self_test(cfg, HfAdapter)
+    assert "2 pipeline stages" in res.layouts and res.pipeline is None, res

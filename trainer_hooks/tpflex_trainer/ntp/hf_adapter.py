@@ -230,7 +230,7 @@ class HfAdapter(ModelAdapter):
             return FIRST
         if name.startswith(f"{plan.head}.") or (plan.norm is not None and name.startswith(f"{p}.{plan.norm}.")):
             return LAST
-        if name.startswith(f"{p}.{plan.layers}."):
+        if plan.layers is not None and name.startswith(f"{p}.{plan.layers}."):
             return int(name[len(f"{p}.{plan.layers}."):].split(".", 1)[0])
         raise UnsupportedModelError(f"parameter {name} is neither in a decoder layer, the embedding, "
                                     "the final norm nor the output layer: no pipeline stage for it")
@@ -251,10 +251,13 @@ class HfAdapter(ModelAdapter):
         specs = [s for s in self.specs if s.name in tensors]
         params = {s.name: nn.Parameter(tensors[s.name]) for s in specs}
         plan = self.plan
+        if plan.layers is None and n_stages > 1:
+            raise UnsupportedModelError(f"{type(lm).__name__}: its tp plan indexes several layer lists (no single "
+                                        "decoder-layer list to split into pipeline stages)")
         in_stage = {f"{self.prefix}.{plan.layers}.{i}" for i in layers}
 
         def mine(path: str) -> bool:
-            return any(path == q or path.startswith(q + ".") for q in in_stage)
+            return plan.layers is None or any(path == q or path.startswith(q + ".") for q in in_stage)
 
         for path, role in self.plan.roles.items():
             if not mine(path):
@@ -289,7 +292,14 @@ class HfAdapter(ModelAdapter):
             if kind == ATTN and plan.mp_blocks:
                 local_attention_blocks(block, len(units[ATTN]), plan)
             copy_to_tp_at_input(block, group)
-        setattr(base, plan.layers, nn.ModuleList([getattr(base, plan.layers)[i] for i in layers]))
+        if plan.layers is not None:
+            setattr(base, plan.layers, nn.ModuleList([getattr(base, plan.layers)[i] for i in layers]))
+        types = getattr(base.config, "layer_types", None)
+        if n_stages > 1 and isinstance(types, list) and len(types) == self.n_layers:
+            # the base model's forward reads ``config.layer_types[i]`` by its position in the
+            # (now the stage's) layer list (OLMo 3, Exaone 4: which mask, which RoPE)
+            base.config = copy.copy(base.config)
+            base.config.layer_types = [types[i] for i in layers]
         embed_name = f"{self.prefix}.{plan.embed}.weight"
         if first:
             setattr(base, plan.embed, VocabParallelEmbedding(getattr(base, plan.embed), params[embed_name],
@@ -307,7 +317,7 @@ class HfAdapter(ModelAdapter):
             setattr(lm, plan.head, nn.Identity())
         for s in specs:
             owner = s.name.rsplit(".", 1)[0]
-            if s.family == REPLICATED and owner not in self.plan.roles:
+            if (s.family == REPLICATED and owner not in self.plan.roles) or s.name in plan.head_params:
                 self._set_params(modules[owner], owner, params, s.name)
         left = [n for n, p in lm.named_parameters() if p.device.type == "meta"]
         if left:

@@ -30,7 +30,11 @@ from tpflex_trainer.ntp.config import REPLICATED, ParamSpec
 from tpflex_trainer.ntp.errors import LayoutError, UnsupportedModelError
 from tpflex_trainer.ntp.layout import Derived
 
-STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "colwise_gather_output", "rowwise_split_input")
+STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "colwise_gather_output", "rowwise_split_input",
+          "local_params")
+# HF's marker that a module's parameters stay plain local tensors under its DTensor TP
+# (Granite-SWA's attention, for its per-head sinks): nothing to do under NTP
+LOCAL_PARAMS = "local_params"
 # HF gathers a colwise_gather_output projection's output and splits a rowwise_split_input
 # one's input again; tpflex keeps both sharded (column / row units) and lets the fidelity
 # self-test decide whether what runs between them is exact on the member's columns
@@ -76,12 +80,15 @@ class HfPlan:
     # the model's own names: the base model's embedding, decoder-layer list and final norm
     # (None: none found, so no pipeline stages), and the causal LM's output layer
     embed: str = "embed_tokens"
-    layers: str = "layers"
+    layers: str | None = "layers"
     norm: str | None = "norm"
     head: str = "lm_head"
     # attention modules whose head count the model reads from attributes it sets itself:
     # CodeGen's ``mp_num`` blocks of its fused q/v/k (a unit is one such block)
     mp_blocks: bool = False
+    # per-head parameters of attention modules that the plan shards (Granite-SWA's sinks):
+    # sharded with the attention units, one entry per query head
+    head_params: frozenset = frozenset()
 
 
 def check_base_tp(base_tp: int) -> None:
@@ -148,19 +155,29 @@ def _compile(plan: dict[str, str], prefix: str) -> list[tuple[re.Pattern, str, s
     return out
 
 
-def _planned_modules(model: nn.Module, plan, prefix: str) -> dict[str, str]:
+def _planned_modules(model: nn.Module, plan, prefix: str) -> tuple[dict[str, str], dict[str, str]]:
+    """(planned modules, planned parameters: an entry naming a parameter, Granite-SWA's
+    per-head ``self_attn.sinks``), each path -> style."""
     rules = _compile(plan, prefix)
     found: dict[str, str] = {}
+    params: dict[str, str] = {}
     matched = set()
     for name, _ in model.named_modules():
         for pattern, style, key in rules:
             if pattern.match(name):
                 found[name] = style
                 matched.add(key)
+    by_param = set()
+    for name, _ in model.named_parameters():
+        for pattern, style, key in rules:
+            if key not in matched and pattern.match(name):
+                params[name] = style
+                by_param.add(key)
+    matched |= by_param
     missing = [k for _, _, k in rules if k not in matched]
     if missing:
         raise UnsupportedModelError(f"tp plan entries {missing} match no module of the model")
-    return found
+    return found, params
 
 
 def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
@@ -197,9 +214,10 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
         raise UnsupportedModelError(f"{type(config).__name__}: its tp plan shards only the embedding, so every "
                                     "member would hold and run the whole decoder: no tensor parallelism for NTP to "
                                     "keep (train it data-parallel)")
-    layers_name = _layer_list(base, plan, type(model).__name__)
-    norm_name = _final_norm(base, {embed_name, layers_name})
-    planned = _planned_modules(model, plan, prefix)
+    layers_name = _layer_list(base, plan)
+    norm_name = _final_norm(base, {embed_name, layers_name}) if layers_name else None
+    plan = {k: v for k, v in plan.items() if v != LOCAL_PARAMS}
+    planned, planned_params = _planned_modules(model, plan, prefix)
     modules = dict(model.named_modules())
     n_heads, n_kv = attention_heads(config)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // n_heads)
@@ -238,16 +256,24 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
     ffn_sizes = {modules[n].in_features for n, r in roles.items() if r.family == FFN and r.kind == "row"}
     if len(ffn_sizes) > 1:
         raise UnsupportedModelError(f"MLP blocks of different sizes {sorted(ffn_sizes)}")
+    head_params = set()
+    for name, style in planned_params.items():
+        shape = tuple(dict(model.named_parameters())[name].shape)
+        if style not in COLUMN_STYLES or name.rsplit(".", 1)[0] not in attn_parents or shape != (n_heads,):
+            raise UnsupportedModelError(f"planned parameter {name} ({style}, shape {shape}): only a per-head "
+                                        "vector of an attention module, column-parallel, is supported")
+        head_params.add(name)  # Granite-SWA's sinks: sharded with the module's query heads
     vocab = int(config.vocab_size)
     counts = {ATTN: n_heads if head_units else n_kv, VOCAB: choose_units(vocab, base_tp)}
     if ffn_sizes:
         counts[FFN] = choose_units(ffn_sizes.pop(), base_tp)
     tied = head.weight is embed.weight
     specs = _specs(model, roles, blocks, (f"{prefix}.{embed_name}", head_name), counts, n_heads, n_kv, head_dim,
-                   head_units, config)
+                   head_units, config, head_params)
     derived = {KV: Derived(ATTN, n_heads // n_kv)} if head_units else {}
     return HfPlan(specs, counts, derived, roles, blocks, head_units, n_heads, n_kv, head_dim,
-                  vocab // counts[VOCAB], tied, prefix, embed_name, layers_name, norm_name, head_name, mp_blocks)
+                  vocab // counts[VOCAB], tied, prefix, embed_name, layers_name, norm_name, head_name, mp_blocks,
+                  frozenset(head_params))
 
 
 def _try(fn):
@@ -267,13 +293,14 @@ def _child_named(parent: nn.Module, module: nn.Module | None) -> tuple[str | Non
     return None, module
 
 
-def _layer_list(base: nn.Module, plan: dict[str, str], model_name: str) -> str:
+def _layer_list(base: nn.Module, plan: dict[str, str]) -> str | None:
     """The base model's decoder-layer list: the ``nn.ModuleList`` child that the plan's
-    per-layer entries (``layers.*.…``, GPT-J's ``h.*.…``) index."""
+    per-layer entries (``layers.*.…``, GPT-J's ``h.*.…``) index; None when they index
+    several (HRM's ``H_module.layers`` and ``L_module.layers``): tensor parallelism only,
+    no pipeline stages."""
     names = {key.split(".", 1)[0] for key in plan if ".*." in key}
     if len(names) != 1 or not isinstance(getattr(base, next(iter(names)), None), nn.ModuleList):
-        raise UnsupportedModelError(f"{model_name}: the tp plan's per-layer entries do not name one decoder-layer "
-                                    f"list of the base model (they name {sorted(names)})")
+        return None
     return names.pop()
 
 
@@ -385,7 +412,8 @@ def norm_eps(module: nn.Module) -> float | None:
     return None
 
 
-def _specs(model, roles, blocks, vocab_modules, counts, n_heads, n_kv, head_dim, head_units, config) -> list[ParamSpec]:
+def _specs(model, roles, blocks, vocab_modules, counts, n_heads, n_kv, head_dim, head_units, config,
+           head_params=frozenset()) -> list[ParamSpec]:
     std = float(getattr(config, "initializer_range", 0.02))
     per_attn_unit = 1 if head_units else n_heads // n_kv  # query heads per attention unit
     kv_rows = head_dim  # a K or V unit is one KV head's rows
@@ -395,6 +423,9 @@ def _specs(model, roles, blocks, vocab_modules, counts, n_heads, n_kv, head_dim,
         shape = tuple(p.shape)
         if module in vocab_modules:
             specs.append(ParamSpec(name, shape, VOCAB, shape[0] // counts[VOCAB], std))
+            continue
+        if name in head_params:
+            specs.append(ParamSpec(name, shape, ATTN, per_attn_unit, 0.0, 0.0))
             continue
         role = roles.get(module)
         inside = any(module.startswith(b + ".") or module == b for b in blocks)

@@ -328,6 +328,10 @@ def _compare(adapter, model, layouts: list[tuple[str, int, int]]) -> str | None:
                 h.remove()
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[1].reshape(-1))
         loss.backward()
+        frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+        if frozen:
+            return (f"{len(frozen)} frozen parameters (requires_grad=False: {', '.join(frozen[:3])}"
+                    f"{', ...' if len(frozen) > 3 else ''}): NTP trains every parameter")
         unused = [n for n, p in model.named_parameters() if p.grad is None]
         if unused:
             # torch's AdamW skips a parameter without a gradient; the NTP optimizer gives every
