@@ -128,10 +128,13 @@ def _run(name: str) -> tuple[subprocess.CompletedProcess | str, float]:
 
 
 @pytest.fixture(scope="module")
-def quick_runs() -> dict[str, tuple]:
+def quick_runs(request) -> dict[str, tuple]:
+    """The quick runs of the benches this session's tests ask for (all, unless -k picks)."""
+    wanted = {item.callspec.params["name"] for item in request.session.items
+              if getattr(item, "originalname", None) == "test_quick_mode_prints_its_keys"}
     with ThreadPoolExecutor(PARALLEL) as pool:
         # the longest first, so that the short ones fill in beside them
-        names = sorted(QUICK, key=lambda n: n not in ("recovery.py", "hf_step.py", "load.py", "pipeline.py"))
+        names = sorted(wanted, key=lambda n: (n not in ("recovery.py", "hf_step.py", "load.py", "pipeline.py"), n))
         runs = dict(zip(names, pool.map(_run, names), strict=True))
     print("quick runs (s): " + ", ".join(f"{n} {s:.1f}" for n, (_, s) in sorted(runs.items(), key=lambda r: -r[1][1])))
     return runs
