@@ -99,3 +99,14 @@ def test_a_credential_file_is_passed_on_and_the_two_ways_exclude_each_other(tmp_
     (tmp_path / "blank").mkdir()
     status, run = _run(tmp_path / "blank", endpoint, "--job-credential-file", str(blank))
     assert status == 2 and "not a job credential" in run.log(), run.log()
+
+
+def test_a_controller_that_checks_no_credentials_issues_none_and_the_ranks_start(tmp_path, served):
+    """[trainer] job_credentials = off: registering with the token still works; the ranks
+    get no credential file and tpflex-run says why."""
+    synthetic.store_cluster(served.etcd, [synthetic.rack("r0", 1, 2)])
+    token = _token_file(tmp_path, ADMIN)
+    status, run = _run(tmp_path, served.endpoint, "--register-token-file", str(token))
+    assert status == 0, run.log()
+    assert {run.events(r, "start")[0]["env"]["TPFLEX_JOB_CREDENTIAL_FILE"] for r in (0, 1)} == {None}
+    assert "issued no credential" in run.log()

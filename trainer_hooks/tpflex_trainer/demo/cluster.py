@@ -245,6 +245,8 @@ class DemoCluster:
                                 tls_ca_file=tls.get("TPFLEX_TLS_CA"), tls_cert_file=tls.get("TPFLEX_TLS_CERT"),
                                 tls_key_file=tls.get("TPFLEX_TLS_KEY"))
         token = register_for_credential(control, spec, self.admin_token, name)
+        if not token:  # the controller checks no credentials
+            return {}
         path = self.workdir / f"{spec.name}.credential"
         path.unlink(missing_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         reports.stop()
         shutil.rmtree(beat_dir, ignore_errors=True)
-        if register:  # the credential file tpflex-run wrote
+        if register and setting.credential_file:  # the credential file tpflex-run wrote
             shutil.rmtree(Path(setting.credential_file).parent, ignore_errors=True)
         if keepalive is not None:
             keepalive.stop()
@@ -306,6 +306,8 @@ def _registered(s: RankSetting, token_file: str) -> RankSetting:
     token = read_token_file(token_file, "--register-token-file")
     credential = register_for_credential(_control(s, s.controller), load_spec(s.job_spec), token,
                                          f"node-{s.node}"[:64])
+    if not credential:
+        return s
     path = write_private(credential)
     log.info("job registered; credential issued job=%s credential=node-%s", s.job, s.node)
     return dataclasses.replace(s, credential_file=str(path))
