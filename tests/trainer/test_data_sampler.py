@@ -12,7 +12,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tpflex_trainer.data import DataError, GlobalSampler, MegatronIndexed, SamplerError, TokenArray, open_tokens
+from tpflex_trainer.data import (
+    DataError,
+    GlobalSampler,
+    MegatronIndexed,
+    SamplerError,
+    TokenArray,
+    open_tokens,
+)
 
 SEQ = 8
 
