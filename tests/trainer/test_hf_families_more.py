@@ -123,3 +123,33 @@ def test_pipeline_stages_see_their_own_layer_types():
                                layer_types=["sliding_attention", "full_attention"] * 2)
     res = hf_selftest.self_test(cfg, HfAdapter)
     assert "2 pipeline stages" in res.layouts and res.pipeline is None, res
+
+
+@pytest.mark.parametrize("q_lora_rank", [16, None])
+def test_minicpm3_latent_attention_by_head(q_lora_rank):
+    """MiniCPM3's multi-head latent attention: a unit is a head (its q / q_b rows, its
+    k-nope and v rows of kv_b, its o_proj columns); the latent projections
+    (``mla_kv_a_proj``, q_a and their norms) are replicated with partial gradients; the
+    plan's q_proj, left out when q_lora_rank is set, is skipped."""
+    cfg = AutoConfig.for_model("minicpm3", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=4, head_dim=8, qk_rope_head_dim=8,
+                               qk_nope_head_dim=4, v_head_dim=8, kv_lora_rank=16, q_lora_rank=q_lora_rank,
+                               max_position_embeddings=64, tie_word_embeddings=False)
+    ad = _passes(cfg, 2)
+    specs = {s.name.split(".", 3)[-1]: s for s in ad.specs if ".layers.0." in s.name}
+    assert specs["self_attn.kv_b_proj.weight"].unit_rows == 4 + 8
+    assert specs["self_attn.kv_a_proj_with_mqa.weight"].partial_grad
+    if q_lora_rank:
+        assert specs["self_attn.q_a_proj.weight"].partial_grad and specs["self_attn.q_b_proj.weight"].unit_rows == 12
+
+
+def test_qwen3_5_gated_query_and_gathered_linear_attention():
+    """Qwen 3.5: full-attention layers with a gated query (each head's query rows then its
+    gate rows: a unit's rows contiguous) and linear-attention layers whose every projection
+    gathers its output (``colwise_gather_output``, out_proj included): those run replicated."""
+    mini = hf_selftest.miniature_config(AutoConfig.for_model("qwen3_5_text"))
+    ad = _passes(mini, 2)
+    specs = {s.name: s for s in ad.specs}
+    q = next(s for n, s in specs.items() if n.endswith("self_attn.q_proj.weight"))
+    assert q.family == "attn" and q.unit_rows == 2 * 2 * 8  # 2 query heads per KV group, query + gate
+    assert all(s.family == "_replicated" and not s.partial_grad for n, s in specs.items() if ".linear_attn." in n)

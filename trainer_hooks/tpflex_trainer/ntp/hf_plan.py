@@ -31,7 +31,11 @@ from tpflex_trainer.ntp.errors import LayoutError, UnsupportedModelError
 from tpflex_trainer.ntp.layout import Derived
 
 STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "colwise_gather_output", "rowwise_split_input",
-          "local_params")
+          "local_params", "mla_kv_a_proj")
+# multi-head latent attention's shared latent projection (MiniCPM3's kv_a_proj_with_mqa): it
+# feeds every head, so each member holds it whole and its gradient is partial, summed over
+# the TP group (as ``replicated_with_grad_allreduce``)
+MLA_KV_A = "mla_kv_a_proj"
 # HF's marker that a module's parameters stay plain local tensors under its DTensor TP
 # (Granite-SWA's attention, for its per-head sinks): nothing to do under NTP
 LOCAL_PARAMS = "local_params"
@@ -61,6 +65,7 @@ class Role:
     # head_dim per KV group)
     fused: int = 1
     chunk_rows: tuple[int, ...] = ()
+    per_head: int = 0  # an attention column projection's rows per query head, where not head_dim
 
 
 @dataclass(frozen=True)
@@ -174,10 +179,21 @@ def _planned_modules(model: nn.Module, plan, prefix: str) -> tuple[dict[str, str
                 params[name] = style
                 by_param.add(key)
     matched |= by_param
-    missing = [k for _, _, k in rules if k not in matched]
+    missing = [k for _, _, k in rules if k not in matched and not _configured_away(model, k, prefix)]
     if missing:
         raise UnsupportedModelError(f"tp plan entries {missing} match no module of the model")
     return found, params
+
+
+def _configured_away(model: nn.Module, key: str, prefix: str) -> bool:
+    """A plan entry whose module the config left out: its parent modules exist and hold
+    None there (MiniCPM3's ``q_proj`` when ``q_lora_rank`` is set: q_a_proj / q_b_proj)."""
+    if "." not in key:
+        return False
+    parent_key, leaf = key.rsplit(".", 1)
+    pattern = re.compile(re.escape(f"{prefix}.{parent_key}" if prefix else parent_key).replace(r"\*", r"\d+") + "$")
+    parents = [m for n, m in model.named_modules() if pattern.match(n)]
+    return bool(parents) and all(leaf in vars(m) and getattr(m, leaf) is None for m in parents)
 
 
 def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
@@ -242,16 +258,30 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
         raise UnsupportedModelError(f"base TP {base_tp} above the {n_kv} mp_num blocks of the fused q/v/k "
                                     "projection: a unit is a whole block")
     parents: dict[str, dict[str, list[str]]] = {}
+    mla: set[str] = set()  # multi-head latent attention blocks
     for name, style in planned.items():
         if style != "replicated_with_grad_allreduce" and not isinstance(modules[name], nn.Linear):
             raise UnsupportedModelError(f"planned module {name} ({style}) is not a Linear")
         parent = name.rsplit(".", 1)[0]
+        if style == MLA_KV_A:
+            mla.add(parent)
+            style = "replicated_with_grad_allreduce"
         kind = "colwise" if style in COLUMN_STYLES else "rowwise" if style in ROW_STYLES else style
         parents.setdefault(parent, {}).setdefault(kind, []).append(name)
+    gathered = {p for p, by_style in parents.items() if set(by_style) == {"colwise"}
+                and all(planned[n] == "colwise_gather_output" for n in by_style["colwise"])}
+    for parent in gathered:
+        # every projection of the block gathers its output (Qwen 3.5's linear attention,
+        # out_proj included): the block computes whole outputs on every member, so it runs
+        # replicated (HF's module as it is, identical gradients), no units
+        del parents[parent]
     roles, blocks = {}, {}
     for parent, by_style in parents.items():
-        attn = parent in attn_parents
-        roles.update(_block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, head_dim))
+        attn = parent in attn_parents or parent in mla
+        if parent in mla:
+            roles.update(_mla_roles(parent, by_style, modules, head_units, n_heads, n_kv))
+        else:
+            roles.update(_block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, head_dim))
         blocks[parent] = ATTN if attn else FFN
     ffn_sizes = {modules[n].in_features for n, r in roles.items() if r.family == FFN and r.kind == "row"}
     if len(ffn_sizes) > 1:
@@ -269,7 +299,7 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
         counts[FFN] = choose_units(ffn_sizes.pop(), base_tp)
     tied = head.weight is embed.weight
     specs = _specs(model, roles, blocks, (f"{prefix}.{embed_name}", head_name), counts, n_heads, n_kv, head_dim,
-                   head_units, config, head_params)
+                   head_units, config, head_params, mla)
     derived = {KV: Derived(ATTN, n_heads // n_kv)} if head_units else {}
     return HfPlan(specs, counts, derived, roles, blocks, head_units, n_heads, n_kv, head_dim,
                   vocab // counts[VOCAB], tied, prefix, embed_name, layers_name, norm_name, head_name, mp_blocks,
@@ -361,6 +391,10 @@ def _block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, hea
             # GPT-NeoX's query_key_value (per head: q, k, v rows), CodeGen's qkv_proj (per
             # mp_num block: q, v, k rows): a unit's rows are contiguous, the module splits them
             roles[n] = Role("column", ATTN, fused=3)
+        elif out == 2 * n_heads * head_dim and n.endswith("q_proj"):
+            # a gated query (Qwen 3.5, Qwen3-Next: each head's query rows then its gate rows,
+            # split by the module per head): a unit's rows are contiguous
+            roles[n] = Role("column", ATTN, fused=2)
         elif out == n_heads * head_dim and (n_heads != n_kv or not n.endswith(("k_proj", "v_proj"))):
             roles[n] = Role("column", ATTN)
         elif out == n_kv * head_dim:
@@ -375,6 +409,27 @@ def _block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, hea
         raise UnsupportedModelError(f"block {parent} needs exactly one query projection")
     roles[rows[0]] = Role("row", ATTN)
     roles.update(_projection_norms(parent, modules, roles, cols, head_units, head_dim))
+    return roles
+
+
+def _mla_roles(parent, by_style, modules, head_units, n_heads, n_kv) -> dict[str, Role]:
+    """Multi-head latent attention (MiniCPM3, DeepSeek-V2 style): every head its own KV head
+    (the latent is expanded per head by ``kv_b_proj``); a unit is a head, its rows of each
+    column projection (q or q_b: its q rows; kv_b: its k-nope and v rows) and its o_proj
+    columns. The latent projections (kv_a, q_a and their norms) feed every head: replicated,
+    partial gradients."""
+    cols, rows = by_style.get("colwise", []), by_style.get("rowwise", [])
+    if len(rows) != 1 or not cols or n_heads != n_kv or head_units:
+        raise UnsupportedModelError(f"multi-head latent attention {parent}: needs column projections, one "
+                                    "row-parallel partner, as many KV heads as heads and a base TP up to the heads")
+    roles = {n: Role("partial", REPLICATED) for n in by_style.get("replicated_with_grad_allreduce", [])}
+    for n in (*cols, rows[0]):
+        width = modules[n].in_features if n == rows[0] else modules[n].out_features
+        if width % n_heads:
+            raise UnsupportedModelError(f"{n}: {width} is not a multiple of the {n_heads} heads")
+    for n in cols:
+        roles[n] = Role("column", ATTN, per_head=modules[n].out_features // n_heads)
+    roles[rows[0]] = Role("row", ATTN)
     return roles
 
 
@@ -413,7 +468,7 @@ def norm_eps(module: nn.Module) -> float | None:
 
 
 def _specs(model, roles, blocks, vocab_modules, counts, n_heads, n_kv, head_dim, head_units, config,
-           head_params=frozenset()) -> list[ParamSpec]:
+           head_params=frozenset(), mla_blocks=frozenset()) -> list[ParamSpec]:
     std = float(getattr(config, "initializer_range", 0.02))
     per_attn_unit = 1 if head_units else n_heads // n_kv  # query heads per attention unit
     kv_rows = head_dim  # a K or V unit is one KV head's rows
@@ -430,7 +485,8 @@ def _specs(model, roles, blocks, vocab_modules, counts, n_heads, n_kv, head_dim,
         role = roles.get(module)
         inside = any(module.startswith(b + ".") or module == b for b in blocks)
         if role is None or role.kind == "partial":
-            if inside and role is None and len(shape) >= 2:
+            in_mla = any(module.startswith(b + ".") for b in mla_blocks)
+            if inside and role is None and len(shape) >= 2 and not in_mla:
                 raise UnsupportedModelError(f"parameter {name} inside a planned block is not in the tp plan")
             # a small parameter inside a planned block that the plan does not name (Apertus's
             # learnable activation, alpha_p / alpha_n) acts on the block's sharded activations:
@@ -454,7 +510,7 @@ def _specs(model, roles, blocks, vocab_modules, counts, n_heads, n_kv, head_dim,
             continue
         chunk_rows = role.chunk_rows
         if role.family == ATTN and role.kind == "column":
-            rows = sum(chunk_rows) if chunk_rows else per_attn_unit * head_dim * role.fused
+            rows = sum(chunk_rows) if chunk_rows else per_attn_unit * (role.per_head or head_dim * role.fused)
         elif role.kind == "kv":
             rows = kv_rows
         else:
