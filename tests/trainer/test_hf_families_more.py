@@ -153,3 +153,19 @@ def test_qwen3_5_gated_query_and_gathered_linear_attention():
     q = next(s for n, s in specs.items() if n.endswith("self_attn.q_proj.weight"))
     assert q.family == "attn" and q.unit_rows == 2 * 2 * 8  # 2 query heads per KV group, query + gate
     assert all(s.family == "_replicated" and not s.partial_grad for n, s in specs.items() if ".linear_attn." in n)
+
+
+def test_gemma4_unified_per_layer_head_dims():
+    """Gemma 4 (unified): a heterogeneous config whose full-attention layers have wider heads
+    (``per_layer_config``): the miniature keeps the kept layers' overrides, and each
+    attention block's units take its own head size."""
+    mini = hf_selftest.miniature_config(AutoConfig.for_model("gemma4_unified_text"))
+    ad = _passes_tp(mini, 3)
+    rows = {s.name.split("layers.")[1]: s.unit_rows for s in ad.specs if s.name.endswith("k_proj.weight")}
+    assert sorted(rows.values()) == [8, 16]  # one KV head's rows: 8 (sliding), 16 (full attention)
+
+
+def _passes_tp(cfg, base_tp: int) -> HfAdapter:
+    ad = HfAdapter(cfg, base_tp)
+    assert ad.fidelity is not None and ad.fidelity.tensor_parallel is None, ad.fidelity
+    return ad

@@ -184,6 +184,7 @@ class HfAdapter(ModelAdapter):
         self.tied = bool(self.plan.tied)
         self.prefix = self.plan.prefix
         self._chunk_rows = {s.name: s.chunk_rows for s in self.specs}
+        self._unit_rows = {s.name: s.unit_rows for s in self.specs}
         self._reader = None
         self.fidelity = hf_selftest.check(config, HfAdapter, self.plan.head_units) if self_test else None
 
@@ -278,7 +279,7 @@ class HfAdapter(ModelAdapter):
                     local_attention_config(modules[path.rsplit(".", 1)[0]], len(units[ATTN]), self.plan)
             elif role.kind == "kv" and role.family == KV:
                 index = [units[KV].index(h // (self.plan.n_heads // self.plan.n_kv)) for h in units[ATTN]]
-                new = ExpandedKVLinear(w, b, index, self.plan.head_dim)
+                new = ExpandedKVLinear(w, b, index, self._unit_rows[f"{path}.weight"])
             else:
                 new = LocalLinear(w, b)
             parent, leaf = path.rsplit(".", 1)

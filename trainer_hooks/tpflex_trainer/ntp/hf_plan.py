@@ -196,16 +196,31 @@ def _configured_away(model: nn.Module, key: str, prefix: str) -> bool:
     return bool(parents) and all(leaf in vars(m) and getattr(m, leaf) is None for m in parents)
 
 
+def check_experts(config) -> None:
+    """``UnsupportedModelError`` for a mixture-of-experts plan (expert plan styles)."""
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    experts = sorted({f"{k}: {v}" for k, v in plan.items() if v in MOE_STYLES})
+    if experts:
+        raise UnsupportedModelError(f"{type(config).__name__}: a mixture-of-experts model (tp plan {experts[:2]}): "
+                                    "expert layers are not supported under NTP yet")
+
+
+def config_value(config, name: str):
+    """``config.<name>``, None where it is missing or a per-layer attribute of a
+    heterogeneous config (transformers raises for a global read of those)."""
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:
+        return None
+
+
 def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
     """The plan for a causal LM ``model`` (parameters may be on the meta device)."""
     check_base_tp(base_tp)
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     if not plan:
         raise UnsupportedModelError(f"{type(config).__name__} has no base_model_tp_plan")
-    experts = sorted({f"{k}: {v}" for k, v in plan.items() if v in MOE_STYLES})
-    if experts:
-        raise UnsupportedModelError(f"{type(config).__name__}: a mixture-of-experts model (tp plan {experts[:2]}): "
-                                    "expert layers are not supported under NTP yet")
+    check_experts(config)
     prefix = getattr(model, "base_model_prefix", "model")
     base = getattr(model, prefix, None)
     if base is None and prefix != "model":
@@ -236,7 +251,7 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
     planned, planned_params = _planned_modules(model, plan, prefix)
     modules = dict(model.named_modules())
     n_heads, n_kv = attention_heads(config)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // n_heads)
+    head_dim = int(config_value(config, "head_dim") or config.hidden_size // n_heads)
     attn_parents = {name.rsplit(".", 1)[0] for name in planned if _is_attention(modules[name.rsplit(".", 1)[0]])}
     mp = {getattr(modules[a], "mp_num", None) for a in attn_parents}
     mp_blocks = any(v is not None for v in mp)
@@ -281,7 +296,10 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
         if parent in mla:
             roles.update(_mla_roles(parent, by_style, modules, head_units, n_heads, n_kv))
         else:
-            roles.update(_block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, head_dim))
+            # a block's own head size where it has one (Gemma 4's wider full-attention heads)
+            hd = getattr(modules[parent], "head_dim", None)
+            hd = hd if isinstance(hd, int) and not isinstance(hd, bool) and hd > 0 else head_dim
+            roles.update(_block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, hd))
         blocks[parent] = ATTN if attn else FFN
     ffn_sizes = {modules[n].in_features for n, r in roles.items() if r.family == FFN and r.kind == "row"}
     if len(ffn_sizes) > 1:
@@ -390,15 +408,15 @@ def _block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, hea
                                             "at a base TP up to its heads")
             # GPT-NeoX's query_key_value (per head: q, k, v rows), CodeGen's qkv_proj (per
             # mp_num block: q, v, k rows): a unit's rows are contiguous, the module splits them
-            roles[n] = Role("column", ATTN, fused=3)
+            roles[n] = Role("column", ATTN, fused=3, per_head=3 * head_dim)
         elif out == 2 * n_heads * head_dim and n.endswith("q_proj"):
             # a gated query (Qwen 3.5, Qwen3-Next: each head's query rows then its gate rows,
             # split by the module per head): a unit's rows are contiguous
-            roles[n] = Role("column", ATTN, fused=2)
+            roles[n] = Role("column", ATTN, fused=2, per_head=2 * head_dim)
         elif out == n_heads * head_dim and (n_heads != n_kv or not n.endswith(("k_proj", "v_proj"))):
-            roles[n] = Role("column", ATTN)
+            roles[n] = Role("column", ATTN, per_head=head_dim)
         elif out == n_kv * head_dim:
-            roles[n] = Role("kv", KV if head_units else ATTN)
+            roles[n] = Role("kv", KV if head_units else ATTN, per_head=head_dim)
         elif out == (n_heads + 2 * n_kv) * head_dim and not head_units:
             # fused q, k, v (Phi-3's qkv_proj): a unit is a KV group's query rows, K rows, V rows
             roles[n] = Role("column", ATTN, chunk_rows=((n_heads // n_kv) * head_dim, head_dim, head_dim))
@@ -512,7 +530,7 @@ def _specs(model, roles, blocks, vocab_modules, counts, n_heads, n_kv, head_dim,
         if role.family == ATTN and role.kind == "column":
             rows = sum(chunk_rows) if chunk_rows else per_attn_unit * (role.per_head or head_dim * role.fused)
         elif role.kind == "kv":
-            rows = kv_rows
+            rows = role.per_head or kv_rows
         else:
             rows = shape[0] // counts[role.family]
             chunk_rows = (rows // role.fused,) * role.fused if role.fused > 1 else ()

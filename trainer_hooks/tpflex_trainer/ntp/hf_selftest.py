@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from tpflex_trainer.ntp import dropout
 from tpflex_trainer.ntp.config import REPLICATED, to_canonical
 from tpflex_trainer.ntp.errors import UnsupportedModelError
-from tpflex_trainer.ntp.hf_plan import ATTN, attention_heads
+from tpflex_trainer.ntp.hf_plan import ATTN, attention_heads, config_value
 from tpflex_trainer.ntp.layout import derived_units
 from tpflex_trainer.ntp.local_group import local_groups, run_members
 from tpflex_trainer.ntp.stages import stage_of
@@ -123,7 +123,7 @@ def miniature_config(config, kv_heads: int = 4):
     small = dict(vocab_size=VOCAB, hidden_size=heads * HIDDEN_PER_HEAD, intermediate_size=FFN,
                  num_hidden_layers=len(keep), num_attention_heads=heads, num_key_value_heads=kv,
                  max_position_embeddings=64)
-    if "head_dim" in d or getattr(config, "head_dim", None) is not None:
+    if "head_dim" in d or config_value(config, "head_dim") is not None:
         small["head_dim"] = HIDDEN_PER_HEAD  # also where the config leaves it None (Ministral's default)
     rotary = d.get("rotary_dim")
     if isinstance(rotary, int) and not isinstance(rotary, bool) and rotary > 0:
@@ -149,6 +149,20 @@ def miniature_config(config, kv_heads: int = 4):
             d[k] = [v if 0 <= v < VOCAB else VOCAB - 1 - i for v in value]
     if isinstance(d.get("sliding_window"), int) and d["sliding_window"] > 0:
         d["sliding_window"] = min(d["sliding_window"], SEQ // 2)  # the window is reached
+    per_layer = d.get("per_layer_config")
+    if isinstance(per_layer, dict) and per_layer:
+        # a heterogeneous config (Gemma 4: wider heads on its full-attention layers): the kept
+        # layers' overrides, re-indexed, their head dims scaled like the global one
+        full_hd = getattr(config, "__dict__", {}).get("head_dim")
+        over = {int(i): dict(v) for i, v in per_layer.items() if isinstance(v, dict)}
+        new = {}
+        for j, i in enumerate(keep):
+            if i in over:
+                o = over[i]
+                if isinstance(o.get("head_dim"), int) and isinstance(full_hd, int) and full_hd > 0:
+                    o["head_dim"] = max(2, o["head_dim"] * HIDDEN_PER_HEAD // full_hd)
+                new[j] = o
+        d["per_layer_config"] = new
     for k in ("dtype", "torch_dtype", "base_model_tp_plan", "base_model_pp_plan"):
         d.pop(k, None)
     mini = type(config).from_dict(d)
