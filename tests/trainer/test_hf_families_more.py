@@ -169,3 +169,16 @@ def _passes_tp(cfg, base_tp: int) -> HfAdapter:
     ad = HfAdapter(cfg, base_tp)
     assert ad.fidelity is not None and ad.fidelity.tensor_parallel is None, ad.fidelity
     return ad
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("gpt_neox", {"intermediate_size": 48, "attention_dropout": 0.1, "hidden_dropout": 0.1}),
+    ("codegen", {"n_inner": 48, "rotary_dim": 2, "attn_pdrop": 0.1, "resid_pdrop": 0.1}),
+    ("minicpm3", {"intermediate_size": 48, "num_key_value_heads": 4, "head_dim": 8, "qk_rope_head_dim": 8,
+                  "qk_nope_head_dim": 4, "v_head_dim": 8, "kv_lora_rank": 16, "q_lora_rank": 16,
+                  "attention_dropout": 0.1}),
+])
+def test_dropout_in_attention_modules_found_by_the_adapter(family, kw):
+    """Attention dropout keyed per query head in attention modules that are not Llama-style
+    (the reference keys the modules the adapter treats as attention, ``keyed_reference``)."""
+    _passes_tp(AutoConfig.for_model(family, **MHA, tie_word_embeddings=False, **kw), 2)

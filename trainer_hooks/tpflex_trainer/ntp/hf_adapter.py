@@ -88,6 +88,21 @@ def build_meta_model(config) -> nn.Module:
     return model
 
 
+def keyed_reference(model: nn.Module) -> None:
+    """``dropout.keyed`` for the whole single-process model, its attention modules found as
+    the adapter finds them (``hf_plan``: Llama-style ones, GPT-NeoX's, GPT-J's, CodeGen's,
+    latent attention): each holds every query head, in order. Where the model has no plan
+    the adapter could analyse, ``dropout.keyed_reference``."""
+    try:
+        plan = analyse(model, model.config, 1)
+    except Exception:  # noqa: BLE001 - no plan: the dropout module's own detection
+        dropout.keyed_reference(model)
+        return
+    heads = tuple(range(plan.n_heads))
+    attn = {p for p, kind in plan.blocks.items() if kind == ATTN}
+    dropout.keyed(model, lambda path, _m: heads if path in attn else None)
+
+
 class HfShard(nn.Module):
     """One member's slice of the user's model (of one pipeline stage: its decoder layers,
     the embedding on the first stage, the final norm and output layer on the last).

@@ -74,9 +74,10 @@ def reference_train(model, batches, s: ReferenceSettings) -> dict:
     its dropout masks keyed as the NTP runtime keys them (``dropout``: by seed, step,
     sample, module and query head), so both draw the same masks."""
     from tpflex_trainer.ntp import dropout
+    from tpflex_trainer.ntp.hf_adapter import keyed_reference
 
     model.train()
-    dropout.keyed_reference(model)
+    keyed_reference(model)
     params = [p for p in model.parameters()]
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": s.weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]

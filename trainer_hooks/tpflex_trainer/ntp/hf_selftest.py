@@ -174,7 +174,7 @@ def miniature_config(config, kv_heads: int = 4):
 
 
 def _reference(config, seed: int):
-    from tpflex_trainer.ntp.hf_adapter import lm_from_config
+    from tpflex_trainer.ntp.hf_adapter import keyed_reference, lm_from_config
 
     torch.manual_seed(seed)
     model = lm_from_config(config, dtype=torch.float32)
@@ -182,7 +182,7 @@ def _reference(config, seed: int):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     model.train()
-    dropout.keyed_reference(model)  # its masks keyed as the NTP path's (seed 0, the step, the samples)
+    keyed_reference(model)  # its masks keyed as the NTP path's (seed 0, the step, the samples)
     return model
 
 
