@@ -72,12 +72,12 @@ def _short(text: str, limit: int = 220) -> str:
 def classify(model_type: str, cls: str, config) -> Row:
     from tpflex_trainer.ntp.errors import NtpError
     from tpflex_trainer.ntp.hf_adapter import HfAdapter
-    from tpflex_trainer.ntp.hf_plan import MOE_STYLES, attention_heads, check_experts
+    from tpflex_trainer.ntp.hf_plan import MOE_STYLES, attention_heads, check_plan
     from tpflex_trainer.ntp.hf_selftest import miniature_config
 
     moe = any(style in MOE_STYLES for style in config.base_model_tp_plan.values())
     try:
-        check_experts(config)  # as the adapter refuses it, whatever its miniature does
+        check_plan(config)  # as the adapter refuses it, whatever its miniature does
         mini = miniature_config(config)
     except NtpError as exc:
         return Row(model_type, cls, moe, "refused", _short(exc))

@@ -205,6 +205,21 @@ def check_experts(config) -> None:
                                     "expert layers are not supported under NTP yet")
 
 
+def _embedding_only(config) -> None:
+    raise UnsupportedModelError(f"{type(config).__name__}: its tp plan shards only the embedding, so every "
+                                "member would hold and run the whole decoder: no tensor parallelism for NTP to "
+                                "keep (train it data-parallel)")
+
+
+def check_plan(config) -> None:
+    """What the config alone refuses, before any model is built: a mixture-of-experts plan,
+    a plan with one entry only, an embedding style (the adapter refuses both)."""
+    check_experts(config)
+    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if len(plan) == 1 and "." not in next(iter(plan)) and next(iter(plan.values())) in EMBEDDING_STYLES:
+        _embedding_only(config)
+
+
 def config_value(config, name: str):
     """``config.<name>``, None where it is missing or a per-layer attribute of a
     heterogeneous config (transformers raises for a global read of those)."""
@@ -242,9 +257,7 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
                                         f"supported (supported: {', '.join(EMBEDDING_STYLES)})")
         del plan[embed_name]  # vocab-parallel below, whatever the plan says
     if not plan:
-        raise UnsupportedModelError(f"{type(config).__name__}: its tp plan shards only the embedding, so every "
-                                    "member would hold and run the whole decoder: no tensor parallelism for NTP to "
-                                    "keep (train it data-parallel)")
+        _embedding_only(config)
     layers_name = _layer_list(base, plan)
     norm_name = _final_norm(base, {embed_name, layers_name}) if layers_name else None
     plan = {k: v for k, v in plan.items() if v != LOCAL_PARAMS}
