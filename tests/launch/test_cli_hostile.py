@@ -137,8 +137,9 @@ def test_good_arguments_of_the_same_kinds_still_start_the_ranks(tmp_path):
 
 def test_the_keepalive_thread_logs_an_unexpected_error_and_goes_on(tmp_path, caplog):
     """A TLS CA that became a directory after the start: opening the channel raises
-    IsADirectoryError, which is neither StoreRefused nor StoreUnreachable. The thread
-    died at the first try; now it logs the error (the traceback once) and retries."""
+    TlsFilesError (tpflex_proto.tls: "Is a directory"), which is neither StoreRefused nor
+    StoreUnreachable. The thread died at the first try; now it logs the error (the
+    traceback once) and retries."""
     config = ControlConfig(endpoints=("127.0.0.1:9",), job="j", rank=0, call_timeout_s=1.0,
                            tls_ca_file=str(tmp_path))
     caplog.set_level(logging.WARNING, logger="tpflex_run")
@@ -154,5 +155,6 @@ def test_the_keepalive_thread_logs_an_unexpected_error_and_goes_on(tmp_path, cap
         keepalive.stop()
     assert not keepalive._thread.is_alive()
     logged = errors()
-    assert keepalive.failed >= 3 and "IsADirectoryError" in logged[0].getMessage(), [r.getMessage() for r in logged]
+    assert keepalive.failed >= 3 and "TlsFilesError" in logged[0].getMessage() \
+        and "Is a directory" in logged[0].getMessage(), [r.getMessage() for r in logged]
     assert logged[0].exc_info and not any(r.exc_info for r in logged[1:])  # the traceback once
