@@ -26,6 +26,7 @@ from tests.security.stack import (
     agent_toml,
     controller_healthy,
     controller_toml,
+    stop_all,
 )
 from tests.support.ports import free_ports
 from tests.support.wait import wait_until
@@ -130,8 +131,7 @@ class Cluster:
             check=False, capture_output=True, text=True, timeout=timeout)
 
     def stop(self) -> None:
-        for p in (*self.others, *(a.proc for a in self.agents), *(c.proc for c in self.controllers)):
-            p.stop()
+        stop_all([*self.others, *(a.proc for a in self.agents), *(c.proc for c in self.controllers)])
         self.etcd.stop()
 
 

@@ -1,7 +1,7 @@
 """bf16 (issue 34): every dense family the coverage table (docs/models.md) marks exact
 trains in bf16 under NTP within 1 % of the fp32 reference's losses, step by step.
 
-Per family (``bf16_check.compare``): the self-test's miniature, 6 AdamW steps (lr 1e-3,
+Per family (``bf16_check.compare``): the self-test's miniature, 4 AdamW steps (lr 1e-3,
 betas 0.9/0.95, weight decay 0.1 on matrices) on the same batches from the same weights,
 (a) HF's module in fp32 in one process and (b) NTP members (threads) at a nonuniform
 layout (3 members over 4 KV groups, or 3 above 2 KV heads) in mixed precision as the

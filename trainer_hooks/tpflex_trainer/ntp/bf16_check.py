@@ -46,7 +46,7 @@ from tpflex_trainer.ntp.optim import AdamSettings, adam_step
 from tpflex_trainer.ntp.state import LocalState
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "models.md"
-STEPS = 6
+STEPS = 4
 ADAM = AdamSettings(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 LOSS_TOL = 0.01  # relative, per step
 
