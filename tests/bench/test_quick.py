@@ -30,6 +30,9 @@ PARALLEL = 3
 
 # bench -> the keys its one JSON line must have (docstring; docs/*.md where it publishes)
 QUICK: dict[str, set[str]] = {
+    # its docstring (issue 40: what a job credential costs a trainer-plane call)
+    "trainer_auth.py": {"calls", "off_wall_ms_per_call", "on_wall_ms_per_call", "off_cpu_ms_per_call",
+                        "on_cpu_ms_per_call", "on_vs_off_cpu_ratio"},
     # docs/simulator.md "Speed"
     "sim_speed.py": {"sim_32k_15d_s", "paper_sweep_s", "planner_calls_per_s", "trace_only_s",
                      "plan_1024_nvl72_warm_ms", "plan_1024_nvl72_cold_ms"},
