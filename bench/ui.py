@@ -21,7 +21,7 @@ racks are degraded and boosted. Prints one JSON line:
   injected failures; an upper bound of failure -> frame by the observation's round trip,
   ``pixel_observe_p50_ms`` (the same wait on a change already recorded); the watcher's
   own delivery delay makes it smaller (the write is stamped when this process hears of
-  it): ``inject_to_pixel_p50_ms`` / ``_max_ms``, from the InjectFault call, does not
+  it; on a loaded machine a figure can come out below 0): ``inject_to_pixel_p50_ms`` / ``_max_ms``, from the InjectFault call, does not
   depend on it;
 - ``agent_inject_to_etcd_p50_ms``: the baseline in the same run: the InjectFault RPC ->
   the agent's health write reaching the watcher; ``pixel_vs_agent_ratio`` = p50 over p50.
