@@ -15,6 +15,7 @@ refused at most ``ttl_s`` after its deletion.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import hmac
@@ -280,6 +281,19 @@ def _request_id(metadata) -> str:
     return audit.request_id()
 
 
+@contextlib.contextmanager
+def _as_caller(decide, refuse, request, context):
+    """Decide on ``request``: a refusal aborts the call; a caller is :data:`CALLER` inside."""
+    caller = decide(request)
+    if isinstance(caller, _Refusal):
+        refuse(context, caller)
+    reset = CALLER.set(caller)
+    try:
+        yield
+    finally:
+        CALLER.reset(reset)
+
+
 def _wrap_unary(handler: grpc.RpcMethodHandler, decide, refuse) -> grpc.RpcMethodHandler:
     """``handler`` with ``decide(request)`` first: a refusal aborts the call, a caller is
     set in :data:`CALLER` while the servicer runs."""
@@ -296,24 +310,12 @@ def _wrap_unary(handler: grpc.RpcMethodHandler, decide, refuse) -> grpc.RpcMetho
                 refuse(context, decide(None))
         elif attr == "unary_stream":
             def guarded(request, context, _behaviour=behaviour):
-                caller = decide(request)
-                if isinstance(caller, _Refusal):
-                    refuse(context, caller)
-                reset = CALLER.set(caller)
-                try:
+                with _as_caller(decide, refuse, request, context):
                     yield from _behaviour(request, context)
-                finally:
-                    CALLER.reset(reset)
         else:
             def guarded(request, context, _behaviour=behaviour):
-                caller = decide(request)
-                if isinstance(caller, _Refusal):
-                    refuse(context, caller)
-                reset = CALLER.set(caller)
-                try:
+                with _as_caller(decide, refuse, request, context):
                     return _behaviour(request, context)
-                finally:
-                    CALLER.reset(reset)
         return make(guarded, request_deserializer=handler.request_deserializer,
                     response_serializer=handler.response_serializer)
     return handler

@@ -94,6 +94,10 @@ class Served:
     def url(self) -> str:
         return self.app_server.url
 
+    def close(self) -> None:
+        self.http.close()
+        self.app_server.stop()
+
 
 def serve(etcd: Etcd, token_dir: Path, *, protect_reads: bool = False) -> Served:
     app_server = ServedApp(create_app(make_deps(etcd, token_dir, protect_reads=protect_reads))).start()
@@ -102,18 +106,18 @@ def serve(etcd: Etcd, token_dir: Path, *, protect_reads: bool = False) -> Served
 
 
 @contextmanager
-def served_api(base: Path, *, protect_reads: bool = False) -> Iterator[Served]:
+def served_api(base: Path, *, protect_reads: bool = False, write_tokens: bool = True) -> Iterator[Served]:
     """A fresh one-member etcd under ``base`` and the API served over it (token files in
-    ``base``); all of it stopped on exit."""
+    ``base``: this harness's, or with ``write_tokens=False`` the caller's); all of it
+    stopped on exit."""
     cluster = EtcdCluster(1, base / "etcd").start()
     etcd = Etcd(cluster.endpoints, timeout=2.0)
     try:
-        served = serve(etcd, write_token_file(base), protect_reads=protect_reads)
+        served = serve(etcd, write_token_file(base) if write_tokens else base, protect_reads=protect_reads)
         try:
             yield served
         finally:
-            served.http.close()
-            served.app_server.stop()
+            served.close()
     finally:
         etcd.close()
         cluster.stop()

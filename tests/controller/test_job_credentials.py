@@ -215,8 +215,7 @@ def test_operators_list_issue_and_revoke_credentials_over_rest(etcd, plane, tmp_
         clock.now += 1.0
         assert status_of(numkeys)[0] == grpc.StatusCode.UNAUTHENTICATED  # ...then refused
     finally:
-        http.close()
-        served.app_server.stop()
+        served.close()
 
 
 def test_tpflexctl_issues_lists_and_revokes_credentials(etcd, plane, tmp_path):
@@ -256,5 +255,4 @@ def test_tpflexctl_issues_lists_and_revokes_credentials(etcd, plane, tmp_path):
         missing = ctl("revoke-credential", "job-a", "spare")
         assert missing.returncode != 0 and "Traceback" not in missing.stderr
     finally:
-        served.http.close()
-        served.app_server.stop()
+        served.close()

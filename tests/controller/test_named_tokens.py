@@ -12,10 +12,8 @@ import pytest
 from tpflex_controller.api import TokenFileError, load_tokens
 from tpflex_controller.api.deps import Caller
 from tpflex_proto import codec, keys, types_pb2
-from tpflex_proto.etcd import Etcd
 
 from tests.controller import api_harness as h
-from tests.support.etcd_server import EtcdCluster
 
 ALICE = "alice-tok-5f1e2d3c4b"
 VIEWER = "viewer-tok-9a8b7c6d"
@@ -107,19 +105,9 @@ def api(tmp_path_factory):
     base = tmp_path_factory.mktemp("named-tokens")
     (base / "admin.tokens").write_text(ADMIN_FILE)
     (base / "readonly.tokens").write_text(READER_FILE)
-    cluster = EtcdCluster(1, base / "etcd").start()
-    etcd = Etcd(cluster.endpoints, timeout=2.0)
-    try:
-        served = h.serve(etcd, base)
+    with h.served_api(base, write_tokens=False) as served:
         h.seed(served.store)
-        try:
-            yield served
-        finally:
-            served.http.close()
-            served.app_server.stop()
-    finally:
-        etcd.close()
-        cluster.stop()
+        yield served
 
 
 @pytest.fixture

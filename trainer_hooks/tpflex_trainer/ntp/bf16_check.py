@@ -39,6 +39,7 @@ from tpflex_trainer.ntp.hf_selftest import (
     _local,
     _member_units,
     _reference,
+    full_grad,
     miniature_config,
 )
 from tpflex_trainer.ntp.local_group import local_groups, run_members
@@ -160,12 +161,7 @@ def ntp_losses(adapter, mini, degree: int, steps: int = STEPS, bf16: bool = True
             if not s.sharded:
                 grads[s.name] = sum(got[1:], got[0].clone()) if s.partial_grad else got[0]
                 continue
-            out = torch.zeros_like(masters[s.name])
-            r = s.unit_rows
-            for m, g in enumerate(got):
-                for pos, u in enumerate(members[m].get(s.family, ())):
-                    out[u * r:(u + 1) * r] += g[pos * r:(pos + 1) * r]
-            grads[s.name] = out
+            grads[s.name] = full_grad(s, masters[s.name], members, got)
         adam_step(state, grads, ADAM, decay=decay)
         losses.append(results[0][0])
     return losses

@@ -287,13 +287,20 @@ def _ntp_grads(adapter, state: dict, batch, degree: int, stages: int = 1,
                 if any(not torch.allclose(x, got[0], rtol=1e-6, atol=1e-9) for x in got[1:]):
                     split.append(s.name)
             continue
-        out = torch.zeros_like(full[s.name])
-        r = s.unit_rows
-        for m, g in enumerate(got):
-            for pos, u in enumerate(members[m].get(s.family, ())):
-                out[u * r:(u + 1) * r] += g[pos * r:(pos + 1) * r]
-        grads[s.name] = out
+        grads[s.name] = full_grad(s, full[s.name], members, got)
     return results[0][0], grads, split, acts
+
+
+def full_grad(spec, full: torch.Tensor, members: list[dict[str, tuple[int, ...]]],
+              got: list[torch.Tensor]) -> torch.Tensor:
+    """A sharded parameter's full canonical gradient from the members' local ones
+    (``got[m]``: member m's rows of its units, in unit order)."""
+    out = torch.zeros_like(full)
+    r = spec.unit_rows
+    for m, g in enumerate(got):
+        for pos, u in enumerate(members[m].get(spec.family, ())):
+            out[u * r:(u + 1) * r] += g[pos * r:(pos + 1) * r]
+    return out
 
 
 def _record_outputs(module, into: dict[str, torch.Tensor]) -> list:
