@@ -39,7 +39,9 @@ def test_drain_and_undrain_through_rest_change_and_restore_the_plan(etcd_server,
             assert drained.cause == "drain"
             assert [rp.tp_degree for rp in drained.replicas] == [4, 3]
             assert ("rack1-n00", 1) not in {(g.node, g.index) for s in drained.replicas[1].stages for g in s.gpus}
-            view = http.get("/v1/jobs/job1/plan").json()
+            # the leader wrote it, not this request: the REST child's view follows its watch
+            view = wait_until(lambda: (v := http.get("/v1/jobs/job1/plan").json())["generation"] == 2 and v,
+                              10, "the REST view of generation 2")
             assert view["generation"] == 2
 
             r = http.post("/v1/nodes/rack1-n00/gpus/1/undrain", headers=auth)
