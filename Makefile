@@ -33,7 +33,7 @@ $(STAMP): $(PYPROJECTS)
 	@# one resolution for everything; --no-compile: no byte-compiling of every installed
 	@# file (torch's thousands): Python compiles what is imported, once, on first import
 	$(PIP) install -q --no-compile -c constraints.txt torch -r tests/requirements.txt \
-	  -e 'proto[etcd,dev]' -e 'controller[sim]' -e agent -e 'trainer_hooks[demo]'
+	  -e 'proto[rpc,etcd,dev]' -e 'controller[sim]' -e agent -e 'trainer_hooks[demo]'
 	@touch $@
 
 proto: $(PROTO_OUT) ## generate protobuf/gRPC code from proto/tpflex_proto/*.proto

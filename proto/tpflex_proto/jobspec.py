@@ -1,7 +1,9 @@
 """Job specs for the nodes of an allocation, and what a model says about their units.
 
 Pure (protobuf and the standard library; no torch): ``deploy/slurm/make-job-spec.py``,
-``tpflexctl job-spec`` and the controller's checks use it. The unit counts themselves come
+``tpflexctl job-spec`` and the controller's checks use it. Importing it imports no
+protobuf (tpflexctl, whose distribution has none, imports it): :func:`build` and
+:func:`render` import the generated types and ``json_format`` when they are called. The unit counts themselves come
 from the trainer's model adapter (``tpflex_trainer.ntp.model_units``), the only place
 they are derived; this module carries them (:class:`types_pb2.ModelUnits`) and compares
 them with a spec's units (:func:`contradictions`).
@@ -20,10 +22,12 @@ import string
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from google.protobuf import json_format
+from tpflex_proto import keys
 
-from tpflex_proto import keys, types_pb2
+if TYPE_CHECKING:  # the generated code needs protobuf (tpflex-proto[rpc]): imported where used
+    from tpflex_proto import types_pb2
 
 MAX_GPUS_PER_NODE = 1024  # tpflex-run's bound on NVML indices (0..1023)
 NAME_RULE = "1-63 letters, digits, '.', '_' or '-', starting with a letter or digit"
@@ -161,6 +165,8 @@ def build(name: str, nodes: list[str], gpus_per_node: int, nodes_per_domain: int
     if min_tp > tp:
         raise ValueError(f"--min-tp: {min_tp} is above the base TP degree {tp}")
     replicas = domains // pp
+    from tpflex_proto import types_pb2  # protobuf: only where a spec is built
+
     try:
         spec = types_pb2.JobSpec(name=name, base_tp=tp, min_tp=min_tp, policy=policy, local_batch=local_batch,
                                  global_batch=local_batch * replicas)
@@ -210,6 +216,8 @@ def from_args(ns: argparse.Namespace, units: Mapping[str, int],
 def render(spec: types_pb2.JobSpec, fmt: str = "proto") -> str:
     """``proto``: protobuf JSON (camelCase, what ``load_spec`` and RegisterJob take);
     ``rest``: the REST body of PUT /v1/jobs/{job}/spec (snake_case, no name)."""
+    from google.protobuf import json_format
+
     if fmt == "proto":
         return json_format.MessageToJson(spec)
     body = json_format.MessageToDict(spec, preserving_proto_field_name=True,
@@ -234,7 +242,7 @@ def parse_units(text: str) -> dict[str, int]:
     return out
 
 
-Derive = Callable[..., types_pb2.ModelUnits]
+Derive = Callable[..., "types_pb2.ModelUnits"]
 
 
 def run(ns: argparse.Namespace, prog: str, load_derive: Callable[[], Derive]) -> int:
