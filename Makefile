@@ -7,7 +7,7 @@ PIP := $(BIN)/pip
 STAMP := $(VENV)/.tpflex-installed
 PROTO_SRC := $(wildcard proto/tpflex_proto/*.proto)
 PROTO_OUT := proto/tpflex_proto/types_pb2.py
-PYPROJECTS := proto/pyproject.toml controller/pyproject.toml agent/pyproject.toml trainer_hooks/pyproject.toml tests/requirements.txt constraints.txt
+PYPROJECTS := proto/pyproject.toml controller/pyproject.toml agent/pyproject.toml trainer_hooks/pyproject.toml cli/pyproject.toml tests/requirements.txt constraints.txt
 CHROMIUM := /usr/bin/chromium
 FAKE_NVML := agent/fake_nvml/build/libnvidia-ml.so.1
 PYTEST_ARGS ?=
@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 .PHONY: help install proto test demo bench lint fake-nvml clean screenshot
 
 DIST ?= dist
-COMPONENTS := proto controller agent trainer_hooks
+COMPONENTS := proto controller agent trainer_hooks cli
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -33,7 +33,10 @@ $(STAMP): $(PYPROJECTS)
 	@# one resolution for everything; --no-compile: no byte-compiling of every installed
 	@# file (torch's thousands): Python compiles what is imported, once, on first import
 	$(PIP) install -q --no-compile -c constraints.txt torch -r tests/requirements.txt \
-	  -e 'proto[rpc,etcd,dev]' -e 'controller[sim]' -e agent -e 'trainer_hooks[demo]'
+	  -e 'proto[rpc,etcd,dev]' -e 'controller[sim]' -e agent -e 'trainer_hooks[demo]' -e cli
+	@# a venv from before tpflex-cli (cli/): uninstalling the old controller, whose RECORD
+	@# lists bin/tpflexctl, can remove the script tpflex-cli wrote earlier in the same run
+	@test -x $(BIN)/tpflexctl || $(PIP) install -q --no-compile --no-deps --force-reinstall -e cli
 	@touch $@
 
 proto: $(PROTO_OUT) ## generate protobuf/gRPC code from proto/tpflex_proto/*.proto
@@ -44,7 +47,7 @@ $(PROTO_OUT): $(PROTO_SRC) | $(STAMP)
 	@touch $@
 
 .PHONY: dist
-dist: $(PROTO_OUT) ## build one wheel per component (proto, controller, agent, trainer_hooks) into dist/
+dist: $(PROTO_OUT) ## build one wheel per component (proto, controller, agent, trainer_hooks, cli) into dist/
 	rm -rf $(DIST) $(addsuffix /build,$(COMPONENTS))
 	$(PIP) wheel -q --no-deps --no-build-isolation -w $(DIST) $(addprefix ./,$(COMPONENTS))
 	rm -rf $(addsuffix /build,$(COMPONENTS))
@@ -83,7 +86,7 @@ screenshot: install ## the console screenshot of the README and docs/console.md 
 lint: install ## ruff and the import contracts (.importlinter; both pinned in tests/requirements.txt); .ci/run runs it before the tests
 	$(BIN)/ruff check --line-length 100 --target-version py311 \
 	  --select E,F,W,I,B,UP --ignore E501,B008 --exclude '*_pb2*.py' \
-	  proto controller agent trainer_hooks tests bench
+	  proto controller agent trainer_hooks cli tests bench
 	$(BIN)/lint-imports --config .importlinter --no-cache
 
 clean: ## remove the venv, generated code and build outputs

@@ -1,5 +1,5 @@
 """tpflex controller: etcd-backed cluster state, the NTP planner, leader election,
-the reconcile loop, the REST API, metrics, `tpflexctl` and `tpflex-sim`."""
+the reconcile loop, the REST API, metrics and `tpflex-sim` (`tpflexctl` is tpflex-cli, cli/)."""
 
 from importlib.metadata import PackageNotFoundError, version
 

@@ -1,5 +1,6 @@
 # syntax=docker/dockerfile:1
-# tpflex/controller: tpflex-controller (and tpflexctl) in a virtualenv, as user 10001.
+# tpflex/controller: tpflex-controller in a virtualenv, as user 10001 (tpflexctl is its own
+# wheel, tpflex_cli-*.whl: operators install it where they run it, docs/deploy.md).
 # Build from the repository root, after `make dist` put the wheels into dist/:
 #   make dist
 #   docker build -f deploy/docker/controller.Dockerfile -t tpflex/controller:0.1.0 .

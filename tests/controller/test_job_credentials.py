@@ -234,7 +234,7 @@ def test_tpflexctl_issues_lists_and_revokes_credentials(etcd, plane, tmp_path):
     served = h.serve(etcd, tmp_path)
 
     def ctl(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "tpflex_controller.cli", "--url", served.url,
+        return subprocess.run([sys.executable, "-m", "tpflex_cli", "--url", served.url,
                                "--token-file", str(token_file), *args], capture_output=True, text=True,
                               timeout=60)
     try:

@@ -235,7 +235,7 @@ def test_outcomes_request_ids_and_what_is_not_audited(api, audit):
 def test_tpflexctl_events_and_the_console_show_who():
     from pathlib import Path
 
-    from tpflex_controller import cli
+    from tpflex_cli import main as cli
 
     events = [{"seq": 7, "at": 1790000000.0, "kind": "plan_committed", "job": "llama", "generation": 3,
                "cause": "drain", "by": "alice", "reasons": [], "phases": []},

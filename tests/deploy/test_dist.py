@@ -16,6 +16,7 @@ PACKAGES = {
     "tpflex_controller": "controller",
     "tpflex_agent": "agent",
     "tpflex_trainer": "trainer_hooks",
+    "tpflex_cli": "cli",
 }
 
 
@@ -72,7 +73,7 @@ def test_wheels_declare_ranges_a_license_and_a_version_from_git(dist):
         with zipfile.ZipFile(wheel) as z:
             assert any(n.endswith("licenses/LICENSE") for n in z.namelist()), wheel.name
         versions.add(next(ln.split(":", 1)[1].strip() for ln in meta if ln.startswith("Version:")))
-    assert len(versions) == 1, versions  # the four components are released together
+    assert len(versions) == 1, versions  # the components are released together
     version = versions.pop()
     assert version not in ("0.0.0", "0+unknown"), version
     if describe.startswith("v") and "-" not in describe:  # on a tag: exactly its version

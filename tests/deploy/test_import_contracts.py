@@ -14,7 +14,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 LINT = Path(sys.executable).parent / "lint-imports"
 PACKAGES = {"tpflex_proto": "proto", "tpflex_controller": "controller", "tpflex_agent": "agent",
-            "tpflex_trainer": "trainer_hooks"}
+            "tpflex_trainer": "trainer_hooks", "tpflex_cli": "cli"}
 
 
 def _lint(pythonpath: Path | None = None) -> subprocess.CompletedProcess:

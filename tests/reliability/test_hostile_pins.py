@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from tpflex_controller import cli
+from tpflex_cli import main as cli
 
 from tests.agent.support import wait_until
 from tests.reliability.fleet import ADMIN, record

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tpflex_controller import cli
+from tpflex_cli import main as cli
 from tpflex_proto import codec, keys, types_pb2
 
 from tests.controller import api_harness as h

@@ -2,9 +2,9 @@
 
 Human tables by default, ``--json`` for the raw response. Exit codes: 0 ok; 2 usage
 errors and HTTP 4xx (the server's message is printed); 1 connection failures and 5xx;
-130 on Ctrl-C (how ``--watch`` ends). HTTP through httpx (``cli_http``), ``--cacert`` for
+130 on Ctrl-C (how ``--watch`` ends). HTTP through httpx (``tpflex_cli.client``), ``--cacert`` for
 a private CA, lists read page by page, ``--watch`` follows the console's live stream
-(``cli_watch``), ``tpflexctl completion bash|zsh`` prints a completion script.
+(``tpflex_cli.watch``), ``tpflexctl completion bash|zsh`` prints a completion script.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import time
 import urllib.parse
 from collections.abc import Callable, Sequence
 
-from tpflex_controller import cli_jobspec, cli_racks, cli_watch
-from tpflex_controller.cli_http import Client, CliError
+from tpflex_cli import jobspec, racks, watch
+from tpflex_cli.client import Client, CliError
 
 DEFAULT_URL = "http://127.0.0.1:8470"  # the controller's default rest.listen
 
 
-# ---- HTTP (cli_http) ----
+# ---- HTTP (tpflex_cli.client) ----
 
 
 def _read_token(path: str | None) -> str | None:
@@ -234,7 +234,7 @@ Command = Callable[[Client, argparse.Namespace], tuple[object, Callable[[object]
 
 def _run_plan(c: Client, a: argparse.Namespace):
     if a.watch:
-        return _watch(lambda: cli_watch.watch_plan(c, a.job, _render(a, show_plan), _out, cli_watch.print_err))
+        return _watch(lambda: watch.watch_plan(c, a.job, _render(a, show_plan), _out, watch.print_err))
     if a.history:
         return c.call("GET", f"/v1/jobs/{_q(a.job)}/plans", query={"limit": a.limit}), show_history
     return c.call("GET", f"/v1/jobs/{_q(a.job)}/plan"), show_plan
@@ -295,16 +295,16 @@ def _list(path: str, show, query: Callable[[argparse.Namespace], dict] = lambda 
 def _run_events(c: Client, a: argparse.Namespace):
     if a.watch:
         rows = (lambda evs, header=True: "\n".join(json.dumps(e) for e in evs)) if a.json else show_event_rows
-        return _watch(lambda: cli_watch.watch_events(c, a, rows, _out, cli_watch.print_err))
+        return _watch(lambda: watch.watch_events(c, a, rows, _out, watch.print_err))
     return c.call("GET", "/v1/events", query={"limit": a.limit, "job": a.job}), show_events
 
 
 def _run_racks(c: Client, a: argparse.Namespace):
-    """``racks`` alone or ``racks list``: the table; ``apply`` and ``propose`` (cli_racks)."""
+    """``racks`` alone or ``racks list``: the table; ``apply`` and ``propose`` (tpflex_cli.racks)."""
     if a.racks_command == "apply":
-        return cli_racks.apply(c, a), cli_racks.show_apply
+        return racks.apply(c, a), racks.show_apply
     if a.racks_command == "propose":
-        return cli_racks.propose(c, a), cli_racks.show_proposal
+        return racks.propose(c, a), racks.show_proposal
     return _list("/v1/racks", show_racks)(c, a)
 
 
@@ -440,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     rc = sub.add_parser("revoke-credential", help="revoke a trainer credential of a job (admin)")
     rc.add_argument("job")
     rc.add_argument("name")
-    cli_jobspec.add_parser(sub)  # no controller contacted
+    jobspec.add_parser(sub)  # no controller contacted
     return p
 
 
@@ -473,10 +473,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse printed the usage error (or --help)
         return exc.code if isinstance(exc.code, int) else 2
     if args.command == "completion":
-        print(cli_watch.completion(parser, args.shell))
+        print(watch.completion(parser, args.shell))
         return 0
-    if args.command == cli_jobspec.COMMAND:
-        return cli_jobspec.run(args)
+    if args.command == jobspec.COMMAND:
+        return jobspec.run(args)
     client = None
     try:
         client = Client(args.url, _read_token(args.token_file), args.timeout, args.cacert)

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tpflex_controller import cli
+from tpflex_cli import main as cli
 from tpflex_proto import keys
 
 from tests.controller import api_harness as h

@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 import uvicorn
-from tpflex_controller import cli, cli_http
+from tpflex_cli import client as cli_http
+from tpflex_cli import main as cli
 from tpflex_controller.api import create_app
 from tpflex_controller.api.cache import ApiStateCache
 from tpflex_controller.devtools.secure_etcd import CertSet, make_dev_certs

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from tpflex_proto import backoff
 
-from tpflex_controller.cli_http import Client, CliError, ProtocolError
+from tpflex_cli.client import Client, CliError, ProtocolError
 
 Printer = Callable[[str], None]
 

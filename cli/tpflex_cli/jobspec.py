@@ -6,7 +6,8 @@
 Reads the Hugging Face model directory's config.json (no weights) and derives the units
 exactly as the trainers' adapter does (``tpflex_trainer.ntp.model_units``: the model on the
 meta device, so it needs tpflex-trainer with torch and transformers where it runs,
-imported only by this command); the spec records them, with the config's digest and the
+imported only by this command; tpflex-cli alone has no protobuf either, which the trainer
+package brings); the spec records them, with the config's digest and the
 base TP they were derived at, in its ``model`` block, against which the controller checks
 the spec's units at RegisterJob and PUT /v1/jobs/{job}/spec. The same command as
 ``deploy/slurm/make-job-spec.py --model``; no controller is contacted. Exit 2, with the
@@ -16,6 +17,7 @@ reason and nothing printed, for a model the adapter refuses (MoE, ...) or a bad 
 from __future__ import annotations
 
 import argparse
+import sys
 
 from tpflex_proto import jobspec
 
@@ -32,14 +34,28 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+PROG = "tpflexctl job-spec"
+
+
+def _needs_trainer(exc: ImportError) -> str:
+    return (f"--model: job-spec needs tpflex-trainer (torch, transformers, protobuf) where it runs "
+            f"({exc}); run it on a training node, or deploy/slurm/make-job-spec.py there")
+
+
 def _load_derive():
     try:
         from tpflex_trainer.ntp.model_units import derive  # torch, transformers: only here
     except ImportError as exc:
-        raise ValueError(f"--model: job-spec needs tpflex-trainer (torch, transformers) where it runs "
-                         f"({exc}); run it on a training node, or deploy/slurm/make-job-spec.py there") from None
+        raise ValueError(_needs_trainer(exc)) from None
     return derive
 
 
 def run(args: argparse.Namespace) -> int:
-    return jobspec.run(args, "tpflexctl job-spec", _load_derive)
+    # tpflex-cli installs tpflex-proto without protobuf (tpflex-proto[rpc]), which building
+    # a spec needs; the trainer package brings it. Said before anything else is attempted.
+    try:
+        from tpflex_proto import types_pb2  # noqa: F401
+    except ImportError as exc:
+        print(f"{PROG}: error: {_needs_trainer(exc)}", file=sys.stderr)
+        return 2
+    return jobspec.run(args, PROG, _load_derive)

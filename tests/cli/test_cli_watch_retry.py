@@ -25,7 +25,7 @@ import time
 import pytest
 
 LAUNCH = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-          "from tpflex_controller.cli import main; sys.argv[0] = 'tpflexctl'; sys.exit(main())")
+          "from tpflex_cli.main import main; sys.argv[0] = 'tpflexctl'; sys.exit(main())")
 WINDOW_S = 2.0
 FLOOD = 30  # requests: the original tight loop reached this within a few hundredths of a second
 # the watch's back-off: Backoff(1.0, 10.0), each pause drawn from [half, all] of its step

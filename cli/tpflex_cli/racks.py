@@ -29,7 +29,7 @@ import urllib.parse
 
 import yaml
 
-from tpflex_controller.cli_http import Client, CliError
+from tpflex_cli.client import Client, CliError
 
 FIELDS = ("name", "domain_size", "power_budget_w", "gpu_tdp_w", "gpu_min_w", "gpu_max_w", "nodes",
           "gpus_per_node")
