@@ -235,6 +235,7 @@ def test_outcomes_request_ids_and_what_is_not_audited(api, audit):
 def test_tpflexctl_events_and_the_console_show_who():
     from pathlib import Path
 
+    import tpflex_controller
     from tpflex_cli import main as cli
 
     events = [{"seq": 7, "at": 1790000000.0, "kind": "plan_committed", "job": "llama", "generation": 3,
@@ -249,5 +250,5 @@ def test_tpflexctl_events_and_the_console_show_who():
             "power_caps": [], "suspended_pins": [], "reasons": []}
     assert "cause: drain by alice" in cli.show_plan(plan)
     # the console's decision list renders each event's "by" after its cause
-    js = (Path(cli.__file__).parent / "api/console/static/console.js").read_text()
+    js = (Path(tpflex_controller.__file__).parent / "api/console/static/console.js").read_text()
     assert '${e.cause || "-"}${e.by ? ` by ${e.by}` : ""}' in js
