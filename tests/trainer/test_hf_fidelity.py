@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 from torch import nn
-from tpflex_trainer.ntp import hf_selftest
+from tpflex_trainer.ntp import hf_miniature, hf_selftest
 from tpflex_trainer.ntp.errors import UnsupportedModelError
 from tpflex_trainer.ntp.hf_adapter import HfAdapter
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -136,8 +136,8 @@ def test_the_padding_row_gets_no_gradient_under_ntp():
     path's gradient of the padding row is zero, as HF's is, although the pad is looked up."""
     cfg = _small("llama", pad_token_id=7)
     ad = HfAdapter(cfg, 2)
-    model = hf_selftest._reference(hf_selftest.miniature_config(cfg), 0)
-    mini = HfAdapter(hf_selftest.miniature_config(cfg), 2, self_test=False)
+    model = hf_selftest._reference(hf_miniature.miniature_config(cfg), 0)
+    mini = HfAdapter(hf_miniature.miniature_config(cfg), 2, self_test=False)
     batch = hf_selftest._batch(model.config, 1)
     assert bool((batch[0] == 7).any())
     state = {k: v.detach() for k, v in model.state_dict().items()}

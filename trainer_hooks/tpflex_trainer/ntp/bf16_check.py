@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tpflex_trainer.ntp import dropout, hf_coverage
+from tpflex_trainer.ntp.hf_miniature import miniature_config
 from tpflex_trainer.ntp.hf_plan import attention_heads
 from tpflex_trainer.ntp.hf_selftest import (
     _batch,
@@ -40,7 +41,6 @@ from tpflex_trainer.ntp.hf_selftest import (
     _member_units,
     _reference,
     full_grad,
-    miniature_config,
 )
 from tpflex_trainer.ntp.local_group import local_groups, run_members
 from tpflex_trainer.ntp.optim import AdamSettings, adam_step

@@ -72,8 +72,8 @@ def _short(text: str, limit: int = 220) -> str:
 def classify(model_type: str, cls: str, config) -> Row:
     from tpflex_trainer.ntp.errors import NtpError
     from tpflex_trainer.ntp.hf_adapter import HfAdapter
-    from tpflex_trainer.ntp.hf_plan import MOE_STYLES, attention_heads, check_plan
-    from tpflex_trainer.ntp.hf_selftest import miniature_config
+    from tpflex_trainer.ntp.hf_miniature import miniature_config
+    from tpflex_trainer.ntp.hf_plan import MOE_REFUSAL, MOE_STYLES, attention_heads, check_plan
 
     moe = any(style in MOE_STYLES for style in config.base_model_tp_plan.values())
     try:
@@ -86,8 +86,8 @@ def classify(model_type: str, cls: str, config) -> Row:
                                                            f"({type(exc).__name__}: {exc})"))
     try:
         adapter = HfAdapter(mini, BASE_TP)
-    except NtpError as exc:
-        return Row(model_type, cls, moe, "refused", _short(exc))
+    except NtpError as exc:  # experts found in the modules (GPT-OSS: its plan names none) count as MoE
+        return Row(model_type, cls, moe or MOE_REFUSAL in str(exc), "refused", _short(exc))
     except Exception as exc:  # noqa: BLE001 - reported as an error row: a bug to fix
         return Row(model_type, cls, moe, "error", _short(f"{type(exc).__name__}: {exc}"))
     fid = adapter.fidelity
@@ -105,6 +105,8 @@ def classify(model_type: str, cls: str, config) -> Row:
         pp = "pipeline stages refused: " + _short(fid.pipeline, 120)
     else:
         pp = "pipeline stages exact"
+    if adapter.plan.source == "derived":  # HF's plan shards only the embedding
+        covered = "tpflex's plan from the module structure; " + covered
     return Row(model_type, cls, moe, "exact", f"{covered}; {pp}")
 
 
@@ -124,7 +126,7 @@ def markdown(rows: list[Row]) -> str:
     exact_dense = [r for r in dense if r.status == "exact"]
     lines = [
         f"transformers {transformers.__version__}: {len(rows)} causal LMs whose config has a `base_model_tp_plan`; "
-        f"{len(dense)} dense (no expert plan styles), of which **{len(exact_dense)} exact** and "
+        f"{len(dense)} dense (no experts), of which **{len(exact_dense)} exact** and "
         f"{len(dense) - len(exact_dense)} refused; {len(rows) - len(dense)} mixture-of-experts, refused. "
         f"Each built from a miniature of the family's default config (`HfAdapter`, base TP {BASE_TP}) and "
         "checked by the fidelity self-test.",

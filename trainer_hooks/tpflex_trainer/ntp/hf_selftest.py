@@ -14,7 +14,6 @@ the model; it refuses pipeline stages only (``SelfTestResult.pipeline``).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -28,7 +27,8 @@ import torch.nn.functional as F
 from tpflex_trainer.ntp import dropout
 from tpflex_trainer.ntp.config import REPLICATED, to_canonical
 from tpflex_trainer.ntp.errors import UnsupportedModelError
-from tpflex_trainer.ntp.hf_plan import ATTN, attention_heads, config_value
+from tpflex_trainer.ntp.hf_miniature import BATCH, SEQ, VOCAB, miniature_config
+from tpflex_trainer.ntp.hf_plan import ATTN, attention_heads
 from tpflex_trainer.ntp.layout import derived_units
 from tpflex_trainer.ntp.local_group import local_groups, run_members
 from tpflex_trainer.ntp.stages import stage_of
@@ -42,19 +42,6 @@ GRAD_TOL = 1e-4  # relative L2 per parameter (fp32 sums in another order: ~1e-7 
 STEPS = 2
 MAX_MINIATURE_PARAMS = 2_000_000  # the decoder miniatures have about 0.1 M
 SGD_LR = 0.5
-VOCAB, HIDDEN_PER_HEAD, FFN, SEQ, BATCH, LAYERS = 96, 8, 48, 12, 3, 2
-SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "max_position_embeddings")
-TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
-# a sub-config of another modality inside the causal LM's config (Phi-4-multimodal's vision
-# and audio encoders, which its causal LM builds): shrunk as well, so the miniature is small;
-# their parameters are replicated and take no part in a text forward
-SUB_SIZES = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_blocks": 1,
-             "num_attention_heads": 2, "num_key_value_heads": 2}
-# multi-head latent attention (DeepSeek-style, Youtu): its low ranks and head parts, shrunk
-# where the config sets them (a None rank keeps its meaning: no low-rank query)
-MLA_SIZES = {"kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": HIDDEN_PER_HEAD, "qk_nope_head_dim": 4,
-             "v_head_dim": HIDDEN_PER_HEAD, "qk_head_dim": HIDDEN_PER_HEAD + 4}
 
 
 @dataclass(frozen=True)
@@ -70,107 +57,6 @@ _LOCK = threading.Lock()
 
 def skipped() -> bool:
     return os.environ.get(SKIP_ENV, "") not in ("", "0")
-
-
-def _pick_layers(n: int, types: list | None) -> list[int]:
-    """Indices of the layers the miniature keeps: the first of each distinct layer type (in
-    order), then the next layers, up to ``LAYERS`` (at least)."""
-    keep: list[int] = []
-    if types:
-        seen = set()
-        for i, t in enumerate(types[:n]):
-            if repr(t) not in seen:
-                seen.add(repr(t))
-                keep.append(i)
-    for i in range(n):
-        if len(keep) >= LAYERS:
-            break
-        if i not in keep:
-            keep.append(i)
-    return sorted(keep)
-
-
-def _small_sub(field: str, value):
-    if not isinstance(value, int) or isinstance(value, bool):
-        return value
-    if field in SUB_SIZES:
-        return SUB_SIZES[field]
-    return 16 if "channel" in field else value
-
-
-def miniature_config(config, kv_heads: int = 4):
-    """The user's config with tiny sizes: ``kv_heads`` KV heads (fewer if it has fewer;
-    query heads per KV head up to 2, as in the model), head dim 8, 48 FFN columns, a
-    96-token vocabulary, 2 layers (one of each layer type), and every per-layer list cut to
-    the layers kept. Token ids (pad, bos, eos) are kept when inside the vocabulary, else
-    moved to its last ids (the padding row keeps its meaning). Everything else is the
-    user's."""
-    n_heads, n_kv = attention_heads(config)
-    kv = min(n_kv, kv_heads)
-    heads = kv * min(n_heads // n_kv, 2)
-    d = config.to_dict()
-    names = {v: k for k, v in getattr(type(config), "attribute_map", {}).items()}  # standard -> stored
-
-    def key(std: str) -> str:
-        return std if std in d else names.get(std, std)
-
-    n_layers = int(config.num_hidden_layers)
-    keep = _pick_layers(n_layers, d.get("layer_types"))
-    sizes = {key(f) for f in SIZE_FIELDS}
-    for k, value in list(d.items()):
-        if isinstance(value, list) and len(value) == n_layers and k not in sizes:
-            d[k] = [value[i] for i in keep]
-    small = dict(vocab_size=VOCAB, hidden_size=heads * HIDDEN_PER_HEAD, intermediate_size=FFN,
-                 num_hidden_layers=len(keep), num_attention_heads=heads, num_key_value_heads=kv,
-                 max_position_embeddings=64)
-    if "head_dim" in d or config_value(config, "head_dim") is not None:
-        small["head_dim"] = HIDDEN_PER_HEAD  # also where the config leaves it None (Ministral's default)
-    rotary = d.get("rotary_dim")
-    if isinstance(rotary, int) and not isinstance(rotary, bool) and rotary > 0:
-        # GPT-J / CodeGen rotate the first rotary_dim of each head: the same fraction of the
-        # miniature's head (at least one pair, partial where the model's is partial)
-        full = int(config.hidden_size) // n_heads
-        frac = min(rotary / full, 1.0) if full else 1.0
-        small["rotary_dim"] = HIDDEN_PER_HEAD if frac >= 1 else min(max(2, 2 * round(frac * HIDDEN_PER_HEAD / 2)),
-                                                                     HIDDEN_PER_HEAD - 2)
-    for k, value in MLA_SIZES.items():
-        if isinstance(d.get(k), int) and not isinstance(d.get(k), bool):
-            small[k] = value
-    for std, value in small.items():
-        d[key(std)] = value
-    for sub in getattr(type(config), "sub_configs", {}) or {}:
-        if isinstance(d.get(sub), dict):
-            d[sub] = {k: _small_sub(k, v) for k, v in d[sub].items()}
-    for i, k in enumerate(TOKEN_FIELDS):
-        value = d.get(k)
-        if isinstance(value, int) and not 0 <= value < VOCAB:
-            d[k] = VOCAB - 1 - i
-        elif isinstance(value, list):
-            d[k] = [v if 0 <= v < VOCAB else VOCAB - 1 - i for v in value]
-    if isinstance(d.get("sliding_window"), int) and d["sliding_window"] > 0:
-        d["sliding_window"] = min(d["sliding_window"], SEQ // 2)  # the window is reached
-    per_layer = d.get("per_layer_config")
-    if isinstance(per_layer, dict) and per_layer:
-        # a heterogeneous config (Gemma 4: wider heads on its full-attention layers): the kept
-        # layers' overrides, re-indexed, their head dims scaled like the global one
-        full_hd = getattr(config, "__dict__", {}).get("head_dim")
-        over = {int(i): dict(v) for i, v in per_layer.items() if isinstance(v, dict)}
-        new = {}
-        for j, i in enumerate(keep):
-            if i in over:
-                o = over[i]
-                if isinstance(o.get("head_dim"), int) and isinstance(full_hd, int) and full_hd > 0:
-                    o["head_dim"] = max(2, o["head_dim"] * HIDDEN_PER_HEAD // full_hd)
-                new[j] = o
-        d["per_layer_config"] = new
-    for k in ("dtype", "torch_dtype", "base_model_tp_plan", "base_model_pp_plan"):
-        d.pop(k, None)
-    mini = type(config).from_dict(d)
-    impl = getattr(config, "_attn_implementation_internal", None)
-    if impl:
-        mini._attn_implementation = impl
-    mini.base_model_tp_plan = copy.deepcopy(config.base_model_tp_plan)
-    return mini
 
 
 def _reference(config, seed: int):
