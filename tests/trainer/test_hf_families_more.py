@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tpflex_trainer.ntp import hf_layers, hf_plan, hf_selftest
+from tpflex_trainer.ntp import hf_layers, hf_miniature, hf_plan, hf_selftest
 from tpflex_trainer.ntp.errors import UnsupportedModelError
 from tpflex_trainer.ntp.hf_adapter import HfAdapter
 from transformers import AutoConfig
@@ -90,14 +90,11 @@ def test_gpt_neox_read_as_blocked_q_k_v_is_refused(monkeypatch):
 @pytest.mark.parametrize("family", ["ministral", "hunyuan_v1_dense"])
 def test_a_config_that_leaves_head_dim_none_builds(family):
     """Ministral's and HunYuan's default configs leave head_dim None (their models then
-    fail to build): the miniature sets it; HunYuan's plan shards only the embedding."""
-    mini = hf_selftest.miniature_config(AutoConfig.for_model(family))
-    assert mini.head_dim == hf_selftest.HIDDEN_PER_HEAD
-    if family == "ministral":
-        _passes(mini, 2)
-    else:
-        with pytest.raises(UnsupportedModelError, match="only the embedding"):
-            HfAdapter(mini, 2)
+    fail to build): the miniature sets it. HunYuan's plan shards only the embedding: tpflex
+    derives one from its modules (``hf_derived_plan``)."""
+    mini = hf_miniature.miniature_config(AutoConfig.for_model(family))
+    assert mini.head_dim == hf_miniature.HIDDEN_PER_HEAD
+    assert _passes(mini, 2).plan.source == ("hf" if family == "ministral" else "derived")
 
 
 @pytest.mark.parametrize("base_tp", [2, 5])
@@ -147,7 +144,7 @@ def test_qwen3_5_gated_query_and_gathered_linear_attention():
     """Qwen 3.5: full-attention layers with a gated query (each head's query rows then its
     gate rows: a unit's rows contiguous) and linear-attention layers whose every projection
     gathers its output (``colwise_gather_output``, out_proj included): those run replicated."""
-    mini = hf_selftest.miniature_config(AutoConfig.for_model("qwen3_5_text"))
+    mini = hf_miniature.miniature_config(AutoConfig.for_model("qwen3_5_text"))
     ad = _passes(mini, 2)
     specs = {s.name: s for s in ad.specs}
     q = next(s for n, s in specs.items() if n.endswith("self_attn.q_proj.weight"))
@@ -159,7 +156,7 @@ def test_gemma4_unified_per_layer_head_dims():
     """Gemma 4 (unified): a heterogeneous config whose full-attention layers have wider heads
     (``per_layer_config``): the miniature keeps the kept layers' overrides, and each
     attention block's units take its own head size."""
-    mini = hf_selftest.miniature_config(AutoConfig.for_model("gemma4_unified_text"))
+    mini = hf_miniature.miniature_config(AutoConfig.for_model("gemma4_unified_text"))
     ad = _passes_tp(mini, 3)
     rows = {s.name.split("layers.")[1]: s.unit_rows for s in ad.specs if s.name.endswith("k_proj.weight")}
     assert sorted(rows.values()) == [8, 16]  # one KV head's rows: 8 (sliding), 16 (full attention)

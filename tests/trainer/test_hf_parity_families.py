@@ -80,3 +80,13 @@ def test_olmo2_whole_projection_qk_norm(tmp_path):
     replica's TP members) through the degree changes."""
     model = make_model_dir(tmp_path / "olmo2", "olmo2", heads=8, kv=4)
     _run(tmp_path, model, make_data(tmp_path / "tokens.npy"))
+
+
+def test_falcon_h1_derived_plan_with_a_replicated_mamba_mixer(tmp_path):
+    """Falcon-H1: HF's plan shards only the embedding, so tpflex derives one from its
+    modules (attention and MLP column/row-parallel); every layer's Mamba-2 mixer is not
+    planned and runs whole on every member, on the same inputs (its gradient is the same
+    on each, not summed)."""
+    model = make_model_dir(tmp_path / "falcon_h1", "falcon_h1", heads=8, kv=4, mamba_n_heads=8, mamba_d_head=8,
+                           mamba_d_ssm=64, mamba_d_state=8, mamba_chunk_size=4, mamba_expand=2)
+    _run(tmp_path, model, make_data(tmp_path / "tokens.npy"))

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from tpflex_trainer.ntp import hf_derived_plan
 from tpflex_trainer.ntp.config import REPLICATED, ParamSpec
 from tpflex_trainer.ntp.errors import LayoutError, UnsupportedModelError
+from tpflex_trainer.ntp.hf_derived_plan import MOE_REFUSAL
 from tpflex_trainer.ntp.layout import Derived
 
 STYLES = ("colwise", "rowwise", "replicated_with_grad_allreduce", "colwise_gather_output", "rowwise_split_input",
@@ -94,6 +96,9 @@ class HfPlan:
     # per-head parameters of attention modules that the plan shards (Granite-SWA's sinks):
     # sharded with the attention units, one entry per query head
     head_params: frozenset = frozenset()
+    # "hf": the config's base_model_tp_plan; "derived": tpflex's, from the module structure
+    # (``hf_derived_plan``: the config's plan shards only the embedding)
+    source: str = "hf"
 
 
 def check_base_tp(base_tp: int) -> None:
@@ -201,23 +206,22 @@ def check_experts(config) -> None:
     plan = dict(getattr(config, "base_model_tp_plan", None) or {})
     experts = sorted({f"{k}: {v}" for k, v in plan.items() if v in MOE_STYLES})
     if experts:
-        raise UnsupportedModelError(f"{type(config).__name__}: a mixture-of-experts model (tp plan {experts[:2]}): "
+        raise UnsupportedModelError(f"{type(config).__name__}: {MOE_REFUSAL} (tp plan {experts[:2]}): "
                                     "expert layers are not supported under NTP yet")
 
 
 def _embedding_only(config) -> None:
     raise UnsupportedModelError(f"{type(config).__name__}: its tp plan shards only the embedding, so every "
-                                "member would hold and run the whole decoder: no tensor parallelism for NTP to "
-                                "keep (train it data-parallel)")
+                                "member would hold and run the whole decoder, and tpflex found no attention or "
+                                "MLP block to shard in it: no tensor parallelism for NTP to keep (train it "
+                                "data-parallel)")
 
 
 def check_plan(config) -> None:
-    """What the config alone refuses, before any model is built: a mixture-of-experts plan,
-    a plan with one entry only, an embedding style (the adapter refuses both)."""
+    """What the config alone refuses, before any model is built: a mixture-of-experts plan.
+    A plan that shards only the embedding is left to the adapter, which derives one from
+    the decoder's modules (``hf_derived_plan``) or refuses the model."""
     check_experts(config)
-    plan = dict(getattr(config, "base_model_tp_plan", None) or {})
-    if len(plan) == 1 and "." not in next(iter(plan)) and next(iter(plan.values())) in EMBEDDING_STYLES:
-        _embedding_only(config)
 
 
 def config_value(config, name: str):
@@ -256,8 +260,14 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
             raise UnsupportedModelError(f"tp plan style {plan[embed_name]!r} of {embed_name!r} is not "
                                         f"supported (supported: {', '.join(EMBEDDING_STYLES)})")
         del plan[embed_name]  # vocab-parallel below, whatever the plan says
+    source = "hf"
     if not plan:
-        _embedding_only(config)
+        n_heads, _ = attention_heads(config)
+        plan = hf_derived_plan.derive(base, config, int(config_value(config, "head_dim")
+                                                         or config.hidden_size // n_heads), _is_attention)
+        if not plan:
+            _embedding_only(config)
+        source = "derived"
     layers_name = _layer_list(base, plan)
     norm_name = _final_norm(base, {embed_name, layers_name}) if layers_name else None
     plan = {k: v for k, v in plan.items() if v != LOCAL_PARAMS}
@@ -334,7 +344,7 @@ def analyse(model: nn.Module, config, base_tp: int) -> HfPlan:
     derived = {KV: Derived(ATTN, n_heads // n_kv)} if head_units else {}
     return HfPlan(specs, counts, derived, roles, blocks, head_units, n_heads, n_kv, head_dim,
                   vocab // counts[VOCAB], tied, prefix, embed_name, layers_name, norm_name, head_name, mp_blocks,
-                  frozenset(head_params))
+                  frozenset(head_params), source)
 
 
 def _try(fn):
@@ -430,13 +440,15 @@ def _block_roles(parent, by_style, modules, attn, head_units, n_heads, n_kv, hea
             roles[n] = Role("column", ATTN, per_head=head_dim)
         elif out == n_kv * head_dim:
             roles[n] = Role("kv", KV if head_units else ATTN, per_head=head_dim)
+        elif out == n_heads:
+            roles[n] = Role("column", ATTN, per_head=1)  # one gate per query head (LFM3's g_proj)
         elif out == (n_heads + 2 * n_kv) * head_dim and not head_units:
             # fused q, k, v (Phi-3's qkv_proj): a unit is a KV group's query rows, K rows, V rows
             roles[n] = Role("column", ATTN, chunk_rows=((n_heads // n_kv) * head_dim, head_dim, head_dim))
         else:
             raise UnsupportedModelError(f"{n} has {out} outputs: neither query heads, KV heads nor fused q/k/v "
                                         "by KV group (fused q/k/v above the KV heads is not supported)")
-    if sum(1 for n in cols if roles[n].kind == "column") != 1 and n_heads != n_kv:
+    if sum(1 for n in cols if roles[n].kind == "column" and roles[n].per_head != 1) != 1 and n_heads != n_kv:
         raise UnsupportedModelError(f"block {parent} needs exactly one query projection")
     roles[rows[0]] = Role("row", ATTN)
     roles.update(_projection_norms(parent, modules, roles, cols, head_units, head_dim))
